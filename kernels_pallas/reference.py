@@ -1,0 +1,135 @@
+"""Pure-JAX definitions of paged attention: gather the pages, then attend.
+
+These are the oracles the Pallas kernels are tested against and the attention
+backend used on CPU. KV cache layout (one layer):
+
+    k_cache, v_cache: [num_kv_heads, num_blocks, block_size, head_dim]
+
+Flat slot `s` is block `s // block_size`, offset `s % block_size`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+DEFAULT_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def write_kv_reference(
+    k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Scatter new K/V into the cache.
+
+    k_cache, v_cache: [Hkv, num_blocks, block_size, D]
+    k, v:             [T, Hkv, D]
+    slot_mapping:     int32 [T]
+    returns the updated (k_cache, v_cache).
+    """
+    num_kv_heads, num_blocks, block_size, head_dim = k_cache.shape
+    flat = (num_kv_heads, num_blocks * block_size, head_dim)
+
+    def scatter(cache, new):
+        cache = cache.reshape(flat).at[:, slot_mapping].set(new.swapaxes(0, 1).astype(cache.dtype))
+        return cache.reshape(k_cache.shape)
+
+    return scatter(k_cache, k), scatter(v_cache, v)
+
+
+def _gather_sequence(cache: jax.Array, block_table: jax.Array) -> jax.Array:
+    """cache [Hkv, N, bs, D], block_table [max_blocks] -> [Hkv, max_blocks * bs, D]."""
+    pages = cache[:, block_table]
+    return pages.reshape(cache.shape[0], -1, cache.shape[-1])
+
+
+def _attend(q, k, v, mask, scale, soft_cap):
+    """q [Q, Hq, D], k/v [Hkv, S, D], mask [Q, S] -> [Q, Hq, D] (f32 math)."""
+    num_q_heads, num_kv_heads = q.shape[1], k.shape[0]
+    group = num_q_heads // num_kv_heads
+    qg = q.astype(jnp.float32).reshape(q.shape[0], num_kv_heads, group, q.shape[-1])
+    scores = jnp.einsum("qhgd,hsd->hgqs", qg, k.astype(jnp.float32)) * scale
+    if soft_cap is not None:
+        scores = soft_cap * jnp.tanh(scores / soft_cap)
+    scores = jnp.where(mask[None, None], scores, DEFAULT_MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1)
+    probs = jnp.where(mask.any(-1)[None, None, :, None], probs, 0.0)
+    out = jnp.einsum("hgqs,hsd->qhgd", probs, v.astype(jnp.float32))
+    return out.reshape(q.shape)
+
+
+@functools.partial(jax.jit, static_argnames=("soft_cap",))
+def paged_decode_attention_reference(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    block_tables: jax.Array,
+    context_lens: jax.Array,
+    *,
+    scale: float | None = None,
+    soft_cap: float | None = None,
+) -> jax.Array:
+    """One query token per sequence.
+
+    q:            [B, Hq, D]   (Hq a multiple of Hkv)
+    k/v_cache:    [Hkv, num_blocks, block_size, D]
+    block_tables: int32 [B, max_blocks]
+    context_lens: int32 [B]    0 for padding rows (their output is 0)
+    returns       [B, Hq, D] in q.dtype.
+    """
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+
+    def one(q_row, table, length):
+        k = _gather_sequence(k_cache, table)
+        v = _gather_sequence(v_cache, table)
+        mask = (jnp.arange(k.shape[1]) < length)[None, :]
+        return _attend(q_row[None], k, v, mask, scale, soft_cap)[0]
+
+    return jax.vmap(one)(q, block_tables, context_lens).astype(q.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("soft_cap",))
+def ragged_paged_attention_reference(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    block_tables: jax.Array,
+    context_lens: jax.Array,
+    query_start_loc: jax.Array,
+    *,
+    scale: float | None = None,
+    soft_cap: float | None = None,
+) -> jax.Array:
+    """Causal attention for a flat run of new tokens from several sequences.
+
+    Sequence i owns tokens query_start_loc[i]:query_start_loc[i+1] of q; they
+    sit at the last q_len positions of its context_lens[i] cached tokens (their
+    K/V are already written) and each attends to every cached position up to
+    its own.
+
+    q:               [T, Hq, D]
+    k/v_cache:       [Hkv, num_blocks, block_size, D]
+    block_tables:    int32 [B, max_blocks]
+    context_lens:    int32 [B]
+    query_start_loc: int32 [B + 1]
+    returns          [T, Hq, D] in q.dtype; tokens owned by no sequence get 0.
+    """
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    num_tokens = q.shape[0]
+    token_ids = jnp.arange(num_tokens)
+    # Owner sequence of each token, and its position within that sequence.
+    owner = jnp.searchsorted(query_start_loc, token_ids, side="right") - 1
+    owner = jnp.clip(owner, 0, context_lens.shape[0] - 1)
+    owned = (token_ids >= query_start_loc[owner]) & (token_ids < query_start_loc[owner + 1])
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    q_pos = context_lens[owner] - q_lens[owner] + (token_ids - query_start_loc[owner])
+
+    def one(q_row, table, pos, valid):
+        k = _gather_sequence(k_cache, table)
+        v = _gather_sequence(v_cache, table)
+        mask = ((jnp.arange(k.shape[1]) <= pos) & valid)[None, :]
+        return _attend(q_row[None], k, v, mask, scale, soft_cap)[0]
+
+    out = jax.vmap(one)(q, block_tables[owner], q_pos, owned)
+    return out.astype(q.dtype)
