@@ -56,6 +56,15 @@ class Sequence:
             return self.prompt_token_ids[index]
         return self.output_token_ids[index - num_prompt]
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens at positions start..end-1 without building the full list."""
+        num_prompt = len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : end - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
+
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self) - self.num_computed_tokens
