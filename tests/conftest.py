@@ -1,0 +1,140 @@
+"""Shared fixtures: tiny random Hugging Face models on disk and a paged-cache step builder.
+
+The tiny models are written by transformers itself (the oracle), so loading them
+exercises the same files a user would hand to jpaged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+from jpaged.attention_metadata import AttentionMetadata
+
+TINY_MERGES = [("t", "h"), ("th", "e"), ("Ġ", "th"), ("i", "n"), ("e", "r"), ("Ġ", "a")]
+END_OF_TEXT = "<|endoftext|>"
+TINY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+
+
+def tiny_tokenizer() -> transformers.PreTrainedTokenizerBase:
+    """Byte-level BPE: 256 byte tokens, a few merges, and <|endoftext|> (263 tokens)."""
+    pieces = list(bytes_to_unicode().values()) + ["".join(m) for m in TINY_MERGES] + [END_OF_TEXT]
+    vocab = {piece: index for index, piece in enumerate(pieces)}
+    return transformers.GPT2Tokenizer(vocab=vocab, merges=TINY_MERGES, unk_token=END_OF_TEXT,
+                                      bos_token=END_OF_TEXT, eos_token=END_OF_TEXT)
+
+
+def randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Give every parameter, biases and norm weights included, a random value, so that
+    each of them changes the logits (transformers initializes biases to 0, norms to 1)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            param.copy_(1 + 0.1 * noise if "norm" in name else 0.08 * noise)
+    return model.eval()
+
+
+def _save(model, tokenizer, directory: Path, **save_kwargs) -> Path:
+    model.save_pretrained(directory, **save_kwargs)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    """Untied Llama 3 style model with llama3 RoPE scaling, saved as sharded safetensors."""
+    tokenizer = tiny_tokenizer()
+    config = transformers.LlamaConfig(
+        vocab_size=len(tokenizer), **TINY_SHAPE, tie_word_embeddings=False,
+        rope_scaling={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 4.0,
+                      "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 32},
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+    )
+    model = randomize(transformers.LlamaForCausalLM(config), seed=0)
+    return _save(model, tokenizer, tmp_path_factory.mktemp("tiny_llama"), max_shard_size="100KB")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory) -> Path:
+    """Qwen2 model with q/k/v biases and tied embeddings, saved as one safetensors file."""
+    tokenizer = tiny_tokenizer()
+    config = transformers.Qwen2Config(
+        vocab_size=len(tokenizer), **TINY_SHAPE, tie_word_embeddings=True,
+        rope_theta=1e6, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+    )
+    model = randomize(transformers.Qwen2ForCausalLM(config), seed=1)
+    return _save(model, tokenizer, tmp_path_factory.mktemp("tiny_qwen2"))
+
+
+@pytest.fixture(params=["tiny_llama_dir", "tiny_qwen2_dir"])
+def tiny_model_dir(request) -> Path:
+    return request.getfixturevalue(request.param)
+
+
+@dataclass
+class PagedCacheBook:
+    """Host-side block tables for tests: every sequence takes its blocks in the order of a
+    random permutation of the pool (block 0 stays the null block), so logically adjacent
+    blocks are physically scattered.
+    """
+
+    block_size: int
+    num_blocks: int
+    max_blocks_per_seq: int
+    seed: int = 0
+    tables: dict[int, list[int]] = field(default_factory=dict)
+    lengths: dict[int, int] = field(default_factory=dict)
+    free: list[int] = field(init=False)
+
+    def __post_init__(self):
+        rng = np.random.default_rng(self.seed)
+        self.free = [int(b) for b in rng.permutation(np.arange(1, self.num_blocks))]
+
+    def step(
+        self, chunks: list[tuple[int, list[int]]], num_tokens: int, num_seqs: int
+    ) -> tuple[np.ndarray, AttentionMetadata]:
+        """Append each (seq_id, new_tokens) chunk to its sequence; padded to num_tokens tokens
+        and num_seqs sequences. Returns (input_ids int32 [num_tokens], metadata)."""
+        assert sum(len(t) for _, t in chunks) <= num_tokens and len(chunks) <= num_seqs
+        ids, slots, positions, context_lens, starts = [], [], [], [], [0]
+        tables = np.zeros((num_seqs, self.max_blocks_per_seq), np.int32)
+        for row, (seq_id, tokens) in enumerate(chunks):
+            start = self.lengths.get(seq_id, 0)
+            table = self.tables.setdefault(seq_id, [])
+            for pos in range(start, start + len(tokens)):
+                block, offset = divmod(pos, self.block_size)
+                if block == len(table):
+                    table.append(self.free.pop())
+                slots.append(table[block] * self.block_size + offset)
+                positions.append(pos)
+            self.lengths[seq_id] = start + len(tokens)
+            ids += tokens
+            context_lens.append(self.lengths[seq_id])
+            starts.append(starts[-1] + len(tokens))
+            tables[row, : len(table)] = table
+        logits_indices = [end - 1 for end in starts[1:]]
+        padding = num_tokens - len(ids)
+        pad_seqs = num_seqs - len(chunks)
+        metadata = AttentionMetadata(
+            slot_mapping=np.array(slots + [i % self.block_size for i in range(padding)], np.int32),
+            positions=np.array(positions + [0] * padding, np.int32),
+            block_tables=tables,
+            context_lens=np.array(context_lens + [0] * pad_seqs, np.int32),
+            query_start_loc=np.array(starts + [starts[-1]] * pad_seqs, np.int32),
+            logits_indices=np.array(logits_indices + [0] * pad_seqs, np.int32),
+        )
+        return np.array(ids + [0] * padding, np.int32), metadata
+
+
+@pytest.fixture
+def paged_cache_book():
+    return PagedCacheBook
