@@ -25,7 +25,9 @@ class CacheConfig:
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_blocks < 2:
-            raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {self.num_blocks}")
+            raise ValueError(
+                f"num_blocks must be >= 2 (block 0 is reserved), got {self.num_blocks}"
+            )
         if self.num_host_blocks < 0:
             raise ValueError(f"num_host_blocks must be >= 0, got {self.num_host_blocks}")
         if not 0.0 <= self.watermark < 1.0:
