@@ -1,0 +1,97 @@
+"""Command line: `python -m jpaged generate "prompt"` and `python -m jpaged chat`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from jpaged.llm import LLM
+from jpaged.sampling_params import SamplingParams
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m jpaged", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    generate = commands.add_parser("generate", help="answer one or more prompts and exit")
+    generate.add_argument("prompts", nargs="+", help="prompts, run as one batch")
+    generate.add_argument("--raw", action="store_true",
+                          help="send the prompts as plain text, not through the chat template")
+    generate.add_argument("--stats", action="store_true", help="print the run's statistics as JSON")
+    chat = commands.add_parser("chat", help="talk to the model; an empty line or Ctrl-D quits")
+    chat.add_argument("--system", default=None, help="a system message")
+    for sub in (generate, chat):
+        sub.add_argument("--model", default="smollm2",
+                         help="'smollm2', a Hugging Face model directory or a .gguf file")
+        sub.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+        sub.add_argument("--max-tokens", type=int, default=128)
+        sub.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+        sub.add_argument("--top-p", type=float, default=1.0)
+        sub.add_argument("--top-k", type=int, default=0)
+        sub.add_argument("--seed", type=int, default=None)
+        sub.add_argument("--block-size", type=int, default=16)
+        sub.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
+                         help="KV cache budget in GiB (default: a fraction of free memory)")
+        sub.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks")
+        sub.add_argument("--max-model-len", type=int, default=None)
+        sub.add_argument("--attention-backend", choices=["pallas", "reference"], default=None)
+    return parser
+
+
+def _llm(args: argparse.Namespace) -> LLM:
+    memory = None if args.kv_cache_memory is None else int(args.kv_cache_memory * 2**30)
+    return LLM(args.model, dtype=args.dtype, block_size=args.block_size, num_blocks=args.num_blocks,
+               kv_cache_memory=memory, max_model_len=args.max_model_len,
+               attention_backend=args.attention_backend)
+
+
+def _sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                          seed=args.seed, max_tokens=args.max_tokens)
+
+
+def _generate(llm: LLM, args: argparse.Namespace) -> None:
+    prompts = args.prompts if args.raw else [[{"role": "user", "content": p}] for p in args.prompts]
+    outputs = llm.generate(prompts, _sampling_params(args))
+    for prompt, output in zip(args.prompts, outputs, strict=True):
+        if len(outputs) > 1:
+            print(f"### {prompt}")
+        print(output.outputs[0].text.strip())
+    if args.stats:
+        print(json.dumps(llm.engine.stats.summary(), indent=2))
+
+
+def _chat(llm: LLM, args: argparse.Namespace) -> None:
+    history = [{"role": "system", "content": args.system}] if args.system else []
+    params = _sampling_params(args)
+    while True:
+        try:
+            line = input("you> ").strip()
+        except EOFError:
+            break
+        if not line:
+            break
+        history.append({"role": "user", "content": line})
+        reply = llm.chat(history, params)[0].outputs[0].text.strip()
+        history.append({"role": "assistant", "content": reply})
+        print(f"model> {reply}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("jpaged: %(message)s"))
+    logging.getLogger("jpaged").addHandler(handler)
+    logging.getLogger("jpaged").setLevel(logging.INFO)
+    try:
+        llm = _llm(args)
+        (_generate if args.command == "generate" else _chat)(llm, args)
+    except (ValueError, TypeError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

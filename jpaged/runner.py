@@ -1,0 +1,192 @@
+"""ModelRunner: the jit-compiled device step and the KV cache it owns.
+
+One step is `forward(params, kv_caches, input_ids, metadata) -> (logits, kv_caches)`
+with the cache donated, so XLA writes new K/V in place. Every array the step
+takes is padded to power-of-two buckets by the batch builder; the runner adds
+nothing but a switch between decode-only steps (one token per sequence: the
+paged decode kernel) and mixed steps (the ragged kernel). Block copies for
+copy-on-write and swaps to and from a host pool run as small separate jitted
+functions before the step, so they never multiply the step's shapes.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import kernels_pallas
+from jpaged.allocator import BlockOps
+from jpaged.attention_metadata import AttentionMetadata
+from jpaged.model import LlamaConfig, LlamaForCausalLM, forward, init_kv_caches
+from kernels_pallas.reference import (
+    paged_decode_attention_reference,
+    ragged_paged_attention_reference,
+    write_kv_reference,
+)
+
+AttentionBackend = Literal["pallas", "reference"]
+KVCaches = list[tuple[jax.Array, jax.Array]]
+
+
+def default_attention_backend() -> AttentionBackend:
+    """Pallas kernels on accelerators; the pure-JAX reference on CPU, where
+    Pallas only runs in (slow) interpret mode."""
+    return "reference" if jax.default_backend() == "cpu" else "pallas"
+
+
+def _decode_as_ragged(decode_fn):
+    """Adapt a decode kernel ([B, Hq, D] queries) to the ragged signature.
+
+    In a decode-only step token i belongs to sequence i, so the first B query
+    rows are the decode queries; rows past B (token padding) get zeros.
+    """
+
+    def attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, *, scale):
+        num_tokens, num_seqs = q.shape[0], context_lens.shape[0]
+        rows = jnp.zeros((num_seqs, *q.shape[1:]), q.dtype).at[: min(num_tokens, num_seqs)].set(
+            q[:num_seqs]
+        )
+        out = decode_fn(rows, k_cache, v_cache, block_tables, context_lens, scale=scale)
+        return jnp.zeros_like(q).at[: min(num_tokens, num_seqs)].set(out[:num_tokens])
+
+    return attention
+
+
+def attention_functions(backend: AttentionBackend, interpret: bool = False):
+    """(ragged attention, decode attention, write_kv) of a backend, all with ragged signatures."""
+    if backend == "reference":
+        return (
+            ragged_paged_attention_reference,
+            _decode_as_ragged(paged_decode_attention_reference),
+            write_kv_reference,
+        )
+    if backend == "pallas":
+        ragged = functools.partial(kernels_pallas.ragged_paged_attention, interpret=interpret)
+        decode = functools.partial(kernels_pallas.paged_decode_attention, interpret=interpret)
+        return ragged, _decode_as_ragged(decode), kernels_pallas.write_kv
+    raise ValueError(f"attention_backend must be 'pallas' or 'reference', got {backend!r}")
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _copy_blocks(kv_caches: KVCaches, copies: jax.Array) -> KVCaches:
+    """Copy whole blocks src -> dst in every layer.
+
+    copies: int32 [K, 2] (src, dst); padding rows are (0, 0).
+    """
+    src, dst = copies[:, 0], copies[:, 1]
+    return [(k.at[:, dst].set(k[:, src]), v.at[:, dst].set(v[:, src])) for k, v in kv_caches]
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _write_blocks(kv_caches: KVCaches, blocks: list, block_ids: jax.Array) -> KVCaches:
+    """Write host pages into device blocks. blocks: per layer (k, v) [Hkv, K, bs, D]."""
+    return [
+        (k.at[:, block_ids].set(hk), v.at[:, block_ids].set(hv))
+        for (k, v), (hk, hv) in zip(kv_caches, blocks, strict=True)
+    ]
+
+
+def _bucket(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+class ModelRunner:
+    """Owns the parameters, the paged KV cache, the host swap pool and the compiled step."""
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        config: LlamaConfig,
+        *,
+        num_blocks: int,
+        block_size: int,
+        num_host_blocks: int = 0,
+        kv_dtype=jnp.float32,
+        attention_backend: AttentionBackend | None = None,
+        interpret: bool = False,
+    ):
+        self.config = config
+        self.block_size = block_size
+        self.attention_backend = attention_backend or default_attention_backend()
+        self.graphdef, self.params = nnx.split(model)
+        self.kv_caches = init_kv_caches(config, num_blocks, block_size, kv_dtype)
+        kv_shape = (config.num_kv_heads, num_host_blocks, block_size, config.head_dim)
+        self.host_kv = [
+            (np.zeros(kv_shape, kv_dtype), np.zeros(kv_shape, kv_dtype))
+            for _ in range(config.num_layers)
+        ]
+        ragged, decode, write_kv = attention_functions(self.attention_backend, interpret)
+
+        def step(attention_fn):
+            fn = functools.partial(forward, attention_fn=attention_fn, write_kv_fn=write_kv)
+            return jax.jit(fn, static_argnums=0, donate_argnums=3)
+
+        self._mixed_step = step(ragged)
+        self._decode_step = step(decode)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        k, _ = self.kv_caches[0]
+        return 2 * self.config.num_layers * self.config.num_kv_heads * self.config.head_dim * (
+            k.dtype.itemsize
+        )
+
+    def apply_block_ops(self, ops: BlockOps) -> None:
+        """Swap out, swap in, then copy-on-write copies, in that order, before the step."""
+        if len(ops.swap_out):
+            self._swap_out(ops.swap_out)
+        if len(ops.swap_in):
+            self._swap_in(ops.swap_in)
+        if len(ops.copies):
+            self.kv_caches = _copy_blocks(self.kv_caches, self._pad_pairs(ops.copies))
+
+    def execute(
+        self, input_ids: np.ndarray, metadata: AttentionMetadata, *, decode_only: bool
+    ) -> jax.Array:
+        """Run one step. input_ids int32 [T] -> logits f32 [B, vocab] (still on device)."""
+        step = self._decode_step if decode_only else self._mixed_step
+        logits, self.kv_caches = step(
+            self.graphdef, self.params, input_ids, self.kv_caches, metadata
+        )
+        return logits
+
+    def run_padding_step(
+        self, num_tokens: int, num_seqs: int, num_blocks: int, decode_only: bool
+    ) -> None:
+        """Run (and so compile) a step of the given padded shape that only writes the null block."""
+        metadata = AttentionMetadata(
+            slot_mapping=np.arange(num_tokens, dtype=np.int32) % self.block_size,
+            positions=np.zeros(num_tokens, np.int32),
+            block_tables=np.zeros((num_seqs, num_blocks), np.int32),
+            context_lens=np.zeros(num_seqs, np.int32),
+            query_start_loc=np.zeros(num_seqs + 1, np.int32),
+            logits_indices=np.zeros(num_seqs, np.int32),
+        )
+        logits = self.execute(np.zeros(num_tokens, np.int32), metadata, decode_only=decode_only)
+        logits.block_until_ready()
+
+    @staticmethod
+    def _pad_pairs(pairs: np.ndarray) -> np.ndarray:
+        """Pad [K, 2] block pairs to a power of two with (0, 0): null block onto itself."""
+        padded = np.zeros((_bucket(len(pairs)), 2), np.int32)
+        padded[: len(pairs)] = pairs
+        return padded
+
+    def _swap_out(self, pairs: np.ndarray) -> None:
+        """Device blocks -> host blocks. pairs: int32 [K, 2] (device, host)."""
+        device_ids = self._pad_pairs(pairs)[:, 0]
+        for (k, v), (hk, hv) in zip(self.kv_caches, self.host_kv, strict=True):
+            hk[:, pairs[:, 1]] = np.asarray(k[:, device_ids])[:, : len(pairs)]
+            hv[:, pairs[:, 1]] = np.asarray(v[:, device_ids])[:, : len(pairs)]
+
+    def _swap_in(self, pairs: np.ndarray) -> None:
+        """Host blocks -> device blocks. pairs: int32 [K, 2] (host, device)."""
+        padded = self._pad_pairs(pairs)
+        host_ids, device_ids = padded[:, 0], padded[:, 1]
+        pages = [(hk[:, host_ids], hv[:, host_ids]) for hk, hv in self.host_kv]
+        self.kv_caches = _write_blocks(self.kv_caches, pages, device_ids)

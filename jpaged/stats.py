@@ -1,0 +1,110 @@
+"""Per-run statistics a researcher wants from a serving run.
+
+Step-level: KV utilization, running / waiting sequences, preemptions,
+prefix-cache hit rate, compilations. Request-level: output tokens/s, TTFT and
+TPOT percentiles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+from jax import monitoring
+
+from jpaged.outputs import RequestMetrics
+
+if TYPE_CHECKING:
+    from jpaged.engine import LLMEngine
+    from jpaged.scheduler import SchedulerOutput
+
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_compilations = 0
+
+
+def _count_compilation(event: str, duration: float, **kwargs) -> None:
+    global _compilations
+    if event == _COMPILE_EVENT:
+        _compilations += 1
+
+
+monitoring.register_event_duration_secs_listener(_count_compilation)
+
+
+def num_compilations() -> int:
+    """XLA compilations in this process so far (any jitted function)."""
+    return _compilations
+
+
+def _percentiles(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"mean": None, "p50": None, "p99": None}
+    array = np.asarray(values)
+    return {
+        "mean": float(array.mean()),
+        "p50": float(np.percentile(array, 50)),
+        "p99": float(np.percentile(array, 99)),
+    }
+
+
+@dataclass
+class EngineStats:
+    """Counters an engine updates every step; `summary()` reduces them."""
+
+    num_steps: int = 0
+    num_batched_tokens: int = 0
+    num_output_tokens: int = 0
+    num_finished: int = 0
+    busy_seconds: float = 0.0
+    first_step_time: float | None = None
+    last_step_time: float | None = None
+    kv_utilization: list[float] = field(default_factory=list)
+    num_running: list[int] = field(default_factory=list)
+    num_waiting: list[int] = field(default_factory=list)
+    ttft: list[float] = field(default_factory=list)
+    tpot: list[float] = field(default_factory=list)
+    num_preemptions: int = 0
+    prefix_cache_hit_rate: float = 0.0
+
+    def record_step(
+        self, engine: LLMEngine, plan: SchedulerOutput, started: float, ended: float
+    ) -> None:
+        manager = engine.block_manager
+        self.num_steps += 1
+        self.num_batched_tokens += plan.num_batched_tokens
+        self.busy_seconds += ended - started
+        self.first_step_time = self.first_step_time or started
+        self.last_step_time = ended
+        self.kv_utilization.append(manager.physical_blocks_used / manager.num_device_blocks)
+        self.num_running.append(engine.scheduler.num_running)
+        self.num_waiting.append(engine.scheduler.num_waiting)
+        self.num_preemptions = engine.scheduler.num_preemptions
+        self.prefix_cache_hit_rate = manager.prefix_cache_stats.hit_rate
+
+    def record_finished(self, metrics: RequestMetrics, num_output_tokens: int) -> None:
+        self.num_finished += 1
+        self.num_output_tokens += num_output_tokens
+        if metrics.ttft is not None:
+            self.ttft.append(metrics.ttft)
+        tpot = metrics.tpot(num_output_tokens)
+        if tpot is not None:
+            self.tpot.append(tpot)
+
+    def summary(self) -> dict:
+        elapsed = (self.last_step_time or 0.0) - (self.first_step_time or 0.0)
+        return {
+            "steps": self.num_steps,
+            "finished_requests": self.num_finished,
+            "output_tokens": self.num_output_tokens,
+            "output_tokens_per_s": self.num_output_tokens / elapsed if elapsed > 0 else None,
+            "kv_utilization_mean": float(np.mean(self.kv_utilization or [0.0])),
+            "kv_utilization_peak": float(np.max(self.kv_utilization or [0.0])),
+            "running_mean": float(np.mean(self.num_running or [0])),
+            "running_peak": int(np.max(self.num_running or [0])),
+            "waiting_peak": int(np.max(self.num_waiting or [0])),
+            "preemptions": self.num_preemptions,
+            "prefix_cache_hit_rate": self.prefix_cache_hit_rate,
+            "ttft_s": _percentiles(self.ttft),
+            "tpot_s": _percentiles(self.tpot),
+        }
