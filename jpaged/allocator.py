@@ -1,0 +1,377 @@
+"""Functional block allocator: an immutable pool state and one transition per step.
+
+`AllocatorState` is a value: reference counts and an LRU free queue for the
+device pool and for the host (swap) pool, the prefix hash of every device
+block, and the hash -> block index. Its arrays are read-only and nothing ever
+mutates a state.
+
+A `Transaction` overlays one scheduler step's changes on a state (dicts of the
+entries it changed) and reads through them, so each operation costs
+O(blocks touched) Python work. `commit()` returns the next state and the
+step's device ops, paying one array copy (a memcpy) per changed array plus the
+touched shards of the hash index.
+
+Free queue (vLLM v1's LRU order): freed blocks join the tail and allocation
+takes the head. A freed block keeps its prefix hash, so a later prompt can
+still hit it, until allocation takes it from the head (eviction). A prefix hit
+on a free block takes it out of the queue. Block 0 of the device pool is the
+null block: never in the queue, never allocated, never freed.
+
+The device applies a step's `BlockOps` before the step's attention, in this
+order: swap_out (device -> host), swap_in (host -> device), copies
+(copy-on-write, all sources read before any destination is written). Blocks
+freed during a step may be reused in the same step, which that order makes
+safe, except for blocks a later phase still reads (copy sources on the device,
+swap-in sources on the host): those are pinned and join the free queue only at
+commit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from jpaged.prefix_cache import NO_HASH, HashIndex
+
+
+def _readonly(array: np.ndarray) -> np.ndarray:
+    array.flags.writeable = False
+    return array
+
+
+def _scatter(array: np.ndarray, changes: dict[int, int]) -> np.ndarray:
+    """A read-only copy of `array` with array[k] = v for each change (`array` itself if none)."""
+    if not changes:
+        return array
+    out = array.copy()
+    out[np.fromiter(changes.keys(), np.int64, len(changes))] = np.fromiter(
+        changes.values(), array.dtype, len(changes)
+    )
+    return _readonly(out)
+
+
+def _pairs(pairs: list[tuple[int, int]]) -> np.ndarray:
+    """int32 [K, 2] array of (source, destination) block pairs."""
+    return _readonly(np.array(pairs, dtype=np.int32).reshape(len(pairs), 2))
+
+
+@dataclass(frozen=True)
+class PoolState:
+    """One block pool with an intrusive doubly linked free queue.
+
+    refcounts: int32 [num_blocks]
+    next_free: int32 [num_blocks + 1]  successor in the free queue; index
+               num_blocks is the sentinel, so next_free[num_blocks] is the head.
+    prev_free: int32 [num_blocks + 1]  predecessor; prev_free[num_blocks] is the tail.
+               Both are -1 for blocks outside the queue.
+    num_free:  number of blocks in the queue.
+    """
+
+    refcounts: np.ndarray
+    next_free: np.ndarray
+    prev_free: np.ndarray
+    num_free: int
+
+    @classmethod
+    def create(cls, num_blocks: int, first_block: int = 0) -> PoolState:
+        """All blocks free, in id order; blocks below first_block are reserved."""
+        sentinel = num_blocks
+        chain = np.concatenate([[sentinel], np.arange(first_block, num_blocks), [sentinel]])
+        next_free = np.full(num_blocks + 1, -1, np.int32)
+        prev_free = np.full(num_blocks + 1, -1, np.int32)
+        next_free[chain[:-1]] = chain[1:]
+        prev_free[chain[1:]] = chain[:-1]
+        refcounts = np.zeros(num_blocks, np.int32)
+        return cls(
+            _readonly(refcounts),
+            _readonly(next_free),
+            _readonly(prev_free),
+            num_blocks - first_block,
+        )
+
+    @property
+    def num_blocks(self) -> int:
+        return self.refcounts.shape[0]
+
+    def free_queue(self) -> list[int]:
+        """Free blocks from the head (allocated next) to the tail."""
+        blocks, block = [], int(self.next_free[self.num_blocks])
+        while block != self.num_blocks:
+            blocks.append(block)
+            block = int(self.next_free[block])
+        return blocks
+
+
+@dataclass(frozen=True)
+class AllocatorState:
+    """Device and host pools plus the prefix cache.
+
+    block_hashes: uint64 [device blocks]  prefix hash of each device block,
+                  NO_HASH if it holds none.
+    hash_index:   hash -> device block, for every block with a hash.
+    """
+
+    device: PoolState
+    host: PoolState
+    block_hashes: np.ndarray
+    hash_index: HashIndex
+
+    @classmethod
+    def create(cls, num_blocks: int, num_host_blocks: int) -> AllocatorState:
+        """Empty pools; device block 0 is the reserved null block."""
+        return cls(
+            device=PoolState.create(num_blocks, first_block=1),
+            host=PoolState.create(num_host_blocks),
+            block_hashes=_readonly(np.zeros(num_blocks, np.uint64)),
+            hash_index=HashIndex.empty(num_blocks),
+        )
+
+
+@dataclass(frozen=True)
+class BlockOps:
+    """Data movement one step asks of the device, applied before its attention.
+
+    swap_out: int32 [K, 2]  (device block, host block), applied first.
+    swap_in:  int32 [K, 2]  (host block, device block), applied second.
+    copies:   int32 [K, 2]  (source, destination) device blocks, applied last,
+              all sources read before any destination is written.
+    """
+
+    swap_out: np.ndarray
+    swap_in: np.ndarray
+    copies: np.ndarray
+
+
+class _PoolEdit:
+    """Changes to one PoolState, overlaid on it until `commit`."""
+
+    def __init__(self, base: PoolState):
+        self.base = base
+        self.num_free = base.num_free
+        self._sentinel = base.num_blocks
+        self._refcounts: dict[int, int] = {}
+        self._next: dict[int, int] = {}
+        self._prev: dict[int, int] = {}
+        self._pinned: set[int] = set()
+        self._deferred: list[int] = []
+
+    def refcount(self, block: int) -> int:
+        count = self._refcounts.get(block)
+        return int(self.base.refcounts[block]) if count is None else count
+
+    def _next_of(self, block: int) -> int:
+        link = self._next.get(block)
+        return int(self.base.next_free[block]) if link is None else link
+
+    def _prev_of(self, block: int) -> int:
+        link = self._prev.get(block)
+        return int(self.base.prev_free[block]) if link is None else link
+
+    def _link(self, before: int, after: int) -> None:
+        self._next[before] = after
+        self._prev[after] = before
+
+    def _push_tail(self, block: int) -> None:
+        self._link(self._prev_of(self._sentinel), block)
+        self._link(block, self._sentinel)
+        self.num_free += 1
+
+    def _unlink(self, block: int) -> None:
+        self._link(self._prev_of(block), self._next_of(block))
+        self._next[block] = self._prev[block] = -1
+        self.num_free -= 1
+
+    def pop_head(self) -> int:
+        """Take the head of the free queue; its refcount stays 0 for the caller to set."""
+        block = self._next_of(self._sentinel)
+        assert block != self._sentinel, "free queue is empty"
+        self._unlink(block)
+        return block
+
+    def reuse(self, block: int) -> None:
+        """Take a free block (anywhere in the queue, or pinned and freed) back into use."""
+        assert self.refcount(block) == 0, block
+        if block in self._deferred:
+            self._deferred.remove(block)
+        else:
+            self._unlink(block)
+
+    def incref(self, block: int) -> None:
+        self._refcounts[block] = self.refcount(block) + 1
+
+    def decref(self, block: int) -> None:
+        count = self.refcount(block) - 1
+        assert count >= 0, f"block {block} freed more often than referenced"
+        self._refcounts[block] = count
+        if count > 0:
+            return
+        if block in self._pinned:
+            self._deferred.append(block)
+        else:
+            self._push_tail(block)
+
+    def pin(self, block: int) -> None:
+        """Keep `block` out of the free queue until commit: this step's ops still read it."""
+        self._pinned.add(block)
+
+    def commit(self) -> PoolState:
+        for block in self._deferred:
+            self._push_tail(block)
+        self._deferred.clear()
+        self._pinned.clear()
+        return PoolState(
+            _scatter(self.base.refcounts, self._refcounts),
+            _scatter(self.base.next_free, self._next),
+            _scatter(self.base.prev_free, self._prev),
+            self.num_free,
+        )
+
+
+class Transaction:
+    """One step's changes to an AllocatorState; `commit()` gives the next state.
+
+    The base state is never modified: the same state can start any number of
+    transactions, and earlier states stay valid.
+    """
+
+    def __init__(self, state: AllocatorState):
+        self.base = state
+        self._device = _PoolEdit(state.device)
+        self._host = _PoolEdit(state.host)
+        self._block_hashes: dict[int, int] = {}
+        self._index: dict[int, int | None] = {}
+        self._swap_out: list[tuple[int, int]] = []
+        self._swap_in: list[tuple[int, int]] = []
+        self._copies: list[tuple[int, int]] = []
+
+    @property
+    def num_free(self) -> int:
+        """Free device blocks, cached ones included (allocation evicts them)."""
+        return self._device.num_free
+
+    @property
+    def num_free_host(self) -> int:
+        return self._host.num_free
+
+    def refcount(self, block: int) -> int:
+        return self._device.refcount(block)
+
+    def host_refcount(self, block: int) -> int:
+        return self._host.refcount(block)
+
+    def block_hash(self, block: int) -> int:
+        block_hash = self._block_hashes.get(block)
+        return int(self.base.block_hashes[block]) if block_hash is None else block_hash
+
+    def cached_block(self, block_hash: int) -> int | None:
+        """The device block holding `block_hash`, in use or free, or None."""
+        if block_hash in self._index:
+            return self._index[block_hash]
+        return self.base.hash_index.get(block_hash)
+
+    def _check_free(self, num_blocks: int, num_free: int, pool: str) -> None:
+        if num_blocks > num_free:
+            raise ValueError(f"need {num_blocks} free {pool} blocks, only {num_free} are free")
+
+    def _take_head(self) -> int:
+        """Pop the LRU free device block, evicting its prefix hash; refcount stays 0."""
+        block = self._device.pop_head()
+        block_hash = self.block_hash(block)
+        if block_hash != NO_HASH:
+            self._index[block_hash] = None
+            self._block_hashes[block] = NO_HASH
+        return block
+
+    def allocate(self, num_blocks: int) -> list[int]:
+        """Take `num_blocks` device blocks from the head of the free queue, refcount 1 each."""
+        self._check_free(num_blocks, self.num_free, "device")
+        blocks = [self._take_head() for _ in range(num_blocks)]
+        for block in blocks:
+            self._device.incref(block)
+        return blocks
+
+    def share(self, block: int) -> None:
+        """One more holder of an in-use device block (a fork)."""
+        assert self._device.refcount(block) > 0, block
+        self._device.incref(block)
+
+    def take_cached(self, block: int) -> None:
+        """One more holder of a cached block (a prefix hit); a free one leaves the free queue."""
+        assert self.block_hash(block) != NO_HASH, block
+        if self._device.refcount(block) == 0:
+            self._device.reuse(block)
+        self._device.incref(block)
+
+    def free(self, block: int) -> None:
+        """Drop one holder of a device block; at zero it joins the tail, keeping its hash."""
+        self._device.decref(block)
+
+    def free_host(self, block: int) -> None:
+        self._host.decref(block)
+
+    def register(self, block: int, block_hash: int) -> bool:
+        """Make a full, computed block findable by `block_hash`; False if the hash is taken."""
+        if self.cached_block(block_hash) is not None:
+            return False
+        assert self.block_hash(block) == NO_HASH, block
+        self._index[block_hash] = block
+        self._block_hashes[block] = block_hash
+        return True
+
+    def copy_on_write(self, block: int, copy_content: bool) -> int:
+        """Give the caller a private block in place of a shared one.
+
+        A new block replaces one holder of `block`; if `copy_content`, the step
+        copies `block` into it (the caller wrote some of its slots before).
+        """
+        assert self._device.refcount(block) > 1, block
+        (private,) = self.allocate(1)
+        if copy_content:
+            self._device.pin(block)
+            self._copies.append((block, private))
+        self._device.decref(block)
+        return private
+
+    def swap_out(self, tables: list[list[int]]) -> list[list[int]]:
+        """Move device block tables to host; each distinct block is copied once."""
+        distinct = list(dict.fromkeys(block for table in tables for block in table))
+        self._check_free(len(distinct), self.num_free_host, "host")
+        host_of = {block: self._host.pop_head() for block in distinct}
+        self._swap_out.extend(host_of.items())
+        host_tables = [[host_of[block] for block in table] for table in tables]
+        for table in host_tables:
+            for block in table:
+                self._host.incref(block)
+        for table in tables:
+            for block in reversed(table):
+                self._device.decref(block)
+        return host_tables
+
+    def swap_in(self, host_tables: list[list[int]]) -> list[list[int]]:
+        """Move host block tables back to fresh device blocks; each distinct block copied once."""
+        distinct = list(dict.fromkeys(block for table in host_tables for block in table))
+        self._check_free(len(distinct), self.num_free, "device")
+        device_of = {block: self._take_head() for block in distinct}
+        self._swap_in.extend(device_of.items())
+        tables = [[device_of[block] for block in table] for table in host_tables]
+        for table in tables:
+            for block in table:
+                self._device.incref(block)
+        for block in distinct:
+            self._host.pin(block)
+        for table in host_tables:
+            for block in table:
+                self._host.decref(block)
+        return tables
+
+    def commit(self) -> tuple[AllocatorState, BlockOps]:
+        """The next state and the device ops of this step."""
+        state = AllocatorState(
+            device=self._device.commit(),
+            host=self._host.commit(),
+            block_hashes=_scatter(self.base.block_hashes, self._block_hashes),
+            hash_index=self.base.hash_index.updated(self._index),
+        )
+        ops = BlockOps(_pairs(self._swap_out), _pairs(self._swap_in), _pairs(self._copies))
+        return state, ops

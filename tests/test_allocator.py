@@ -1,0 +1,269 @@
+"""The functional allocator against a brute-force model made of Python lists.
+
+The model keeps the free queue as a list (head first), the prefix cache as two
+dicts, and the references the test holds as plain lists: a block's refcount
+must equal how often the test holds it.
+"""
+
+import numpy as np
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from jpaged.allocator import AllocatorState, Transaction
+from jpaged.prefix_cache import NO_HASH
+
+HASHES = st.integers(1, 12)
+
+
+class AllocatorMachine(RuleBasedStateMachine):
+    @initialize(num_blocks=st.integers(2, 12), num_host_blocks=st.integers(0, 6))
+    def setup(self, num_blocks, num_host_blocks):
+        self.num_blocks, self.num_host_blocks = num_blocks, num_host_blocks
+        self.state = AllocatorState.create(num_blocks, num_host_blocks)
+        self.txn = Transaction(self.state)
+        self.snapshots = [self.snapshot(self.state)]
+        # The model.
+        self.free = list(range(1, num_blocks))
+        self.host_free = list(range(num_host_blocks))
+        self.hash_of: dict[int, int] = {}
+        self.block_of: dict[int, int] = {}
+        self.held: list[int] = []
+        self.host_held: list[int] = []
+        self.pinned: set[int] = set()
+        self.host_pinned: set[int] = set()
+        self.deferred: list[int] = []
+        self.host_deferred: list[int] = []
+        self.ops = {"swap_out": [], "swap_in": [], "copies": []}
+
+    @staticmethod
+    def snapshot(state):
+        arrays = (state.device.refcounts, state.device.next_free, state.host.refcounts)
+        return state, [a.copy() for a in arrays], state.hash_index.items()
+
+    # Model helpers ---------------------------------------------------------------
+
+    def model_take_head(self):
+        block = self.free.pop(0)
+        if block in self.hash_of:
+            del self.block_of[self.hash_of.pop(block)]
+        return block
+
+    def model_release(self, block):
+        self.held.remove(block)
+        if block not in self.held:
+            (self.deferred if block in self.pinned else self.free).append(block)
+
+    def model_release_host(self, block):
+        self.host_held.remove(block)
+        if block not in self.host_held:
+            (self.host_deferred if block in self.host_pinned else self.host_free).append(block)
+
+    # Rules ------------------------------------------------------------------------------
+
+    @rule(num=st.integers(0, 4))
+    def allocate(self, num):
+        if num > len(self.free):
+            with pytest.raises(ValueError, match="free device blocks"):
+                self.txn.allocate(num)
+            return
+        expected = [self.model_take_head() for _ in range(num)]
+        assert self.txn.allocate(num) == expected
+        self.held += expected
+
+    @precondition(lambda self: self.held)
+    @rule(data=st.data())
+    def share(self, data):
+        block = data.draw(st.sampled_from(self.held))
+        self.txn.share(block)
+        self.held.append(block)
+
+    @precondition(lambda self: self.held)
+    @rule(data=st.data())
+    def free_one(self, data):
+        block = data.draw(st.sampled_from(self.held))
+        self.txn.free(block)
+        self.model_release(block)
+
+    @precondition(lambda self: self.held)
+    @rule(data=st.data(), block_hash=HASHES)
+    def register(self, data, block_hash):
+        block = data.draw(st.sampled_from(self.held))
+        if block in self.hash_of:
+            return
+        expected = block_hash not in self.block_of
+        assert self.txn.register(block, block_hash) == expected
+        if expected:
+            self.hash_of[block], self.block_of[block_hash] = block_hash, block
+
+    @rule(block_hash=HASHES)
+    def prefix_hit(self, block_hash):
+        block = self.block_of.get(block_hash)
+        assert self.txn.cached_block(block_hash) == block
+        if block is None:
+            return
+        if block not in self.held:
+            (self.deferred if block in self.deferred else self.free).remove(block)
+        self.txn.take_cached(block)
+        self.held.append(block)
+
+    @precondition(lambda self: any(self.held.count(b) > 1 for b in self.held))
+    @rule(data=st.data(), copy_content=st.booleans())
+    def copy_on_write(self, data, copy_content):
+        block = data.draw(st.sampled_from([b for b in self.held if self.held.count(b) > 1]))
+        if not self.free:
+            with pytest.raises(ValueError):
+                self.txn.copy_on_write(block, copy_content)
+            return
+        private = self.model_take_head()
+        assert self.txn.copy_on_write(block, copy_content) == private
+        if copy_content:
+            self.pinned.add(block)
+            self.ops["copies"].append((block, private))
+        self.model_release(block)
+        self.held.append(private)
+
+    @precondition(lambda self: self.held)
+    @rule(data=st.data())
+    def swap_out(self, data):
+        tables = data.draw(st.lists(st.lists(st.sampled_from(self.held), max_size=3), max_size=2))
+        wanted = sum(tables, [])
+        if any(wanted.count(b) > self.held.count(b) for b in wanted):
+            return
+        distinct = list(dict.fromkeys(wanted))
+        if len(distinct) > len(self.host_free):
+            with pytest.raises(ValueError, match="free host blocks"):
+                self.txn.swap_out(tables)
+            return
+        host_of = {block: self.host_free.pop(0) for block in distinct}
+        assert self.txn.swap_out(tables) == [[host_of[b] for b in table] for table in tables]
+        self.ops["swap_out"] += host_of.items()
+        self.host_held += [host_of[b] for b in wanted]
+        for table in tables:
+            for block in reversed(table):
+                self.model_release(block)
+
+    @precondition(lambda self: self.host_held)
+    @rule(data=st.data())
+    def swap_in(self, data):
+        tables = data.draw(st.lists(st.lists(st.sampled_from(self.host_held), max_size=3)))
+        wanted = sum(tables, [])
+        if any(wanted.count(b) > self.host_held.count(b) for b in wanted):
+            return
+        distinct = list(dict.fromkeys(wanted))
+        if len(distinct) > len(self.free):
+            with pytest.raises(ValueError, match="free device blocks"):
+                self.txn.swap_in(tables)
+            return
+        device_of = {block: self.model_take_head() for block in distinct}
+        assert self.txn.swap_in(tables) == [[device_of[b] for b in table] for table in tables]
+        self.ops["swap_in"] += device_of.items()
+        self.held += [device_of[b] for b in wanted]
+        self.host_pinned |= set(distinct)
+        for block in wanted:
+            self.model_release_host(block)
+
+    @rule()
+    def commit(self):
+        self.state, ops = self.txn.commit()
+        self.txn = Transaction(self.state)
+        for name, pairs in self.ops.items():
+            np.testing.assert_array_equal(getattr(ops, name), np.array(pairs).reshape(-1, 2))
+            pairs.clear()
+        self.free += self.deferred
+        self.host_free += self.host_deferred
+        self.deferred, self.host_deferred = [], []
+        self.pinned, self.host_pinned = set(), set()
+        self.check_committed_state()
+        self.snapshots.append(self.snapshot(self.state))
+
+    def check_committed_state(self):
+        device, host = self.state.device, self.state.host
+        assert device.free_queue() == self.free
+        assert host.free_queue() == self.host_free
+        assert device.num_free == len(self.free) and host.num_free == len(self.host_free)
+        expected = np.bincount(self.held, minlength=self.num_blocks)
+        np.testing.assert_array_equal(device.refcounts, expected)
+        expected_host = np.bincount(self.host_held, minlength=self.num_host_blocks)
+        np.testing.assert_array_equal(host.refcounts, expected_host)
+        expected_hashes = np.zeros(self.num_blocks, np.uint64)
+        for block, block_hash in self.hash_of.items():
+            expected_hashes[block] = block_hash
+        np.testing.assert_array_equal(self.state.block_hashes, expected_hashes)
+        assert sorted(self.state.hash_index.items()) == sorted(self.block_of.items())
+        # Every block is free xor referenced; free + used = total; the null block is neither.
+        used = set(self.held)
+        assert used.isdisjoint(self.free) and 0 not in used and 0 not in self.free
+        assert len(used) + len(self.free) == self.num_blocks - 1
+
+    @invariant()
+    def transaction_reads_match_model(self):
+        if not hasattr(self, "txn"):
+            return
+        assert self.txn.num_free == len(self.free)
+        assert self.txn.num_free_host == len(self.host_free)
+        for block in range(self.num_blocks):
+            assert self.txn.refcount(block) == self.held.count(block)
+            assert self.txn.block_hash(block) == self.hash_of.get(block, NO_HASH)
+        for block in range(self.num_host_blocks):
+            assert self.txn.host_refcount(block) == self.host_held.count(block)
+
+    @invariant()
+    def earlier_states_are_unchanged(self):
+        for state, arrays, index_items in getattr(self, "snapshots", []):
+            now = (state.device.refcounts, state.device.next_free, state.host.refcounts)
+            for before, after in zip(arrays, now, strict=True):
+                np.testing.assert_array_equal(before, after)
+                assert not after.flags.writeable
+            assert state.hash_index.items() == index_items
+
+    def teardown(self):
+        if not hasattr(self, "txn"):
+            return
+        for block in list(self.held):
+            self.txn.free(block)
+            self.model_release(block)
+        for block in list(self.host_held):
+            self.txn.free_host(block)
+            self.model_release_host(block)
+        self.commit()
+        assert self.state.device.num_free == self.num_blocks - 1
+        assert self.state.host.num_free == self.num_host_blocks
+
+
+AllocatorMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None
+)
+TestAllocator = AllocatorMachine.TestCase
+
+
+def test_state_create_leaves_null_block_out():
+    state = AllocatorState.create(num_blocks=5, num_host_blocks=3)
+    assert state.device.free_queue() == [1, 2, 3, 4]
+    assert state.host.free_queue() == [0, 1, 2]
+    txn = Transaction(state)
+    assert sorted(txn.allocate(4)) == [1, 2, 3, 4]
+    with pytest.raises(ValueError, match="need 1 free device blocks, only 0"):
+        txn.allocate(1)
+
+
+def test_freed_blocks_join_the_tail_and_allocation_takes_the_head():
+    txn = Transaction(AllocatorState.create(num_blocks=6, num_host_blocks=0))
+    a, b, c = txn.allocate(3)
+    txn.free(b)
+    txn.free(a)
+    state, _ = txn.commit()
+    assert state.device.free_queue() == [4, 5, b, a]
+
+
+def test_one_state_starts_independent_transactions():
+    state = AllocatorState.create(num_blocks=4, num_host_blocks=0)
+    first, second = Transaction(state), Transaction(state)
+    assert first.allocate(2) == [1, 2]
+    assert second.allocate(1) == [1]
+    state_a, _ = first.commit()
+    state_b, _ = second.commit()
+    assert state.device.free_queue() == [1, 2, 3]
+    assert state_a.device.free_queue() == [3]
+    assert state_b.device.free_queue() == [2, 3]
