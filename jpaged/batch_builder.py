@@ -1,0 +1,132 @@
+"""The batch builder: one step's schedule -> padded int32 arrays for the device.
+
+Runs on the host every step, so it does O(tokens + blocks of the scheduled
+sequences) work, vectorised with numpy. Shapes are bucketed to powers of two
+(with minimums) so the jit-compiled step sees few distinct shapes; padding
+follows jpaged.attention_metadata (null block 0, empty padding sequences).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from jpaged.attention_metadata import AttentionMetadata
+from jpaged.sequence import Sequence
+
+
+class BlockTables(Protocol):
+    block_size: int
+
+    def block_table(self, seq: Sequence) -> list[int]: ...
+
+
+@dataclass(frozen=True)
+class BucketSizes:
+    """Smallest padded sizes; a padded size is the next power of two >= max(actual, minimum)."""
+
+    min_num_tokens: int = 16
+    min_num_seqs: int = 8
+    min_blocks_per_seq: int = 8
+
+    def __post_init__(self):
+        for name in ("min_num_tokens", "min_num_seqs", "min_blocks_per_seq"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class ModelInput:
+    """One step's device inputs.
+
+    input_ids: int32 [T]  token ids (0 for padding tokens).
+    metadata:  the step's AttentionMetadata (numpy int32 arrays).
+    num_tokens, num_seqs: the real (unpadded) counts.
+    """
+
+    input_ids: np.ndarray
+    metadata: AttentionMetadata
+    num_tokens: int
+    num_seqs: int
+
+
+def bucket(n: int, minimum: int) -> int:
+    """Next power of two >= max(n, minimum)."""
+    return 1 << (max(n, minimum) - 1).bit_length()
+
+
+def build_model_input(
+    scheduled: SequenceOf[tuple[Sequence, int]],
+    block_tables: BlockTables,
+    buckets: BucketSizes = BucketSizes(),
+) -> ModelInput:
+    """Padded device inputs for one step.
+
+    scheduled: (seq, num_new_tokens) pairs; seq feeds its tokens
+               seq.num_computed_tokens .. + num_new_tokens - 1, and its block
+               table already holds slots for them (BlockManager.append_slots).
+    """
+    block_size = block_tables.block_size
+    num_seqs = len(scheduled)
+    seqs = [seq for seq, _ in scheduled]
+    q_lens = np.fromiter((n for _, n in scheduled), np.int32, num_seqs)
+    starts = np.fromiter((seq.num_computed_tokens for seq in seqs), np.int32, num_seqs)
+    assert (q_lens >= 1).all(), "every scheduled sequence feeds at least one token"
+    context_lens = starts + q_lens
+    num_blocks = -(-context_lens // block_size)
+    num_tokens = int(q_lens.sum())
+
+    padded_tokens = bucket(num_tokens, buckets.min_num_tokens)
+    padded_seqs = bucket(num_seqs, buckets.min_num_seqs)
+    padded_blocks = bucket(int(num_blocks.max(initial=0)), buckets.min_blocks_per_seq)
+
+    tables = np.zeros((padded_seqs, padded_blocks), np.int32)
+    used = np.arange(padded_blocks) < num_blocks[:, None]
+    table_prefixes = (
+        block_tables.block_table(seq)[:n] for seq, n in zip(seqs, num_blocks.tolist(), strict=True)
+    )
+    tables[:num_seqs][used] = np.fromiter(
+        itertools.chain.from_iterable(table_prefixes), np.int32, int(num_blocks.sum())
+    )
+
+    query_start_loc = np.full(padded_seqs + 1, num_tokens, np.int32)
+    query_start_loc[0] = 0
+    np.cumsum(q_lens, out=query_start_loc[1 : num_seqs + 1])
+
+    owner = np.repeat(np.arange(num_seqs), q_lens)
+    real_positions = np.arange(num_tokens) - query_start_loc[owner] + starts[owner]
+    positions = np.zeros(padded_tokens, np.int32)
+    positions[:num_tokens] = real_positions
+    # Padding tokens write to slots 0..block_size-1: the null block.
+    slot_mapping = np.arange(padded_tokens, dtype=np.int32) % block_size
+    slot_mapping[:num_tokens] = (
+        tables[owner, real_positions // block_size] * block_size + real_positions % block_size
+    )
+
+    input_ids = np.zeros(padded_tokens, np.int32)
+    input_ids[:num_tokens] = np.fromiter(
+        itertools.chain.from_iterable(
+            seq.token_slice(seq.num_computed_tokens, seq.num_computed_tokens + n)
+            for seq, n in scheduled
+        ),
+        np.int32,
+        num_tokens,
+    )
+    logits_indices = np.zeros(padded_seqs, np.int32)
+    logits_indices[:num_seqs] = query_start_loc[1 : num_seqs + 1] - 1
+    padded_context_lens = np.zeros(padded_seqs, np.int32)
+    padded_context_lens[:num_seqs] = context_lens
+
+    metadata = AttentionMetadata(
+        slot_mapping=slot_mapping,
+        positions=positions,
+        block_tables=tables,
+        context_lens=padded_context_lens,
+        query_start_loc=query_start_loc,
+        logits_indices=logits_indices,
+    )
+    return ModelInput(input_ids, metadata, num_tokens, num_seqs)

@@ -1,0 +1,346 @@
+"""BlockManager: per-sequence block tables over the functional allocator.
+
+The scheduler asks it whether a group fits, then allocates, appends, forks,
+swaps and frees; every call of one step goes into a single allocator
+`Transaction`, and `end_step()` commits it and returns the step's device ops.
+
+A sequence's table maps logical block i (positions i*block_size ..
+(i+1)*block_size - 1) to a physical block of the device pool, or of the host
+pool while the sequence is swapped out. Sequences of a group share blocks
+after a fork; requests share full blocks through the prefix cache.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from jpaged.allocator import AllocatorState, BlockOps, Transaction
+from jpaged.config import CacheConfig
+from jpaged.prefix_cache import NO_HASH, PrefixCacheStats, hash_block
+from jpaged.sequence import Sequence, SequenceGroup, SequenceStatus
+
+
+class AllocStatus(enum.Enum):
+    OK = enum.auto()
+    LATER = enum.auto()
+    NEVER = enum.auto()
+
+
+@dataclass
+class _SeqBlocks:
+    """What the manager knows of one sequence.
+
+    table:        physical blocks, logical order (host blocks while on_host).
+    block_hashes: hash chain of the sequence's leading full blocks, computed once.
+    num_cached:   leading table entries known to the prefix cache.
+    """
+
+    cache_salt: str | None
+    table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+    num_cached: int = 0
+    on_host: bool = False
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class BlockManager:
+    """Block tables, prefix cache and swap space of one KV cache."""
+
+    def __init__(self, cache_config: CacheConfig):
+        self.block_size = cache_config.block_size
+        self.num_device_blocks = cache_config.num_blocks - 1
+        self.num_host_blocks = cache_config.num_host_blocks
+        self.enable_prefix_caching = cache_config.enable_prefix_caching
+        self.watermark_blocks = int(cache_config.watermark * self.num_device_blocks)
+        self.prefix_cache_stats = PrefixCacheStats()
+        self._state = AllocatorState.create(cache_config.num_blocks, cache_config.num_host_blocks)
+        self._step = Transaction(self._state)
+        self._seqs: dict[int, _SeqBlocks] = {}
+        self._logical_blocks = 0
+
+    @property
+    def state(self) -> AllocatorState:
+        """The allocator state committed by the last `end_step`."""
+        return self._state
+
+    @property
+    def step(self) -> Transaction:
+        """The open transaction: reads see this step's changes."""
+        return self._step
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self._step.num_free
+
+    @property
+    def num_free_host_blocks(self) -> int:
+        return self._step.num_free_host
+
+    @property
+    def physical_blocks_used(self) -> int:
+        """Device blocks held by at least one table (free cached blocks excluded)."""
+        return self.num_device_blocks - self._step.num_free
+
+    @property
+    def logical_blocks_used(self) -> int:
+        """Sum of device block-table lengths: what the tables would hold without sharing."""
+        return self._logical_blocks
+
+    def block_table(self, seq: Sequence) -> list[int]:
+        """The live device block table of `seq`; callers must not modify it."""
+        record = self._seqs[seq.seq_id]
+        assert not record.on_host, f"sequence {seq.seq_id} is swapped out"
+        return record.table
+
+    def host_block_table(self, seq: Sequence) -> list[int]:
+        """The host block table of a swapped-out `seq`."""
+        record = self._seqs[seq.seq_id]
+        assert record.on_host, f"sequence {seq.seq_id} is on the device"
+        return record.table
+
+    def end_step(self) -> BlockOps:
+        """Commit this step's transition; the device applies the returned ops."""
+        self._state, ops = self._step.commit()
+        self._step = Transaction(self._state)
+        return ops
+
+    # Admission -----------------------------------------------------------------
+
+    def _record(self, seq: Sequence, cache_salt: str | None) -> _SeqBlocks:
+        record = self._seqs.get(seq.seq_id)
+        if record is None:
+            record = self._seqs[seq.seq_id] = _SeqBlocks(cache_salt)
+        return record
+
+    def _hashes(self, seq: Sequence, record: _SeqBlocks, num_blocks: int) -> list[int]:
+        """The first `num_blocks` hashes of the chain, extending the memo as needed."""
+        hashes, size = record.block_hashes, self.block_size
+        for i in range(len(hashes), num_blocks):
+            parent = hashes[-1] if hashes else NO_HASH
+            tokens = seq.token_slice(i * size, (i + 1) * size)
+            hashes.append(hash_block(parent, tokens, record.cache_salt))
+        return hashes[:num_blocks]
+
+    def _prefix_hits(self, seq: Sequence, cache_salt: str | None) -> list[int]:
+        """Cached blocks holding seq's longest cached prefix, never its last token."""
+        if not self.enable_prefix_caching:
+            return []
+        record = self._record(seq, cache_salt)
+        hits = []
+        for block_hash in self._hashes(seq, record, (len(seq) - 1) // self.block_size):
+            block = self._step.cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def _admission_cost(self, seqs: list[Sequence], hits: list[list[int]]) -> int:
+        """Free blocks that admitting `seqs` with these prefix hits consumes."""
+        num_blocks = sum(_cdiv(len(seq), self.block_size) for seq in seqs)
+        num_hits = sum(len(seq_hits) for seq_hits in hits)
+        free_hits = {b for seq_hits in hits for b in seq_hits if self._step.refcount(b) == 0}
+        return num_blocks - num_hits + len(free_hits)
+
+    def can_allocate(self, group: SequenceGroup) -> AllocStatus:
+        """Whether the group's WAITING sequences fit now, later, or never.
+
+        Counts blocks for all of each sequence's tokens (prompt, plus outputs of
+        a recomputed group), minus prefix hits, and keeps `watermark_blocks`
+        free so running sequences can still grow.
+        """
+        seqs = group.seqs_with(SequenceStatus.WAITING)
+        required = sum(_cdiv(len(seq), self.block_size) for seq in seqs)
+        if required > self.num_device_blocks - self.watermark_blocks:
+            return AllocStatus.NEVER
+        hits = [self._prefix_hits(seq, group.cache_salt) for seq in seqs]
+        if self.num_free_blocks - self._admission_cost(seqs, hits) >= self.watermark_blocks:
+            return AllocStatus.OK
+        return AllocStatus.LATER
+
+    def allocate(self, group: SequenceGroup) -> None:
+        """Block tables for the group's WAITING sequences, each for all of its tokens.
+
+        Prefix-cache hits become the leading blocks and set
+        `seq.num_computed_tokens` (never covering the last token); the other
+        sequences of a recomputed group get blocks of their own.
+        """
+        seqs = group.seqs_with(SequenceStatus.WAITING)
+        for seq in seqs:
+            record = self._seqs.get(seq.seq_id)
+            if record is not None and record.table:
+                raise ValueError(f"sequence {seq.seq_id} already has a block table")
+        hits = [self._prefix_hits(seq, group.cache_salt) for seq in seqs]
+        cost = self._admission_cost(seqs, hits)
+        if cost > self.num_free_blocks:
+            raise ValueError(
+                f"group {group.request_id} needs {cost} free blocks, "
+                f"only {self.num_free_blocks} are free"
+            )
+        for seq_hits in hits:
+            for block in seq_hits:
+                self._step.take_cached(block)
+        for seq, seq_hits in zip(seqs, hits, strict=True):
+            new_blocks = self._step.allocate(_cdiv(len(seq), self.block_size) - len(seq_hits))
+            record = self._record(seq, group.cache_salt)
+            record.table = seq_hits + new_blocks
+            record.num_cached = len(seq_hits)
+            self._logical_blocks += len(record.table)
+            seq.num_computed_tokens = len(seq_hits) * self.block_size
+            self._count_query(seq, len(seq_hits))
+
+    def _count_query(self, seq: Sequence, num_hit_blocks: int) -> None:
+        if not self.enable_prefix_caching:
+            return
+        stats = self.prefix_cache_stats
+        stats.query_tokens += len(seq)
+        stats.hit_tokens += num_hit_blocks * self.block_size
+        stats.query_blocks += (len(seq) - 1) // self.block_size
+        stats.hit_blocks += num_hit_blocks
+
+    # Growth and sharing ----------------------------------------------------------
+
+    def _write_range(self, seq: Sequence, num_new_tokens: int) -> tuple[int, int]:
+        """Logical blocks [first, last] holding positions computed .. computed + new - 1."""
+        start = seq.num_computed_tokens
+        return start // self.block_size, (start + num_new_tokens - 1) // self.block_size
+
+    def can_append_slots(self, group: SequenceGroup, num_new_tokens: int) -> bool:
+        """Whether every RUNNING sequence of the group can take `num_new_tokens` more tokens.
+
+        Counts the blocks past each table's end plus the copy-on-write blocks:
+        a shared block written by w of its r holders needs w copies, or w - 1
+        when they are all its holders (the last writer keeps it).
+        """
+        needed = 0
+        writers: dict[int, int] = {}
+        for seq in group.seqs_with(SequenceStatus.RUNNING):
+            table = self.block_table(seq)
+            first, last = self._write_range(seq, num_new_tokens)
+            needed += max(0, last + 1 - len(table))
+            for block in table[first : last + 1]:
+                writers[block] = writers.get(block, 0) + 1
+        for block, num_writers in writers.items():
+            refcount = self._step.refcount(block)
+            if refcount > 1:
+                needed += num_writers if refcount > num_writers else num_writers - 1
+        return needed <= self.num_free_blocks
+
+    def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Slots for positions num_computed_tokens .. + num_new_tokens - 1 of `seq`.
+
+        Blocks in that range with other holders are replaced copy-on-write, so
+        the step never writes into a shared block; new blocks extend the table.
+        """
+        if num_new_tokens < 1:
+            raise ValueError(f"num_new_tokens must be >= 1, got {num_new_tokens}")
+        table = self.block_table(seq)
+        first, last = self._write_range(seq, num_new_tokens)
+        shared = [
+            i for i in range(first, min(last + 1, len(table))) if self._step.refcount(table[i]) > 1
+        ]
+        num_new_blocks = max(0, last + 1 - len(table))
+        if len(shared) + num_new_blocks > self.num_free_blocks:
+            raise ValueError(
+                f"sequence {seq.seq_id} needs {len(shared) + num_new_blocks} free blocks, "
+                f"only {self.num_free_blocks} are free"
+            )
+        for i in shared:
+            written = i * self.block_size < seq.num_computed_tokens
+            table[i] = self._step.copy_on_write(table[i], copy_content=written)
+        table.extend(self._step.allocate(num_new_blocks))
+        self._logical_blocks += num_new_blocks
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """`child` shares every block of `parent` (refcount + 1 each)."""
+        if child.seq_id in self._seqs:
+            raise ValueError(f"child sequence {child.seq_id} already has a block table")
+        source = self._seqs[parent.seq_id]
+        table = self.block_table(parent)
+        for block in table:
+            self._step.share(block)
+        self._seqs[child.seq_id] = _SeqBlocks(
+            source.cache_salt, list(table), list(source.block_hashes), source.num_cached
+        )
+        self._logical_blocks += len(table)
+
+    def free(self, seq: Sequence) -> None:
+        """Forget `seq`: drop its table (device or host) and its memoised hashes.
+
+        A no-op for a sequence the manager does not know. Blocks are freed last
+        first, so a request's tail is evicted before its more shareable prefix.
+        """
+        record = self._seqs.pop(seq.seq_id, None)
+        if record is None:
+            return
+        release = self._step.free_host if record.on_host else self._step.free
+        for block in reversed(record.table):
+            release(block)
+        if not record.on_host:
+            self._logical_blocks -= len(record.table)
+
+    def cache_computed_blocks(self, seq: Sequence) -> None:
+        """Register seq's blocks that are now full and computed in the prefix cache.
+
+        A block whose hash another block already holds stays private: the
+        first copy serves later hits.
+        """
+        if not self.enable_prefix_caching:
+            return
+        record = self._seqs[seq.seq_id]
+        table = self.block_table(seq)
+        num_full = min(seq.num_computed_tokens // self.block_size, len(table))
+        hashes = self._hashes(seq, record, num_full)
+        for i in range(record.num_cached, num_full):
+            if self._step.block_hash(table[i]) == NO_HASH:
+                self._step.register(table[i], hashes[i])
+        record.num_cached = max(record.num_cached, num_full)
+
+    # Swapping ----------------------------------------------------------------------
+
+    def _tables(self, seqs: list[Sequence], on_host: bool) -> list[list[int]]:
+        records = [self._seqs[seq.seq_id] for seq in seqs]
+        assert all(record.on_host == on_host for record in records)
+        return [record.table for record in records]
+
+    def _distinct_blocks(self, seqs: list[Sequence], on_host: bool) -> int:
+        return len({block for table in self._tables(seqs, on_host) for block in table})
+
+    def can_swap_out(self, group: SequenceGroup) -> bool:
+        """Whether the host pool holds the distinct blocks of the group's RUNNING sequences."""
+        running = group.seqs_with(SequenceStatus.RUNNING)
+        return self._distinct_blocks(running, on_host=False) <= self.num_free_host_blocks
+
+    def swap_out(self, group: SequenceGroup) -> None:
+        """Move the RUNNING sequences' tables to host blocks (shared blocks move once)."""
+        seqs = group.seqs_with(SequenceStatus.RUNNING)
+        host_tables = self._step.swap_out(self._tables(seqs, on_host=False))
+        for seq, host_table in zip(seqs, host_tables, strict=True):
+            record = self._seqs[seq.seq_id]
+            self._logical_blocks -= len(record.table)
+            record.table, record.on_host = host_table, True
+
+    def can_swap_in(self, group: SequenceGroup) -> AllocStatus:
+        """Whether the SWAPPED sequences' distinct blocks fit on the device, with the watermark."""
+        required = self._distinct_blocks(group.seqs_with(SequenceStatus.SWAPPED), on_host=True)
+        if required > self.num_device_blocks - self.watermark_blocks:
+            return AllocStatus.NEVER
+        if self.num_free_blocks - required >= self.watermark_blocks:
+            return AllocStatus.OK
+        return AllocStatus.LATER
+
+    def swap_in(self, group: SequenceGroup) -> None:
+        """Move the SWAPPED sequences' tables back to fresh device blocks.
+
+        The fresh blocks carry no prefix hash; the next `cache_computed_blocks`
+        registers them again where no other block holds their hash.
+        """
+        seqs = group.seqs_with(SequenceStatus.SWAPPED)
+        tables = self._step.swap_in(self._tables(seqs, on_host=True))
+        for seq, table in zip(seqs, tables, strict=True):
+            record = self._seqs[seq.seq_id]
+            record.table, record.on_host, record.num_cached = table, False, 0
+            self._logical_blocks += len(table)
