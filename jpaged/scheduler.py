@@ -14,9 +14,8 @@ prefill chunks, and at most `max_num_seqs` sequences. A step schedules, in order
 3. waiting groups, if nothing was preempted and nothing is swapped, while their
    blocks fit (the block manager keeps a watermark free).
 
-The sequences of one group sample in lockstep: a multi-sequence group either
-completes every sequence's tokens in a step, or holds back each sequence's last
-token, so parallel samples and beams always grow together.
+The sequences of one group sample in lockstep, so parallel samples and beams
+always grow together: see `Scheduler._next_chunk`.
 
 The caller runs the step, calls `update_after_step`, appends a sampled token to
 each sequence of the groups it returns, forks samples or beams with `fork`, and
@@ -29,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from jpaged.allocator import BlockOps
 from jpaged.block_manager import AllocStatus
@@ -87,6 +86,13 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+
+class _Chunk(NamedTuple):
+    """Sequences of one group that advance in a step, each by num_new_tokens tokens."""
+
+    seqs: list[Sequence]
+    num_new_tokens: int
 
 
 @dataclass
@@ -159,13 +165,17 @@ class Scheduler:
         if not status.is_finished:
             raise ValueError(f"status must be a finished status, got {status.name}")
         if seq.status is not SequenceStatus.RUNNING:
-            raise ValueError(f"only running sequences finish; sequence {seq.seq_id} is {seq.status.name}")
+            raise ValueError(
+                f"only running sequences finish; sequence {seq.seq_id} is {seq.status.name}"
+            )
         self._release(seq, status)
 
     def remove_seq(self, group: SequenceGroup, seq: Sequence) -> None:
         """Drop a running sequence from its group (a pruned beam) and free its blocks."""
         if seq.status is not SequenceStatus.RUNNING or seq not in group.seqs:
-            raise ValueError(f"sequence {seq.seq_id} is not a running sequence of {group.request_id!r}")
+            raise ValueError(
+                f"sequence {seq.seq_id} is not a running sequence of {group.request_id!r}"
+            )
         if len(group.unfinished_seqs()) == 1:
             raise ValueError(f"cannot remove the last unfinished sequence of {group.request_id!r}")
         self.block_manager.free(seq)
@@ -175,7 +185,9 @@ class Scheduler:
     def fork(self, group: SequenceGroup, parent: Sequence, child_seq_id: int) -> Sequence:
         """A new running sequence of `group` with the parent's tokens, sharing its blocks."""
         if parent.status is not SequenceStatus.RUNNING or parent not in group.seqs:
-            raise ValueError(f"sequence {parent.seq_id} is not a running sequence of {group.request_id!r}")
+            raise ValueError(
+                f"sequence {parent.seq_id} is not a running sequence of {group.request_id!r}"
+            )
         limit = min(self.config.max_num_seqs, self.config.max_num_batched_tokens)
         if len(group.unfinished_seqs()) + 1 > limit:
             raise ValueError(
@@ -251,20 +263,26 @@ class Scheduler:
             seqs = group.seqs_with(SequenceStatus.RUNNING)
             if not seqs:
                 continue  # finished since the last step
-            chunks = self._chunks(seqs, plan)
-            if chunks is None:
+            chunk = self._next_chunk(seqs, plan)
+            if chunk is None:
                 self.running.append(group)
                 self.running.extend(queue)
                 return
-            if self._make_room(group, max(chunks), queue, plan):
+            if self._make_room(group, seqs, chunk, queue, plan):
                 self.running.append(group)
-                self._schedule_group(group, seqs, chunks, plan)
+                self._schedule_chunk(chunk, plan)
 
     def _make_room(
-        self, group: SequenceGroup, num_new_tokens: int, queue: deque, plan: _StepPlan
+        self,
+        group: SequenceGroup,
+        seqs: list[Sequence],
+        chunk: _Chunk,
+        queue: deque[SequenceGroup],
+        plan: _StepPlan,
     ) -> bool:
-        """Preempt the newest groups until `group` gets its slots; False if `group` itself went."""
-        while not self.block_manager.can_append_slots(group, num_new_tokens):
+        """Preempt the newest groups until the chunk gets its slots; False if `group` went."""
+        advancing = _advancing_part(group, seqs, chunk)
+        while not self.block_manager.can_append_slots(advancing, chunk.num_new_tokens):
             victim = _pop_newest_unfinished(queue)
             if victim is not None:
                 self._preempt(victim, plan)
@@ -280,23 +298,24 @@ class Scheduler:
     def _schedule_swapped(self, plan: _StepPlan) -> None:
         while self.swapped:
             group = self.swapped[0]
-            seqs = group.unfinished_seqs()
-            chunks = self._chunks(seqs, plan)
-            if chunks is None or self.block_manager.can_swap_in(group) is not AllocStatus.OK:
+            seqs = group.seqs_with(SequenceStatus.SWAPPED)
+            chunk = self._next_chunk(seqs, plan)
+            if chunk is None or self.block_manager.can_swap_in(group) is not AllocStatus.OK:
                 return
             self.swapped.popleft()
             self.block_manager.swap_in(group)
             _set_status(seqs, SequenceStatus.RUNNING)
             self.running.append(group)
-            if not self.block_manager.can_append_slots(group, max(chunks)):
+            advancing = _advancing_part(group, seqs, chunk)
+            if not self.block_manager.can_append_slots(advancing, chunk.num_new_tokens):
                 return
-            self._schedule_group(group, seqs, chunks, plan)
+            self._schedule_chunk(chunk, plan)
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         while self.waiting:
             group = self.waiting[0]
-            seqs = group.unfinished_seqs()
-            if self._chunks(seqs, plan) is None:
+            seqs = group.seqs_with(SequenceStatus.WAITING)
+            if self._next_chunk(seqs, plan) is None:
                 return
             status = self.block_manager.can_allocate(group)
             if status is AllocStatus.LATER:
@@ -308,42 +327,46 @@ class Scheduler:
             self.block_manager.allocate(group)
             _set_status(seqs, SequenceStatus.RUNNING)
             self.running.append(group)
-            # Prefix-cache hits computed some tokens: the chunks may have shrunk.
-            chunks = self._chunks(seqs, plan)
-            if chunks is None:
+            # Prefix-cache hits computed some tokens: the chunk may have shrunk.
+            chunk = self._next_chunk(seqs, plan)
+            if chunk is None:
                 return
-            self._schedule_group(group, seqs, chunks, plan)
+            self._schedule_chunk(chunk, plan)
 
-    def _chunks(self, seqs: list[Sequence], plan: _StepPlan) -> list[int] | None:
-        """New tokens per sequence that fit the plan, or None if the group does not fit."""
-        if len(seqs) > plan.seqs_left:
-            return None
-        chunked = self.config.enable_chunked_prefill
+    def _next_chunk(self, seqs: list[Sequence], plan: _StepPlan) -> _Chunk | None:
+        """Which of a group's sequences advance in this step, by how many tokens each.
+
+        The sequences of a multi-sequence group sample in lockstep. Once each has
+        only its last token uncomputed (decode) they take it together. Before
+        that (a recomputed group), one lagging sequence at a time catches up and
+        keeps its last token back, so the group still samples in one step.
+        None if the plan has no room for the chunk.
+        """
         if len(seqs) == 1:
-            needed = seqs[0].num_uncomputed_tokens
-            if needed <= plan.tokens_left:
-                return [needed]
-            return [plan.tokens_left] if chunked and plan.tokens_left > 0 else None
-        needed = [seq.num_uncomputed_tokens for seq in seqs]
-        if sum(needed) <= plan.tokens_left:
-            return needed
-        # Keep every last token back so the group's sequences sample in the same step.
-        chunks, left = [], plan.tokens_left
-        for num in needed:
-            chunk = min(num - 1, left) if chunked else (num - 1 if num - 1 <= left else 0)
-            chunks.append(chunk)
-            left -= chunk
-        return chunks if any(chunks) else None
+            return self._fit(seqs, seqs[0].num_uncomputed_tokens, plan)
+        lagging = next((seq for seq in seqs if seq.num_uncomputed_tokens > 1), None)
+        if lagging is not None:
+            return self._fit([lagging], lagging.num_uncomputed_tokens - 1, plan)
+        if len(seqs) <= min(plan.seqs_left, plan.tokens_left):
+            return _Chunk(seqs, 1)
+        return None
 
-    def _schedule_group(
-        self, group: SequenceGroup, seqs: list[Sequence], chunks: list[int], plan: _StepPlan
-    ) -> None:
-        for seq, num_new_tokens in zip(seqs, chunks, strict=True):
-            if num_new_tokens:
-                self.block_manager.append_slots(seq, num_new_tokens)
-                plan.scheduled.append((seq, num_new_tokens))
-        plan.tokens_left -= sum(chunks)
-        plan.seqs_left -= len(seqs)
+    def _fit(self, seqs: list[Sequence], num_tokens: int, plan: _StepPlan) -> _Chunk | None:
+        """`num_tokens` for one sequence, cut to the budget if prefills may be chunked."""
+        if plan.seqs_left < 1 or plan.tokens_left < 1:
+            return None
+        if num_tokens <= plan.tokens_left:
+            return _Chunk(seqs, num_tokens)
+        if self.config.enable_chunked_prefill:
+            return _Chunk(seqs, plan.tokens_left)
+        return None
+
+    def _schedule_chunk(self, chunk: _Chunk, plan: _StepPlan) -> None:
+        for seq in chunk.seqs:
+            self.block_manager.append_slots(seq, chunk.num_new_tokens)
+            plan.scheduled.append((seq, chunk.num_new_tokens))
+        plan.tokens_left -= chunk.num_new_tokens * len(chunk.seqs)
+        plan.seqs_left -= len(chunk.seqs)
 
     def _preempt(self, group: SequenceGroup, plan: _StepPlan) -> None:
         seqs = group.unfinished_seqs()
@@ -372,6 +395,13 @@ class Scheduler:
         group = self._group_of_seq.pop(seq.seq_id)
         if group.is_finished:
             self._unfinished.pop(group.request_id, None)
+
+
+def _advancing_part(group: SequenceGroup, seqs: list[Sequence], chunk: _Chunk) -> SequenceGroup:
+    """`group` itself, or a view of the one sequence that advances alone, to ask for slots."""
+    if len(chunk.seqs) == len(seqs):
+        return group
+    return SequenceGroup(group.request_id, chunk.seqs, group.arrival_time, group.cache_salt)
 
 
 def _set_status(seqs: list[Sequence], status: SequenceStatus) -> None:

@@ -1,0 +1,398 @@
+"""The scheduler against a request-level oracle.
+
+Every request's output tokens are fixed in advance by `token_of`, so whatever
+the scheduler does (chunking, preemption by recompute or swap, forks) the
+finished outputs must equal them exactly, and every block must be free again
+at the end. A driver checks the step limits after every `schedule()`.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import pytest
+
+from experiments.baselines import ContiguousKVManager
+from jpaged.block_manager import BlockManager
+from jpaged.config import CacheConfig, SchedulerConfig
+from jpaged.scheduler import Scheduler, SchedulerOutput
+from jpaged.sequence import Sequence, SequenceGroup, SequenceStatus
+
+
+def token_of(request: int, sample: int, position: int) -> int:
+    """The token a request's sample emits at an output position."""
+    return (request * 7919 + sample * 104729 + position * 31) % 32000
+
+
+@dataclass(frozen=True)
+class Req:
+    index: int
+    prompt: tuple[int, ...]
+    output_len: int
+    n: int = 1
+
+    @property
+    def request_id(self) -> str:
+        return f"r{self.index}"
+
+    def expected(self) -> list[list[int]]:
+        return [[token_of(self.index, j, i) for i in range(self.output_len)] for j in range(self.n)]
+
+
+class Driver:
+    """Runs a scheduler like an engine would, with the oracle's tokens instead of a model."""
+
+    def __init__(self, scheduler: Scheduler):
+        self.scheduler = scheduler
+        self.config = scheduler.config
+        self.reqs: dict[str, Req] = {}
+        self.groups: dict[str, SequenceGroup] = {}
+        self.sample_of: dict[int, int] = {}
+        self.next_seq_id = 0
+        self.outputs: list[SchedulerOutput] = []
+
+    def add(self, req: Req) -> SequenceGroup:
+        seq = Sequence(self._seq_id(), list(req.prompt))
+        group = SequenceGroup(req.request_id, [seq])
+        self.scheduler.add_request(group)
+        self.reqs[req.request_id], self.groups[req.request_id] = req, group
+        self.sample_of[seq.seq_id] = 0
+        return group
+
+    def _seq_id(self) -> int:
+        self.next_seq_id += 1
+        return self.next_seq_id
+
+    def step(self) -> SchedulerOutput:
+        output = self.scheduler.schedule()
+        self._check(output)
+        for group in self.scheduler.update_after_step(output):
+            self._sample(group)
+        self.outputs.append(output)
+        return output
+
+    def run(self, max_steps: int = 20_000) -> None:
+        for _ in range(max_steps):
+            if not self.scheduler.has_unfinished_requests:
+                return
+            self.step()
+        raise AssertionError("requests did not finish")
+
+    def _check(self, output: SchedulerOutput) -> None:
+        seqs = [seq for seq, _ in output.scheduled]
+        assert len(set(map(id, seqs))) == len(seqs)
+        assert len(seqs) <= self.config.max_num_seqs
+        assert output.num_batched_tokens <= self.config.max_num_batched_tokens
+        manager = self.scheduler.block_manager
+        for seq, num_new in output.scheduled:
+            assert seq.status is SequenceStatus.RUNNING
+            assert 1 <= num_new <= seq.num_uncomputed_tokens
+            if not self.config.enable_chunked_prefill:
+                assert num_new >= seq.num_uncomputed_tokens - 1
+            if isinstance(manager, BlockManager):
+                slots = len(manager.block_table(seq)) * manager.block_size
+                assert seq.num_computed_tokens + num_new <= slots
+
+    def _sample(self, group: SequenceGroup) -> None:
+        req = self.reqs[group.request_id]
+        seqs = group.seqs_with(SequenceStatus.RUNNING)
+        assert all(seq.num_computed_tokens == len(seq) for seq in seqs)
+        if req.n > 1 and len(group.seqs) == 1:
+            for sample in range(1, req.n):
+                child = self.scheduler.fork(group, seqs[0], self._seq_id())
+                self.sample_of[child.seq_id] = sample
+                seqs.append(child)
+        assert len({len(seq.output_token_ids) for seq in seqs}) == 1, "samples out of lockstep"
+        for seq in seqs:
+            seq.append_token(token_of(req.index, self.sample_of[seq.seq_id], len(seq.output_token_ids)))
+            if len(seq.output_token_ids) == req.output_len:
+                self.scheduler.finish_seq(seq, SequenceStatus.FINISHED_LENGTH)
+
+    def outputs_of(self, request_id: str) -> list[list[int]]:
+        seqs = sorted(self.groups[request_id].seqs, key=lambda s: self.sample_of[s.seq_id])
+        return [seq.output_token_ids for seq in seqs]
+
+
+def paged(block_size=4, num_blocks=33, num_host_blocks=0, prefix_caching=False, watermark=0.0):
+    return BlockManager(
+        CacheConfig(
+            block_size=block_size,
+            num_blocks=num_blocks,
+            num_host_blocks=num_host_blocks,
+            enable_prefix_caching=prefix_caching,
+            watermark=watermark,
+        )
+    )
+
+
+def make_driver(manager, **config) -> Driver:
+    defaults = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
+    return Driver(Scheduler(SchedulerConfig(**(defaults | config)), manager))
+
+
+def random_reqs(seed: int, num: int, max_n: int = 1, max_total: int = 64) -> list[Req]:
+    """Prompts from a few shared prefixes plus random tails, so prefix caching gets hits."""
+    rng = random.Random(seed)
+    prefixes = [tuple(rng.randrange(50) for _ in range(rng.randrange(1, 20))) for _ in range(3)]
+    reqs = []
+    for index in range(num):
+        tail = tuple(rng.randrange(50) for _ in range(rng.randrange(1, 20)))
+        prompt = (rng.choice(prefixes) + tail)[: max_total - 1]
+        output_len = rng.randrange(1, max_total - len(prompt) + 1)
+        reqs.append(Req(index, prompt, output_len, rng.randrange(1, max_n + 1)))
+    return reqs
+
+
+def assert_all_free(manager) -> None:
+    if isinstance(manager, BlockManager):
+        assert manager.num_free_blocks == manager.num_device_blocks
+        assert manager.num_free_host_blocks == manager.num_host_blocks
+        assert manager.logical_blocks_used == 0
+    else:
+        assert manager.holes == [(0, manager.num_slots)]
+
+
+def assert_finished_exactly(driver: Driver, reqs: list[Req]) -> None:
+    for req in reqs:
+        group = driver.groups[req.request_id]
+        assert all(seq.status is SequenceStatus.FINISHED_LENGTH for seq in group.seqs)
+        assert driver.outputs_of(req.request_id) == req.expected()
+
+
+PAGED_CASES = [
+    # block_size, preemption_mode, chunked prefill, prefix caching, max parallel samples
+    (4, "recompute", True, False, 1),
+    (4, "recompute", False, True, 3),
+    (1, "recompute", True, True, 2),
+    (4, "swap", True, False, 3),
+    (2, "swap", False, True, 2),
+    (16, "recompute", True, True, 1),
+]
+
+
+@pytest.mark.parametrize("block_size,mode,chunked,prefix,max_n", PAGED_CASES)
+def test_no_request_or_token_lost_under_memory_pressure(block_size, mode, chunked, prefix, max_n):
+    manager = paged(
+        block_size=block_size,
+        num_blocks=128 // block_size + 1,
+        num_host_blocks=256 // block_size if mode == "swap" else 0,
+        prefix_caching=prefix,
+    )
+    driver = make_driver(
+        manager,
+        max_num_batched_tokens=64 if not chunked else 24,
+        enable_chunked_prefill=chunked,
+        preemption_mode=mode,
+    )
+    reqs = random_reqs(seed=block_size, num=40, max_n=max_n, max_total=40)
+    for req in reqs:
+        driver.add(req)
+    driver.run()
+    assert driver.scheduler.num_preemptions > 0, "the pool was meant to be too small"
+    assert all(not output.ignored for output in driver.outputs)
+    assert_finished_exactly(driver, reqs)
+    assert_all_free(manager)
+
+
+@pytest.mark.parametrize("policy", ["max", "pow2", "oracle"])
+def test_contiguous_baselines_serve_every_request(policy):
+    reqs = random_reqs(seed=7, num=30)
+    totals = {req.request_id: len(req.prompt) + req.output_len for req in reqs}
+    manager = ContiguousKVManager(200, policy, 64, lambda group: totals[group.request_id])
+    driver = make_driver(manager, max_num_batched_tokens=16)
+    for req in reqs:
+        driver.add(req)
+    driver.run()
+    assert driver.scheduler.num_preemptions == 0
+    assert_finished_exactly(driver, reqs)
+    assert_all_free(manager)
+
+
+def test_long_prompt_is_chunked_to_the_token_budget():
+    driver = make_driver(paged(), max_num_batched_tokens=16)
+    req = Req(0, tuple(range(40)), output_len=3)
+    driver.add(req)
+    driver.run()
+    assert [output.scheduled[0][1] for output in driver.outputs] == [16, 16, 8, 1, 1]
+    assert_finished_exactly(driver, [req])
+
+
+def test_decodes_share_the_budget_with_a_new_prefill():
+    driver = make_driver(paged(num_blocks=65), max_num_batched_tokens=16)
+    for index in range(3):
+        driver.add(Req(index, (1, 2, 3), output_len=10))
+    driver.step()  # three 3-token prefills
+    newcomer = driver.add(Req(3, tuple(range(30)), output_len=2))
+    output = driver.step()
+    assert [(seq.seq_id, n) for seq, n in output.scheduled] == [
+        (1, 1),
+        (2, 1),
+        (3, 1),
+        (newcomer.seqs[0].seq_id, 13),
+    ]
+
+
+def test_max_num_seqs_caps_the_batch():
+    driver = make_driver(paged(num_blocks=65), max_num_seqs=3)
+    reqs = [Req(index, (5, 6), output_len=4) for index in range(7)]
+    for req in reqs:
+        driver.add(req)
+    driver.run()
+    assert max(len(output.scheduled) for output in driver.outputs) == 3
+    assert_finished_exactly(driver, reqs)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_the_newest_group_is_preempted(mode):
+    # 6 usable blocks of 4 slots; three requests of 8 prompt tokens take 2 blocks each.
+    manager = paged(num_blocks=7, num_host_blocks=16)
+    driver = make_driver(manager, preemption_mode=mode)
+    groups = [driver.add(Req(index, (9,) * 8, output_len=6)) for index in range(3)]
+    driver.step()
+    assert manager.num_free_blocks == 0
+    output = driver.step()  # the oldest needs a third block for position 8
+    assert output.preempted == [groups[2]]
+    newest = groups[2].seqs[0]
+    if mode == "recompute":
+        assert newest.status is SequenceStatus.WAITING and newest.num_computed_tokens == 0
+        assert driver.scheduler.waiting[0] is groups[2]
+    else:
+        assert newest.status is SequenceStatus.SWAPPED and newest.num_computed_tokens == 8
+        assert manager.num_free_host_blocks == 16 - 2
+
+
+def test_swapped_groups_resume_before_waiting_ones():
+    manager = paged(num_blocks=7, num_host_blocks=16)
+    driver = make_driver(manager, preemption_mode="swap")
+    groups = [driver.add(Req(index, (9,) * 8, output_len=6)) for index in range(3)]
+    driver.step()
+    driver.step()  # swaps out groups[2]
+    assert groups[2].seqs[0].status is SequenceStatus.SWAPPED
+    late = Req(3, (4,), output_len=1)
+    driver.add(late)
+    while groups[2].seqs[0].status is SequenceStatus.SWAPPED:
+        driver.step()
+        assert driver.groups["r3"].seqs[0].status is SequenceStatus.WAITING
+    driver.run()
+    assert_finished_exactly(driver, [Req(i, (9,) * 8, output_len=6) for i in range(3)] + [late])
+
+
+def test_parallel_samples_stay_in_lockstep_through_recompute():
+    manager = paged(num_blocks=20)  # 19 usable blocks of 4 slots
+    driver = make_driver(manager, max_num_batched_tokens=5)
+    # r0 (8 to 13 blocks) is older than the 3 samples of r1 (14 blocks while they
+    # share the prompt, 18 once recomputed), so r1 is preempted as r0 grows.
+    reqs = [Req(0, tuple(range(30)), output_len=20), Req(1, tuple(range(10)), output_len=12, n=3)]
+    for req in reqs:
+        driver.add(req)
+    driver.run()
+    preempted = [group for output in driver.outputs for group in output.preempted]
+    assert driver.groups["r1"] in preempted
+    assert_finished_exactly(driver, reqs)
+    assert_all_free(manager)
+
+
+def test_fork_shares_every_block():
+    manager = paged(num_blocks=17)
+    driver = make_driver(manager)
+    group = driver.add(Req(0, tuple(range(10)), output_len=5))
+    driver.step()
+    parent = group.seqs[0]
+    used = manager.physical_blocks_used
+    child = driver.scheduler.fork(group, parent, 99)
+    assert manager.block_table(child) == manager.block_table(parent)
+    assert child.token_ids == parent.token_ids
+    assert child.num_computed_tokens == parent.num_computed_tokens
+    assert manager.physical_blocks_used == used
+    assert manager.logical_blocks_used == 2 * used
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_abort_frees_everything(mode):
+    manager = paged(num_blocks=17, num_host_blocks=64, prefix_caching=True)
+    driver = make_driver(manager, preemption_mode=mode, max_num_batched_tokens=16)
+    reqs = random_reqs(seed=3, num=12, max_n=3)
+    for req in reqs:
+        driver.add(req)
+    for _ in range(12):
+        driver.step()
+    scheduler = driver.scheduler
+    assert scheduler.num_running and (scheduler.num_waiting or scheduler.num_swapped)
+    for req in reqs:
+        scheduler.abort(req.request_id)
+    assert not scheduler.has_unfinished_requests
+    assert_all_free(manager)
+    for req in reqs:
+        seqs = driver.groups[req.request_id].seqs
+        assert all(seq.is_finished for seq in seqs)
+    assert scheduler.schedule().is_empty
+
+
+def test_abort_one_request_while_others_keep_running():
+    manager = paged(num_blocks=17)
+    driver = make_driver(manager, max_num_batched_tokens=16)
+    reqs = random_reqs(seed=5, num=10)
+    for req in reqs:
+        driver.add(req)
+    for _ in range(3):
+        driver.step()
+    aborted = reqs[1].request_id
+    driver.scheduler.abort(aborted)
+    driver.scheduler.abort("no-such-request")
+    driver.run()
+    group = driver.groups[aborted]
+    assert group.seqs[0].status is SequenceStatus.FINISHED_ABORTED
+    assert_finished_exactly(driver, [req for req in reqs if req.request_id != aborted])
+    assert_all_free(manager)
+
+
+def test_impossible_requests_are_rejected_and_the_rest_keep_running():
+    manager = paged(num_blocks=9)  # 32 slots
+    driver = make_driver(manager, max_model_len=40, max_num_batched_tokens=40)
+    ok = Req(0, (1, 2, 3), output_len=5)
+    driver.add(ok)
+    driver.step()
+    with pytest.raises(ValueError, match="max_model_len=40"):
+        driver.add(Req(1, tuple(range(41)), output_len=1))
+    with pytest.raises(ValueError, match="more KV blocks than the whole pool"):
+        driver.add(Req(2, tuple(range(33)), output_len=1))
+    with pytest.raises(ValueError, match="1 to max_model_len"):
+        driver.add(Req(3, (), output_len=1))
+    assert driver.scheduler.num_waiting == 0
+    driver.run()
+    assert_finished_exactly(driver, [ok])
+    assert_all_free(manager)
+
+
+def test_a_request_that_outgrows_the_whole_pool_is_ignored():
+    manager = paged(num_blocks=9)  # 32 slots
+    driver = make_driver(manager, max_model_len=64, max_num_batched_tokens=64)
+    reqs = [Req(0, (1,) * 4, output_len=4), Req(1, (2,) * 20, output_len=30), Req(2, (3,) * 5, 6)]
+    for req in reqs:
+        driver.add(req)
+    driver.run()
+    ignored = [group for output in driver.outputs for group in output.ignored]
+    assert ignored == [driver.groups["r1"]]
+    assert driver.groups["r1"].seqs[0].status is SequenceStatus.FINISHED_IGNORED
+    assert_finished_exactly(driver, [reqs[0], reqs[2]])
+    assert_all_free(manager)
+
+
+def test_bad_calls_raise_before_changing_anything():
+    with pytest.raises(ValueError, match="num_host_blocks is 0"):
+        make_driver(paged(), preemption_mode="swap")
+    driver = make_driver(paged(num_blocks=65), max_num_seqs=2)
+    group = driver.add(Req(0, (1, 2), output_len=4))
+    with pytest.raises(ValueError, match="already in the scheduler"):
+        driver.add(Req(0, (1, 2), output_len=4))
+    driver.step()
+    seq = group.seqs[0]
+    with pytest.raises(ValueError, match="finished status"):
+        driver.scheduler.finish_seq(seq, SequenceStatus.RUNNING)
+    with pytest.raises(ValueError, match="last unfinished sequence"):
+        driver.scheduler.remove_seq(group, seq)
+    driver.scheduler.fork(group, seq, 50)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        driver.scheduler.fork(group, seq, 51)
+    assert len(group.seqs) == 2
