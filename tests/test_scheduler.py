@@ -105,7 +105,9 @@ class Driver:
                 seqs.append(child)
         assert len({len(seq.output_token_ids) for seq in seqs}) == 1, "samples out of lockstep"
         for seq in seqs:
-            seq.append_token(token_of(req.index, self.sample_of[seq.seq_id], len(seq.output_token_ids)))
+            seq.append_token(
+                token_of(req.index, self.sample_of[seq.seq_id], len(seq.output_token_ids))
+            )
             if len(seq.output_token_ids) == req.output_len:
                 self.scheduler.finish_seq(seq, SequenceStatus.FINISHED_LENGTH)
 
