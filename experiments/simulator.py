@@ -1,0 +1,488 @@
+"""Serving simulation without a model: the real scheduler and a KV manager over a workload.
+
+Every step runs jpaged's `Scheduler` against jpaged's paged `BlockManager` or
+one of the contiguous Orca baselines. There is no model: each sequence whose
+scheduled tokens complete its prefill or decode gets one new token, and a
+request ends at its workload's output length. Parallel samples fork from the
+prompt when it is computed. Beam search picks the surviving beams each step by
+a seeded random choice of parents, so beams share blocks along a tree.
+
+Time advances by a linear step-cost model (`StepCost`) so Poisson arrivals and
+latencies have a plausible scale; memory results do not depend on it.
+
+Run `python -m experiments.simulator` for one simulation (10,000 ShareGPT-like
+requests by default) and its wall-clock time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import random
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from experiments.baselines import ContiguousKVManager
+from experiments.workloads import VOCAB_SIZE, RequestSpec, make_workload
+from jpaged.block_manager import BlockManager
+from jpaged.config import CacheConfig, SchedulerConfig
+from jpaged.scheduler import KVCacheManager, Scheduler, SchedulerOutput
+from jpaged.sequence import Sequence as Seq
+from jpaged.sequence import SequenceGroup, SequenceStatus
+
+ALLOCATORS = ("jpaged", "orca-max", "orca-pow2", "orca-oracle")
+TIMELINE_POINTS = 200
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Simulated seconds of one step, a rough linear model of OPT-13B on one A100-40GB.
+
+    fixed_s:             reading 26 GB of fp16 weights at ~1.5 TB/s.
+    per_token_s:         2 * 13e9 FLOPs per batched token at ~312 TFLOP/s.
+    per_context_token_s: reading 800 KB of K/V per context token at ~1.5 TB/s.
+    """
+
+    fixed_s: float = 0.017
+    per_token_s: float = 8.3e-5
+    per_context_token_s: float = 5.3e-7
+
+    def seconds(self, num_tokens: int, num_context_tokens: int) -> float:
+        return (
+            self.fixed_s
+            + self.per_token_s * num_tokens
+            + self.per_context_token_s * num_context_tokens
+        )
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """One simulated server. Every allocator gets the same `num_kv_slots` of KV memory.
+
+    jpaged's pool is num_kv_slots // block_size blocks (plus the null block);
+    the Orca baselines get an arena of num_kv_slots token slots.
+    """
+
+    allocator: str = "jpaged"
+    block_size: int = 16
+    num_kv_slots: int = 16384
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = False
+    preemption_mode: str = "recompute"
+    num_host_slots: int = 0
+    watermark: float = 0.01
+    step_cost: StepCost = StepCost()
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.allocator not in ALLOCATORS:
+            raise ValueError(f"allocator must be one of {ALLOCATORS}, got {self.allocator!r}")
+        if self.num_kv_slots < self.block_size:
+            raise ValueError(
+                f"num_kv_slots ({self.num_kv_slots}) must hold at least one block "
+                f"of block_size {self.block_size}"
+            )
+
+    def cache_config(self) -> CacheConfig:
+        return CacheConfig(
+            block_size=self.block_size,
+            num_blocks=self.num_kv_slots // self.block_size + 1,
+            num_host_blocks=self.num_host_slots // self.block_size,
+            enable_prefix_caching=self.enable_prefix_caching,
+            watermark=self.watermark,
+        )
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            preemption_mode=self.preemption_mode,
+        )
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """KV slots by use, as in the paper's Figure 2.
+
+    token_states:           slots holding K/V of computed tokens.
+    reserved:               allocated slots the request will fill later.
+    internal_fragmentation: allocated slots the request will never fill.
+    external_fragmentation: free slots while requests wait to be admitted
+                            (the paper's "external fragmentation & others").
+    """
+
+    token_states: int = 0
+    reserved: int = 0
+    internal_fragmentation: int = 0
+    external_fragmentation: int = 0
+
+    @property
+    def total(self) -> int:
+        return (
+            self.token_states
+            + self.reserved
+            + self.internal_fragmentation
+            + self.external_fragmentation
+        )
+
+    @property
+    def allocated(self) -> int:
+        return self.token_states + self.reserved + self.internal_fragmentation
+
+    def __add__(self, other: MemoryBreakdown) -> MemoryBreakdown:
+        return MemoryBreakdown(
+            self.token_states + other.token_states,
+            self.reserved + other.reserved,
+            self.internal_fragmentation + other.internal_fragmentation,
+            self.external_fragmentation + other.external_fragmentation,
+        )
+
+    def percentages(self) -> dict[str, float]:
+        """Each use as a percentage of the total."""
+        total = self.total or 1
+        return {k: 100.0 * v / total for k, v in dataclasses.asdict(self).items()}
+
+
+def slots_counter(manager: KVCacheManager) -> Callable[[Seq], int]:
+    """seq -> slots `manager` holds for it: its slab, or its blocks times the block size."""
+    if isinstance(manager, ContiguousKVManager):
+        return manager.allocated_slots
+    block_table, block_size = manager.block_table, manager.block_size
+    return lambda seq: len(block_table(seq)) * block_size
+
+
+def free_slots(manager: KVCacheManager) -> int:
+    if isinstance(manager, ContiguousKVManager):
+        return manager.num_free_slots
+    return manager.num_free_blocks * manager.block_size
+
+
+def kv_breakdown(
+    manager: KVCacheManager, seqs: Iterable[tuple[Seq, int]], requests_waiting: bool
+) -> MemoryBreakdown:
+    """Figure-2 breakdown of the KV memory of a run without block sharing.
+
+    seqs: (sequence, its final length = prompt + output tokens) for every
+    sequence holding KV. Free slots count as external fragmentation only while
+    requests wait; otherwise they are idle capacity and left out.
+    """
+    allocated_slots = slots_counter(manager)
+    token_states = reserved = internal = 0
+    for seq, final_len in seqs:
+        allocated = allocated_slots(seq)
+        will_fill = min(allocated, final_len)
+        token_states += seq.num_computed_tokens
+        reserved += will_fill - seq.num_computed_tokens
+        internal += allocated - will_fill
+    external = free_slots(manager) if requests_waiting else 0
+    return MemoryBreakdown(token_states, reserved, internal, external)
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """What one simulation measured.
+
+    breakdown: Figure-2 slots summed over the steps where requests waited (None
+        when blocks are shared, where slots per sequence double count).
+    token_states_of_allocated: token-state slots / allocated slots, summed over
+        all steps (None when blocks are shared).
+    sharing_saved: blocks saved by sharing / blocks that tables reference,
+        summed over all steps (jpaged only).
+    outputs: request id -> output token ids of each of its final sequences.
+    """
+
+    config: SimConfig
+    num_requests: int
+    num_finished: int
+    num_ignored: int
+    num_steps: int
+    simulated_s: float
+    wall_s: float
+    mean_running_seqs: float
+    peak_running_seqs: int
+    num_preemptions: int
+    output_tokens: int
+    mean_normalized_latency_s: float
+    breakdown: MemoryBreakdown | None
+    num_waiting_steps: int
+    token_states_of_allocated: float | None
+    sharing_saved: float | None
+    prefix_cache_hit_rate: float | None
+    timeline: list[dict[str, float]] = field(repr=False)
+    outputs: dict[str, list[list[int]]] = field(repr=False)
+
+    def summary(self) -> dict:
+        """A JSON-ready dict of the measurements (no timeline or outputs)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        del out["timeline"], out["outputs"]
+        out["config"] = dataclasses.asdict(self.config)
+        out["breakdown_pct"] = self.breakdown.percentages() if self.breakdown else None
+        del out["breakdown"]
+        return out
+
+
+def simulate(requests: Sequence[RequestSpec], config: SimConfig = SimConfig()) -> SimResult:
+    """Serve `requests` with no model under `config`; see the module docstring."""
+    return _Simulation(requests, config).run()
+
+
+def make_manager(config: SimConfig, total_len_of) -> KVCacheManager:
+    """jpaged's BlockManager or a contiguous baseline, sized by config.num_kv_slots."""
+    if config.allocator == "jpaged":
+        return BlockManager(config.cache_config())
+    policy = config.allocator.removeprefix("orca-")
+    return ContiguousKVManager(config.num_kv_slots, policy, config.max_model_len, total_len_of)
+
+
+def _token(seq: Seq) -> int:
+    """A deterministic stand-in for a sampled token, different across sequences."""
+    return (seq.seq_id * 7919 + len(seq)) % VOCAB_SIZE
+
+
+class _Simulation:
+    def __init__(self, requests: Sequence[RequestSpec], config: SimConfig):
+        if config.allocator != "jpaged" and any(r.n > 1 for r in requests):
+            raise ValueError(
+                f"allocator {config.allocator!r} serves one sequence per request; "
+                "parallel sampling and beam search need allocator='jpaged'"
+            )
+        self.config = config
+        self.specs = {r.request_id: r for r in requests}
+        if len(self.specs) != len(requests):
+            raise ValueError("request ids of a workload must be unique")
+        self.pending = deque(sorted(requests, key=lambda r: r.arrival_time))
+        self.manager = make_manager(config, lambda g: self.specs[g.request_id].total_len)
+        self.scheduler = Scheduler(config.scheduler_config(), self.manager)
+        self.sharing = config.enable_prefix_caching or any(r.n > 1 for r in requests)
+        self.rng = random.Random(config.seed)
+        self.clock = 0.0
+        self.next_seq_id = 0
+        self.outputs: dict[str, list[list[int]]] = {}
+        self.normalized_latencies: list[float] = []
+        self.num_ignored = 0
+        self.stats = _Stats()
+
+    def run(self) -> SimResult:
+        start = time.perf_counter()
+        while self.pending or self.scheduler.has_unfinished_requests:
+            self._add_arrivals()
+            if not self.scheduler.has_unfinished_requests:
+                self.clock = self.pending[0].arrival_time
+                continue
+            self._step()
+        return self._result(time.perf_counter() - start)
+
+    def _add_arrivals(self) -> None:
+        while self.pending and self.pending[0].arrival_time <= self.clock:
+            spec = self.pending.popleft()
+            seq = Seq(self._new_seq_id(), list(spec.prompt_token_ids))
+            group = SequenceGroup(spec.request_id, [seq], arrival_time=spec.arrival_time)
+            self.scheduler.add_request(group)
+
+    def _new_seq_id(self) -> int:
+        self.next_seq_id += 1
+        return self.next_seq_id
+
+    def _step(self) -> None:
+        output = self.scheduler.schedule()
+        self.num_ignored += len(output.ignored)
+        if output.is_empty and not output.ignored:
+            raise RuntimeError("the scheduler scheduled nothing while requests are unfinished")
+        ready = self.scheduler.update_after_step(output)
+        self.clock += self.config.step_cost.seconds(
+            output.num_batched_tokens, sum(seq.num_computed_tokens for seq, _ in output.scheduled)
+        )
+        self._record(output)
+        for group in ready:
+            self._sample(group)
+
+    def _record(self, output: SchedulerOutput) -> None:
+        breakdown = None
+        if not self.sharing:
+            breakdown = kv_breakdown(
+                self.manager, self._seqs_holding_kv(), self.scheduler.num_waiting > 0
+            )
+        logical = physical = 0
+        if isinstance(self.manager, BlockManager):
+            logical = self.manager.logical_blocks_used
+            physical = self.manager.physical_blocks_used
+        self.stats.add(
+            self.clock,
+            len(output.scheduled),
+            self.scheduler.num_waiting,
+            breakdown,
+            logical,
+            physical,
+        )
+
+    def _seqs_holding_kv(self) -> Iterable[tuple[Seq, int]]:
+        for group in self.scheduler.running:
+            final_len = self.specs[group.request_id].total_len
+            for seq in group.seqs:
+                if seq.status is SequenceStatus.RUNNING:
+                    yield seq, final_len
+
+    def _sample(self, group: SequenceGroup) -> None:
+        spec = self.specs[group.request_id]
+        seqs = group.seqs_with(SequenceStatus.RUNNING)
+        if spec.n > 1 and len(group.seqs) == 1:
+            seqs += [
+                self.scheduler.fork(group, seqs[0], self._new_seq_id()) for _ in range(spec.n - 1)
+            ]
+        elif spec.beam_search:
+            seqs = self._select_beams(group, seqs)
+        for seq in seqs:
+            seq.append_token(_token(seq))
+            if len(seq.output_token_ids) == spec.output_len:
+                self.scheduler.finish_seq(seq, SequenceStatus.FINISHED_LENGTH)
+        # All sequences of a request end together, at the request's output length.
+        if len(seqs[0].output_token_ids) == spec.output_len:
+            self.outputs[group.request_id] = [seq.output_token_ids for seq in group.seqs]
+            self.normalized_latencies.append((self.clock - spec.arrival_time) / spec.output_len)
+
+    def _select_beams(self, group: SequenceGroup, beams: list[Seq]) -> list[Seq]:
+        """The next beams: each picks a parent at random; unpicked beams are pruned."""
+        width = len(beams)
+        children = [0] * width
+        for _ in range(width):
+            children[self.rng.randrange(width)] += 1
+        for beam, count in zip(beams, children, strict=True):
+            if count == 0:
+                self.scheduler.remove_seq(group, beam)
+        survivors = []
+        for beam, count in zip(beams, children, strict=True):
+            if count:
+                survivors.append(beam)
+                survivors += [
+                    self.scheduler.fork(group, beam, self._new_seq_id()) for _ in range(count - 1)
+                ]
+        return survivors
+
+    def _result(self, wall_s: float) -> SimResult:
+        stats = self.stats
+        prefix_hit_rate = None
+        if isinstance(self.manager, BlockManager) and self.config.enable_prefix_caching:
+            prefix_hit_rate = self.manager.prefix_cache_stats.hit_rate
+        return SimResult(
+            config=self.config,
+            num_requests=len(self.specs),
+            num_finished=len(self.outputs),
+            num_ignored=self.num_ignored,
+            num_steps=stats.num_steps,
+            simulated_s=self.clock,
+            wall_s=wall_s,
+            mean_running_seqs=stats.running_sum / max(stats.num_steps, 1),
+            peak_running_seqs=stats.running_peak,
+            num_preemptions=self.scheduler.num_preemptions,
+            output_tokens=sum(len(s) for seqs in self.outputs.values() for s in seqs),
+            mean_normalized_latency_s=_mean(self.normalized_latencies),
+            breakdown=None if self.sharing else stats.waiting_breakdown,
+            num_waiting_steps=stats.num_waiting_steps,
+            token_states_of_allocated=(
+                None if self.sharing else _ratio(stats.token_states, stats.allocated)
+            ),
+            sharing_saved=(
+                _ratio(stats.logical - stats.physical, stats.logical)
+                if isinstance(self.manager, BlockManager)
+                else None
+            ),
+            prefix_cache_hit_rate=prefix_hit_rate,
+            timeline=stats.timeline(),
+            outputs=self.outputs,
+        )
+
+
+@dataclass
+class _Stats:
+    """Per-step measurements, summed; the timeline keeps every step until downsampled."""
+
+    num_steps: int = 0
+    running_sum: int = 0
+    running_peak: int = 0
+    num_waiting_steps: int = 0
+    waiting_breakdown: MemoryBreakdown = field(default_factory=MemoryBreakdown)
+    token_states: int = 0
+    allocated: int = 0
+    logical: int = 0
+    physical: int = 0
+    points: list[tuple] = field(default_factory=list)
+
+    def add(
+        self,
+        clock: float,
+        num_running: int,
+        num_waiting: int,
+        breakdown: MemoryBreakdown | None,
+        logical: int,
+        physical: int,
+    ) -> None:
+        self.num_steps += 1
+        self.running_sum += num_running
+        self.running_peak = max(self.running_peak, num_running)
+        self.logical += logical
+        self.physical += physical
+        if breakdown is not None:
+            self.token_states += breakdown.token_states
+            self.allocated += breakdown.allocated
+            if num_waiting:
+                self.num_waiting_steps += 1
+                self.waiting_breakdown += breakdown
+        self.points.append((clock, num_running, num_waiting, breakdown, logical, physical))
+
+    def timeline(self) -> list[dict[str, float]]:
+        """At most TIMELINE_POINTS evenly spaced steps."""
+        stride = max(1, math.ceil(len(self.points) / TIMELINE_POINTS))
+        timeline = []
+        for clock, running, waiting, breakdown, logical, physical in self.points[::stride]:
+            point = {"time_s": clock, "running_seqs": running, "waiting": waiting}
+            if breakdown is not None:
+                point |= {f"{k}_pct": v for k, v in breakdown.percentages().items()}
+            if logical:
+                point["sharing_saved_pct"] = 100.0 * (logical - physical) / logical
+            timeline.append(point)
+        return timeline
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def _ratio(numerator: int, denominator: int) -> float | None:
+    return numerator / denominator if denominator else None
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dataset", default="sharegpt", choices=["sharegpt", "alpaca"])
+    parser.add_argument("--num-requests", type=int, default=10_000)
+    parser.add_argument("--request-rate", type=float, default=math.inf)
+    parser.add_argument("--allocator", default="jpaged", choices=ALLOCATORS)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--num-kv-slots", type=int, default=16384)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    requests = make_workload(
+        args.dataset, args.num_requests, request_rate=args.request_rate, seed=args.seed
+    )
+    config = SimConfig(
+        allocator=args.allocator, block_size=args.block_size, num_kv_slots=args.num_kv_slots
+    )
+    result = simulate(requests, config)
+    print(
+        f"{result.num_finished} {args.dataset}-like requests (synthetic fits to the paper's "
+        f"published mean lengths), {result.num_steps} steps, simulated in {result.wall_s:.1f} s"
+    )
+    print(json.dumps(result.summary(), default=str))
+
+
+if __name__ == "__main__":
+    main()
