@@ -1,0 +1,59 @@
+"""Paged attention in Pallas, with pure-JAX references.
+
+KV cache of one layer, for keys and for values alike:
+
+    [num_kv_heads, num_blocks, block_size, head_dim]
+
+Flat slot `s` is block `s // block_size`, offset `s % block_size`; block 0 is
+the reserved null block that padding points at.
+
+Why this layout:
+
+- Head outermost. A kernel instance serves one KV head, so every page it reads
+  lies in one [num_blocks, block_size, head_dim] slab and a page's address is
+  one multiply-add on its id. Sharding the cache over heads (tensor
+  parallelism) splits the leading axis.
+- A page of one head is one contiguous [block_size, head_dim] run. On TPU the
+  two minor dimensions are the (sublane, lane) plane of the (8, 128) memory
+  tiles (16 sublanes for bfloat16): head_dim spans the lanes, tokens the
+  sublanes. With block_size a multiple of 8 (bfloat16: 16) a page is a whole
+  number of tiles, so one DMA copies it with no padding or relayout and it lands
+  in VMEM as the key operand of the MXU matmul. (head_dim 64 leaves half of
+  every lane row empty; 128 fills it.) On GPU a key row is head_dim contiguous
+  elements (256 bytes in bfloat16 at head_dim 128) and the rows of a page follow
+  each other, so a warp's loads are whole 128-byte lines, and Triton's tile
+  loads need no shuffle (vLLM's CUDA kernel split head_dim into x-element
+  vectors for its own thread mapping; tile loads do not need that).
+- Keys and values in separate arrays: each kernel loop reads matching pages of
+  both, and writing a token touches num_kv_heads rows of head_dim in each.
+
+Public ops (all usable under jit with the cache donated):
+
+    paged_decode_attention   one new token per sequence
+    ragged_paged_attention   prefill, chunked prefill and mixed batches
+    write_kv                 store this step's K/V at slot_mapping
+"""
+
+from kernels_pallas.attention import (
+    IMPLEMENTATIONS,
+    default_implementation,
+    paged_decode_attention,
+    ragged_paged_attention,
+)
+from kernels_pallas.reference import (
+    paged_decode_attention_reference,
+    ragged_paged_attention_reference,
+    write_kv_reference,
+)
+from kernels_pallas.write_kv import write_kv
+
+__all__ = [
+    "IMPLEMENTATIONS",
+    "default_implementation",
+    "paged_decode_attention",
+    "paged_decode_attention_reference",
+    "ragged_paged_attention",
+    "ragged_paged_attention_reference",
+    "write_kv",
+    "write_kv_reference",
+]

@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 
 DEFAULT_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+# Full f32 products on every backend (TPUs and GPUs would otherwise round f32 matmuls).
+HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def write_kv_reference(
@@ -49,13 +51,15 @@ def _attend(q, k, v, mask, scale, soft_cap):
     num_q_heads, num_kv_heads = q.shape[1], k.shape[0]
     group = num_q_heads // num_kv_heads
     qg = q.astype(jnp.float32).reshape(q.shape[0], num_kv_heads, group, q.shape[-1])
-    scores = jnp.einsum("qhgd,hsd->hgqs", qg, k.astype(jnp.float32)) * scale
+    scores = jnp.einsum("qhgd,hsd->hgqs", qg, k.astype(jnp.float32), precision=HIGHEST) * scale
     if soft_cap is not None:
         scores = soft_cap * jnp.tanh(scores / soft_cap)
     scores = jnp.where(mask[None, None], scores, DEFAULT_MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1)
     probs = jnp.where(mask.any(-1)[None, None, :, None], probs, 0.0)
-    out = jnp.einsum("hgqs,hsd->qhgd", probs, v.astype(jnp.float32))
+    # Slots no query sees may hold anything, NaN included: 0 * NaN would leak.
+    v = jnp.where(mask.any(0)[None, :, None], v.astype(jnp.float32), 0.0)
+    out = jnp.einsum("hgqs,hsd->qhgd", probs, v, precision=HIGHEST)
     return out.reshape(q.shape)
 
 

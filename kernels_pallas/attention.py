@@ -1,0 +1,345 @@
+"""Public paged-attention ops: argument checks, tiling, and backend dispatch.
+
+Both ops cut the queries into tiles (tiles.py) and hand them to one of three
+implementations, picked by `jax.default_backend()` unless forced:
+
+    "tpu"        Mosaic kernel, scalar-prefetched tables, double-buffered page DMAs
+    "triton"     Triton kernel for GPUs; also the kernel interpreted on CPU
+    "reference"  the pure-JAX definition (reference.py), used on CPU
+
+`interpret=True` runs the chosen kernel in Pallas' interpret mode (on CPU the
+default choice becomes "triton"); a `pltpu.InterpretParams` selects the TPU
+kernel under TPU interpret mode, which also simulates DMAs and semaphores.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from kernels_pallas import reference, tiles, tpu_attention, triton_attention
+
+Implementation = Literal["tpu", "triton", "reference"]
+IMPLEMENTATIONS = ("tpu", "triton", "reference")
+# Kernel programs a decode step should have before key splitting stops paying:
+# a few per streaming multiprocessor of a large GPU.
+TRITON_TARGET_PROGRAMS = 512
+
+
+def default_implementation(interpret: bool | pltpu.InterpretParams) -> Implementation:
+    """The implementation for this process's default backend."""
+    if isinstance(interpret, pltpu.InterpretParams):
+        return "tpu"
+    backend = jax.default_backend()
+    if backend == "tpu":
+        return "tpu"
+    if backend == "gpu" or interpret:
+        return "triton"
+    return "reference"
+
+
+def _check_common(q, k_cache, v_cache, block_tables, context_lens, implementation, knobs):
+    if implementation not in (None, *IMPLEMENTATIONS):
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+    if k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            "k_cache and v_cache must both be [num_kv_heads, num_blocks, block_size, head_dim], "
+            f"got {k_cache.shape} and {v_cache.shape}"
+        )
+    if not jnp.issubdtype(q.dtype, jnp.floating) or not q.dtype == k_cache.dtype == v_cache.dtype:
+        raise TypeError(
+            "q, k_cache and v_cache must share one floating dtype (no silent casts), "
+            f"got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
+        )
+    num_kv_heads, _, _, head_dim = k_cache.shape
+    if q.shape[-1] != head_dim:
+        raise ValueError(f"q head_dim {q.shape[-1]} != cache head_dim {head_dim}")
+    if q.shape[1] % num_kv_heads:
+        raise ValueError(
+            f"num_q_heads {q.shape[1]} must be a multiple of num_kv_heads {num_kv_heads}"
+        )
+    batch = context_lens.shape[0]
+    if block_tables.ndim != 2 or block_tables.shape[0] != batch or context_lens.ndim != 1:
+        raise ValueError(
+            f"block_tables must be [B, max_blocks] and context_lens [B], got "
+            f"{block_tables.shape} and {context_lens.shape}"
+        )
+    for name, array in (("block_tables", block_tables), ("context_lens", context_lens)):
+        if array.dtype != jnp.int32:
+            raise TypeError(f"{name} must be int32, got {array.dtype}")
+    for name, value in knobs.items():
+        if value is not None and value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+
+
+def _check_kernel_shapes(implementation, dtype, block_size, head_dim, pages_per_chunk, block_q):
+    if block_q & (block_q - 1):
+        raise ValueError(f"block_q must be a power of two, got {block_q}")
+    if implementation == "triton":
+        for name, value in (
+            ("block_size", block_size),
+            ("head_dim", head_dim),
+            ("pages_per_chunk", pages_per_chunk),
+        ):
+            if value & (value - 1):
+                raise ValueError(f"the Triton kernel needs {name} a power of two, got {value}")
+        if pages_per_chunk * block_size < triton_attention.MIN_CHUNK:
+            raise ValueError(
+                f"the Triton kernel needs pages_per_chunk * block_size >= "
+                f"{triton_attention.MIN_CHUNK}, got {pages_per_chunk} * {block_size}"
+            )
+    if implementation == "tpu" and block_size % tpu_attention.sublane_count(dtype):
+        raise ValueError(
+            f"the TPU kernel needs block_size a multiple of "
+            f"{tpu_attention.sublane_count(dtype)} for {jnp.dtype(dtype).name}, got {block_size}"
+        )
+
+
+def _default_pages_per_chunk(implementation: str, block_size: int, max_blocks: int) -> int:
+    """Pages per chunk: enough tokens per chunk, no more pages than a table row holds."""
+    if implementation == "tpu":
+        return max(1, min(tpu_attention.DEFAULT_CHUNK_TOKENS // block_size, max_blocks))
+    wanted = max(1, triton_attention.DEFAULT_CHUNK_TOKENS // block_size)
+    needed = max(1, triton_attention.MIN_CHUNK // block_size)
+    return max(needed, min(wanted, pl.next_power_of_2(max_blocks)))
+
+
+def _default_num_kv_splits(implementation: str, num_programs: int, max_chunks: int) -> int:
+    """Key splits for decode: only the GPU gains, when batch * heads leaves SMs idle."""
+    if implementation != "triton":
+        return 1
+    splits = 1
+    while num_programs * splits < TRITON_TARGET_PROGRAMS and splits * 2 <= max_chunks:
+        splits *= 2
+    return splits
+
+
+def _run_kernel(
+    implementation,
+    q_tiles,
+    k_cache,
+    v_cache,
+    block_tables,
+    query_tiles,
+    *,
+    group,
+    block_q,
+    scale,
+    soft_cap,
+    pages_per_chunk,
+    num_kv_splits,
+    interpret,
+):
+    """Pad the block tables to whole chunks (null block 0) and run the kernel."""
+    max_blocks = block_tables.shape[1]
+    padded = pl.cdiv(max_blocks, pages_per_chunk) * pages_per_chunk
+    block_tables = jnp.pad(block_tables, ((0, 0), (0, padded - max_blocks)))
+    module = tpu_attention if implementation == "tpu" else triton_attention
+    return module.tile_attention(
+        q_tiles,
+        k_cache,
+        v_cache,
+        block_tables,
+        query_tiles,
+        group=group,
+        block_q=block_q,
+        scale=scale,
+        soft_cap=soft_cap,
+        pages_per_chunk=pages_per_chunk,
+        num_splits=num_kv_splits,
+        interpret=interpret,
+    )
+
+
+def _min_rows(implementation: str) -> int:
+    return tpu_attention.MIN_ROWS if implementation == "tpu" else triton_attention.MIN_ROWS
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "scale",
+        "soft_cap",
+        "implementation",
+        "interpret",
+        "pages_per_chunk",
+        "num_kv_splits",
+    ),
+)
+def paged_decode_attention(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    block_tables: jax.Array,
+    context_lens: jax.Array,
+    *,
+    scale: float | None = None,
+    soft_cap: float | None = None,
+    implementation: Implementation | None = None,
+    interpret: bool | pltpu.InterpretParams = False,
+    pages_per_chunk: int | None = None,
+    num_kv_splits: int | None = None,
+) -> jax.Array:
+    """Attention of one new token per sequence to its paged KV cache.
+
+    q:            [B, Hq, D]   (Hq a multiple of Hkv), dtype of the cache
+    k/v_cache:    [Hkv, num_blocks, block_size, D]
+    block_tables: int32 [B, max_blocks]  physical block of each logical block
+    context_lens: int32 [B]    cached tokens including this one; 0 for padding
+                  rows, whose output is 0
+    scale:        score scale, default D ** -0.5
+    soft_cap:     if set, scores become soft_cap * tanh(scores / soft_cap)
+    implementation, interpret: see the module docstring.
+    pages_per_chunk: pages each kernel loop iteration reads (kernels only).
+    num_kv_splits:   key splits per sequence, merged afterwards (kernels only).
+    returns       [B, Hq, D] in q.dtype.
+    """
+    if q.ndim != 3 or q.shape[0] != context_lens.shape[0]:
+        raise ValueError(f"q must be [B, Hq, D] with B = {context_lens.shape[0]}, got {q.shape}")
+    knobs = {"pages_per_chunk": pages_per_chunk, "num_kv_splits": num_kv_splits}
+    _check_common(q, k_cache, v_cache, block_tables, context_lens, implementation, knobs)
+    implementation = implementation or default_implementation(interpret)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if implementation == "reference":
+        return reference.paged_decode_attention_reference(
+            q, k_cache, v_cache, block_tables, context_lens, scale=scale, soft_cap=soft_cap
+        )
+    num_kv_heads, _, block_size, head_dim = k_cache.shape
+    max_blocks = block_tables.shape[1]
+    pages_per_chunk = pages_per_chunk or _default_pages_per_chunk(
+        implementation, block_size, max_blocks
+    )
+    _check_kernel_shapes(implementation, q.dtype, block_size, head_dim, pages_per_chunk, 1)
+    num_kv_splits = num_kv_splits or _default_num_kv_splits(
+        implementation, q.shape[0] * num_kv_heads, pl.cdiv(max_blocks, pages_per_chunk)
+    )
+    group = q.shape[1] // num_kv_heads
+    query_tiles = tiles.decode_tiles(context_lens)
+    rows = tiles.tile_rows(group, 1, _min_rows(implementation))
+    q_tiles = tiles.gather_query_tiles(q, query_tiles, num_kv_heads, 1, rows)
+    out_tiles = _run_kernel(
+        implementation,
+        q_tiles,
+        k_cache,
+        v_cache,
+        block_tables,
+        query_tiles,
+        group=group,
+        block_q=1,
+        scale=scale,
+        soft_cap=soft_cap,
+        pages_per_chunk=pages_per_chunk,
+        num_kv_splits=num_kv_splits,
+        interpret=interpret,
+    )
+    return tiles.scatter_output_tiles(out_tiles, query_tiles, q.shape[0], group, 1)
+
+
+def _default_block_q(implementation: str, group: int, num_tokens: int) -> int:
+    """Tokens per tile: fill about one MXU pass (TPU) or a 64-row tile (GPU)."""
+    target_rows = 128 if implementation == "tpu" else 64
+    block_q = max(1, target_rows // pl.next_power_of_2(group))
+    return min(block_q, pl.next_power_of_2(num_tokens))
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "scale",
+        "soft_cap",
+        "implementation",
+        "interpret",
+        "block_q",
+        "pages_per_chunk",
+        "num_kv_splits",
+    ),
+)
+def ragged_paged_attention(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    block_tables: jax.Array,
+    context_lens: jax.Array,
+    query_start_loc: jax.Array,
+    *,
+    scale: float | None = None,
+    soft_cap: float | None = None,
+    implementation: Implementation | None = None,
+    interpret: bool | pltpu.InterpretParams = False,
+    block_q: int | None = None,
+    pages_per_chunk: int | None = None,
+    num_kv_splits: int = 1,
+) -> jax.Array:
+    """Causal attention of a flat run of new tokens from several sequences.
+
+    Sequence i owns tokens query_start_loc[i]:query_start_loc[i + 1]; they sit
+    at the last q_len positions of its context_lens[i] cached tokens (their K/V
+    are already written) and each sees every cached position up to its own.
+    Prefill, chunked prefill, decode and any mix of them are this one op.
+
+    q:               [T, Hq, D]  (Hq a multiple of Hkv), dtype of the cache
+    k/v_cache:       [Hkv, num_blocks, block_size, D]
+    block_tables:    int32 [B, max_blocks]
+    context_lens:    int32 [B]
+    query_start_loc: int32 [B + 1], non-decreasing, query_start_loc[-1] <= T
+    scale, soft_cap, implementation, interpret: as paged_decode_attention.
+    block_q:         tokens per query tile, a power of two (kernels only).
+    pages_per_chunk, num_kv_splits: as paged_decode_attention.
+    returns          [T, Hq, D] in q.dtype; tokens owned by no sequence get 0.
+    """
+    if q.ndim != 3:
+        raise ValueError(f"q must be [T, Hq, D], got {q.shape}")
+    if query_start_loc.shape != (context_lens.shape[0] + 1,):
+        raise ValueError(
+            f"query_start_loc must be [B + 1] = [{context_lens.shape[0] + 1}], "
+            f"got {query_start_loc.shape}"
+        )
+    if query_start_loc.dtype != jnp.int32:
+        raise TypeError(f"query_start_loc must be int32, got {query_start_loc.dtype}")
+    knobs = {"block_q": block_q, "pages_per_chunk": pages_per_chunk, "num_kv_splits": num_kv_splits}
+    _check_common(q, k_cache, v_cache, block_tables, context_lens, implementation, knobs)
+    implementation = implementation or default_implementation(interpret)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if implementation == "reference":
+        return reference.ragged_paged_attention_reference(
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            context_lens,
+            query_start_loc,
+            scale=scale,
+            soft_cap=soft_cap,
+        )
+    num_tokens, num_q_heads, _ = q.shape
+    num_kv_heads, _, block_size, head_dim = k_cache.shape
+    group = num_q_heads // num_kv_heads
+    block_q = block_q or _default_block_q(implementation, group, num_tokens)
+    pages_per_chunk = pages_per_chunk or _default_pages_per_chunk(
+        implementation, block_size, block_tables.shape[1]
+    )
+    _check_kernel_shapes(implementation, q.dtype, block_size, head_dim, pages_per_chunk, block_q)
+    query_tiles = tiles.ragged_tiles(context_lens, query_start_loc, num_tokens, block_q)
+    rows = tiles.tile_rows(group, block_q, _min_rows(implementation))
+    q_tiles = tiles.gather_query_tiles(q, query_tiles, num_kv_heads, block_q, rows)
+    out_tiles = _run_kernel(
+        implementation,
+        q_tiles,
+        k_cache,
+        v_cache,
+        block_tables,
+        query_tiles,
+        group=group,
+        block_q=block_q,
+        scale=scale,
+        soft_cap=soft_cap,
+        pages_per_chunk=pages_per_chunk,
+        num_kv_splits=num_kv_splits,
+        interpret=interpret,
+    )
+    return tiles.scatter_output_tiles(out_tiles, query_tiles, num_tokens, group, block_q)

@@ -1,0 +1,147 @@
+"""Online softmax over chunks of keys: the arithmetic every kernel shares.
+
+A kernel instance owns `rows` query rows (one query tile for one KV head) and
+visits the keys chunk by chunk, keeping flash-attention state in f32:
+
+    row_max [rows, 1]  running max of the scores
+    row_sum [rows, 1]  running sum of exp(score - row_max)
+    acc     [rows, D]  running sum of exp(score - row_max) * v
+
+State is 2-D so that Mosaic keeps it in vector registers; the same jnp code
+lowers through Triton. Masking is NaN-proof: keys past a row's position get
+MASK_VALUE before the max and probability exactly 0 after it, and values past
+the tile's last position are zeroed before the second matmul (0 * NaN would be
+NaN), so whatever sits in unused slots of a page never reaches the output.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from kernels_pallas.reference import DEFAULT_MASK_VALUE
+
+AttentionState = tuple[jax.Array, jax.Array, jax.Array]
+
+
+def initial_state(rows: int, head_dim: int) -> AttentionState:
+    """(row_max, row_sum, acc) before any key: f32 [rows, 1], [rows, 1], [rows, head_dim]."""
+    return (
+        jnp.full((rows, 1), DEFAULT_MASK_VALUE, jnp.float32),
+        jnp.zeros((rows, 1), jnp.float32),
+        jnp.zeros((rows, head_dim), jnp.float32),
+    )
+
+
+def row_positions(
+    first_pos: jax.Array, num_tokens: jax.Array, rows: int, group: int, block_q: int
+) -> tuple[jax.Array, jax.Array]:
+    """Sequence position and validity of each query row of a tile (layout: tiles.py).
+
+    first_pos, num_tokens: int32 scalars of the tile.
+    returns (position int32 [rows, 1], valid bool [rows, 1]).
+    """
+    row = lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
+    token = jnp.bitwise_and(row, block_q - 1)
+    valid = (row < group * block_q) & (token < num_tokens)
+    return first_pos + token, valid
+
+
+def attend_chunk(
+    state: AttentionState,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    kv_start: jax.Array,
+    kv_len: jax.Array,
+    row_pos: jax.Array,
+    row_valid: jax.Array,
+    *,
+    scale: float,
+    soft_cap: float | None,
+) -> AttentionState:
+    """Fold one chunk of keys into the state.
+
+    q:         [rows, D]    query rows (dtype of the cache)
+    k, v:      [chunk, D]   keys/values of positions kv_start .. kv_start + chunk - 1
+    kv_start:  int32 scalar, position of the chunk's first key
+    kv_len:    int32 scalar, keys at positions >= kv_len are not in the sequence
+    row_pos:   int32 [rows, 1] position of each query row (it sees keys <= it)
+    row_valid: bool  [rows, 1]
+    """
+    max_prev, sum_prev, acc_prev = state
+    chunk = k.shape[0]
+    # f32 inputs keep full f32 products: TPU and Triton would otherwise use bf16
+    # passes or TF32 for f32 matmuls.
+    precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else lax.Precision.DEFAULT
+    scores = lax.dot_general(
+        q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+    )
+    scores = scores * scale
+    if soft_cap is not None:
+        scores = soft_cap * jnp.tanh(scores / soft_cap)
+    key_pos = kv_start + lax.broadcasted_iota(jnp.int32, (1, chunk), 1)
+    visible = (key_pos <= row_pos) & row_valid
+    scores = jnp.where(visible, scores, DEFAULT_MASK_VALUE)
+
+    max_next = jnp.maximum(max_prev, scores.max(axis=1, keepdims=True))
+    correction = jnp.exp(max_prev - max_next)
+    probs = jnp.where(visible, jnp.exp(scores - max_next), 0.0)
+    sum_next = correction * sum_prev + probs.sum(axis=1, keepdims=True)
+
+    value_pos = kv_start + lax.broadcasted_iota(jnp.int32, (chunk, 1), 0)
+    v = jnp.where(value_pos < kv_len, v, jnp.zeros_like(v))
+    pv = lax.dot_general(
+        probs.astype(v.dtype),
+        v,
+        (((1,), (0,)), ((), ())),
+        precision=precision,
+        preferred_element_type=jnp.float32,
+    )
+    return max_next, sum_next, correction * acc_prev + pv
+
+
+def normalize(state: AttentionState, dtype: jnp.dtype) -> jax.Array:
+    """acc / row_sum as [rows, D] in dtype; rows that saw no key give 0."""
+    _, row_sum, acc = state
+    return _divide(acc, row_sum).astype(dtype)
+
+
+def combine_splits(split_states: AttentionState, dtype: jnp.dtype) -> jax.Array:
+    """Merge the states of S key splits (flash-decoding), outside the kernel.
+
+    split_states: (row_max, row_sum, acc), f32 [S, ..., 1], [S, ..., 1], [S, ..., D]
+    returns [..., D] in dtype.
+    """
+    row_max, row_sum, acc = split_states
+    weight = jnp.exp(row_max - row_max.max(axis=0))
+    return _divide((weight * acc).sum(axis=0), (weight * row_sum).sum(axis=0)).astype(dtype)
+
+
+def _divide(acc: jax.Array, row_sum: jax.Array) -> jax.Array:
+    """acc / row_sum, with 0 where row_sum is 0 (no key was visible)."""
+    return acc / jnp.where(row_sum == 0.0, 1.0, row_sum)
+
+
+def split_chunk_range(
+    kv_len: jax.Array, split: jax.Array, num_splits: int, chunk: int
+) -> tuple[jax.Array, jax.Array]:
+    """Chunks [first, last) of a kv_len-key sequence that key split `split` visits.
+
+    Chunk c holds key positions c * chunk .. (c + 1) * chunk - 1; the chunks are
+    dealt out in contiguous runs, so last <= first for splits with no work.
+    """
+    num_chunks = ceil_div(kv_len, chunk)
+    per_split = ceil_div(num_chunks, num_splits)
+    first = split * per_split
+    return first, jnp.minimum(first + per_split, num_chunks)
+
+
+def ceil_div(a: jax.Array, b: int) -> jax.Array:
+    """ceil(a / b) for non-negative int32 a, as one truncating division.
+
+    jnp's `//` rounds towards -inf through a sign op that Mosaic cannot lower
+    without knowing the chip.
+    """
+    return lax.div(a + (b - 1), b)

@@ -1,0 +1,204 @@
+"""Paged attention over query tiles for TPUs (Pallas' Mosaic backend).
+
+One grid step per (query tile, KV head, key split). The tile metadata and the
+flattened block tables arrive by scalar prefetch, so they sit in SMEM before the
+step starts and page ids are plain scalar loads. The KV cache stays in HBM
+(`memory_space=ANY`); the step copies `pages_per_chunk` pages at a time into a
+VMEM buffer with one DMA per page (pages of a sequence are scattered over the
+pool, so one copy cannot cover two). Two buffers alternate: while the MXU works
+on chunk c, the DMAs of chunk c + 1 are in flight. Pages past the sequence's
+last one are never copied; their buffer rows hold stale data, which the online
+softmax masks (online_softmax.py).
+
+Page ids and lengths are clamped into range before any DMA, so a malformed
+block table reads a wrong page, never outside the pool.
+
+Mosaic tiles the last two dimensions of VMEM arrays by (8, 128) for 32-bit
+types and (16, 128) for 16-bit ones; a chunk [pages_per_chunk, block_size, D]
+reshapes to [chunk, D] for free only when block_size is a multiple of that
+sublane count, hence the block_size rule of this variant.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from kernels_pallas import online_softmax
+from kernels_pallas.tiles import QueryTiles
+
+MIN_ROWS = 8
+DEFAULT_CHUNK_TOKENS = 512
+
+
+def sublane_count(dtype: jnp.dtype) -> int:
+    """Rows of one Mosaic (sublane, lane) tile for dtype: 8 for 32-bit, 16 for 16-bit."""
+    return 8 * 4 // jnp.dtype(dtype).itemsize
+
+
+def _kernel(
+    seq_ref,
+    first_pos_ref,
+    num_tokens_ref,
+    block_tables_ref,
+    q_ref,
+    k_hbm_ref,
+    v_hbm_ref,
+    *refs,
+    group: int,
+    block_q: int,
+    pages_per_chunk: int,
+    pages_per_seq: int,
+    num_splits: int,
+    scale: float,
+    soft_cap: float | None,
+):
+    *out_refs, k_buf, v_buf, sems = refs
+    tile, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    seq = seq_ref[tile]
+    first_pos = first_pos_ref[tile]
+    num_tokens = num_tokens_ref[tile]
+    rows, head_dim = q_ref.shape
+    num_blocks, block_size = k_hbm_ref.shape[1], k_hbm_ref.shape[2]
+    chunk = pages_per_chunk * block_size
+    kv_len = jnp.where(num_tokens > 0, first_pos + num_tokens, 0)
+    kv_len = jnp.clip(kv_len, 0, pages_per_seq * block_size)
+    num_pages = online_softmax.ceil_div(kv_len, block_size)
+
+    def page_copies(c, slot, j):
+        """K and V copies of page j of chunk c into buffer slot."""
+        page = c * pages_per_chunk + j
+        page_id = jnp.clip(block_tables_ref[seq * pages_per_seq + page], 0, num_blocks - 1)
+        return (
+            pltpu.make_async_copy(k_hbm_ref.at[head, page_id], k_buf.at[slot, j], sems.at[0, slot]),
+            pltpu.make_async_copy(v_hbm_ref.at[head, page_id], v_buf.at[slot, j], sems.at[1, slot]),
+        )
+
+    def for_each_page(c, slot, action):
+        """Start or wait the copies of chunk c's pages that hold part of the sequence."""
+        pages = jnp.clip(num_pages - c * pages_per_chunk, 0, pages_per_chunk)
+
+        def one_page(j, carry):
+            for copy in page_copies(c, slot, j):
+                getattr(copy, action)()
+            return carry
+
+        lax.fori_loop(0, pages, one_page, 0)
+
+    row_pos, row_valid = online_softmax.row_positions(first_pos, num_tokens, rows, group, block_q)
+    q = q_ref[...]
+    first, last = online_softmax.split_chunk_range(kv_len, split, num_splits, chunk)
+
+    def visit_chunk(c, state):
+        slot = lax.rem(c - first, 2)
+
+        @pl.when(c + 1 < last)
+        def _():
+            for_each_page(c + 1, 1 - slot, "start")
+
+        for_each_page(c, slot, "wait")
+        k = k_buf[slot].reshape(chunk, head_dim)
+        v = v_buf[slot].reshape(chunk, head_dim)
+        return online_softmax.attend_chunk(
+            state, q, k, v, c * chunk, kv_len, row_pos, row_valid, scale=scale, soft_cap=soft_cap
+        )
+
+    @pl.when(first < last)
+    def _():
+        for_each_page(first, 0, "start")
+
+    state = lax.fori_loop(first, last, visit_chunk, online_softmax.initial_state(rows, head_dim))
+    if num_splits == 1:
+        (out_ref,) = out_refs
+        out_ref[...] = online_softmax.normalize(state, out_ref.dtype)
+    else:
+        for ref, value in zip(out_refs, state, strict=True):
+            ref[...] = value
+
+
+def tile_attention(
+    q_tiles: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    block_tables: jax.Array,
+    tiles: QueryTiles,
+    *,
+    group: int,
+    block_q: int,
+    scale: float,
+    soft_cap: float | None,
+    pages_per_chunk: int,
+    num_splits: int,
+    interpret: bool | pltpu.InterpretParams,
+) -> jax.Array:
+    """Attention of every query tile through its sequence's block table.
+
+    q_tiles:      [NT, Hkv, rows, D]  (layout: tiles.py)
+    k/v_cache:    [Hkv, num_blocks, block_size, D], block_size a multiple of
+                  sublane_count(dtype)
+    block_tables: int32 [B, max_blocks], max_blocks a multiple of pages_per_chunk
+    tiles:        QueryTiles of NT tiles
+    returns       [NT, Hkv, rows, D] in q_tiles.dtype.
+    """
+    num_tiles, num_kv_heads, rows, head_dim = q_tiles.shape
+    block_size = k_cache.shape[2]
+    pages_per_seq = block_tables.shape[1]
+    kernel = functools.partial(
+        _kernel,
+        group=group,
+        block_q=block_q,
+        pages_per_chunk=pages_per_chunk,
+        pages_per_seq=pages_per_seq,
+        num_splits=num_splits,
+        scale=scale,
+        soft_cap=soft_cap,
+    )
+    q_spec = pl.BlockSpec((None, None, rows, head_dim), lambda t, h, s, *_: (t, h, 0, 0))
+    if num_splits == 1:
+        out_shape = jax.ShapeDtypeStruct(q_tiles.shape, q_tiles.dtype)
+        out_specs = q_spec
+    else:
+        split_shape = (num_splits, num_tiles, num_kv_heads, rows)
+        out_shape = [
+            jax.ShapeDtypeStruct((*split_shape, 1), jnp.float32),
+            jax.ShapeDtypeStruct((*split_shape, 1), jnp.float32),
+            jax.ShapeDtypeStruct((*split_shape, head_dim), jnp.float32),
+        ]
+        out_specs = [
+            pl.BlockSpec((None, None, None, rows, width), lambda t, h, s, *_: (s, t, h, 0, 0))
+            for width in (1, 1, head_dim)
+        ]
+    page_buffer = pltpu.VMEM((2, pages_per_chunk, block_size, head_dim), k_cache.dtype)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=4,
+        grid=(num_tiles, num_kv_heads, num_splits),
+        in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=out_specs,
+        scratch_shapes=[page_buffer, page_buffer, pltpu.SemaphoreType.DMA((2, 2))],
+    )
+    out = pl.pallas_call(
+        kernel,
+        grid_spec=grid_spec,
+        out_shape=out_shape,
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "parallel")
+        ),
+        interpret=interpret,
+        name="paged_attention_tpu",
+    )(
+        tiles.seq,
+        tiles.first_pos,
+        tiles.num_tokens,
+        block_tables.reshape(-1),
+        q_tiles,
+        k_cache,
+        v_cache,
+    )
+    if num_splits == 1:
+        return out
+    return online_softmax.combine_splits(tuple(out), q_tiles.dtype)

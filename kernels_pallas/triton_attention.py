@@ -1,0 +1,147 @@
+"""Paged attention over query tiles for GPUs (Pallas' Triton backend).
+
+One program per (query tile, KV head, key split). It reads its tile's block
+table row a chunk of `pages_per_chunk` page ids at a time and loads those pages
+with one gather (`k_cache[head, page_ids]`), which Triton turns into pointer
+arithmetic: within a page the `block_size * head_dim` elements of one head are
+contiguous, so every warp reads whole 128-byte lines. Splitting the keys
+(flash-decoding) keeps the GPU busy when batch * num_kv_heads is small.
+
+Why Triton and not Mosaic GPU: in jax 0.10 through 0.12 `pl.pallas_call` with
+`plgpu.CompilerParams` lowers through Triton on every CUDA GPU from Ampere
+on and runs in plain interpret mode, whereas Mosaic GPU needs Hopper or newer and
+its own kernel API. The Triton backend is deprecated from jax 0.11 (it warns) but
+still lowers in 0.12.
+
+Triton's constraints shape the knobs: tensor dimensions must be powers of two
+(block_size, head_dim, pages_per_chunk, rows) and every matmul dimension at
+least 16 (rows >= 16 and pages_per_chunk * block_size >= 16).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from kernels_pallas import online_softmax
+from kernels_pallas.tiles import QueryTiles
+
+MIN_ROWS = 16
+MIN_CHUNK = 16
+DEFAULT_CHUNK_TOKENS = 128
+
+
+def _kernel(
+    seq_ref,
+    first_pos_ref,
+    num_tokens_ref,
+    block_tables_ref,
+    q_ref,
+    k_cache_ref,
+    v_cache_ref,
+    *out_refs,
+    group: int,
+    block_q: int,
+    pages_per_chunk: int,
+    num_splits: int,
+    scale: float,
+    soft_cap: float | None,
+):
+    tile, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    seq = seq_ref[tile]
+    first_pos = first_pos_ref[tile]
+    num_tokens = num_tokens_ref[tile]
+    rows, head_dim = q_ref.shape
+    num_blocks, block_size = k_cache_ref.shape[1], k_cache_ref.shape[2]
+    chunk = pages_per_chunk * block_size
+    kv_len = jnp.where(num_tokens > 0, first_pos + num_tokens, 0)
+    kv_len = jnp.clip(kv_len, 0, block_tables_ref.shape[1] * block_size)
+    row_pos, row_valid = online_softmax.row_positions(first_pos, num_tokens, rows, group, block_q)
+    q = q_ref[...]
+
+    def visit_chunk(c, state):
+        page_ids = block_tables_ref[seq, pl.ds(c * pages_per_chunk, pages_per_chunk)]
+        page_ids = jnp.clip(page_ids, 0, num_blocks - 1)
+        k = k_cache_ref[head, page_ids].reshape(chunk, head_dim)
+        v = v_cache_ref[head, page_ids].reshape(chunk, head_dim)
+        return online_softmax.attend_chunk(
+            state, q, k, v, c * chunk, kv_len, row_pos, row_valid, scale=scale, soft_cap=soft_cap
+        )
+
+    first, last = online_softmax.split_chunk_range(kv_len, split, num_splits, chunk)
+    state = lax.fori_loop(first, last, visit_chunk, online_softmax.initial_state(rows, head_dim))
+    if num_splits == 1:
+        (out_ref,) = out_refs
+        out_ref[...] = online_softmax.normalize(state, out_ref.dtype)
+    else:
+        for ref, value in zip(out_refs, state, strict=True):
+            ref[...] = value
+
+
+def tile_attention(
+    q_tiles: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    block_tables: jax.Array,
+    tiles: QueryTiles,
+    *,
+    group: int,
+    block_q: int,
+    scale: float,
+    soft_cap: float | None,
+    pages_per_chunk: int,
+    num_splits: int,
+    interpret: bool,
+) -> jax.Array:
+    """Attention of every query tile through its sequence's block table.
+
+    q_tiles:      [NT, Hkv, rows, D]  (layout: tiles.py)
+    k/v_cache:    [Hkv, num_blocks, block_size, D]
+    block_tables: int32 [B, max_blocks], max_blocks a multiple of pages_per_chunk
+    tiles:        QueryTiles of NT tiles
+    returns       [NT, Hkv, rows, D] in q_tiles.dtype.
+    """
+    num_tiles, num_kv_heads, rows, head_dim = q_tiles.shape
+    kernel = functools.partial(
+        _kernel,
+        group=group,
+        block_q=block_q,
+        pages_per_chunk=pages_per_chunk,
+        num_splits=num_splits,
+        scale=scale,
+        soft_cap=soft_cap,
+    )
+    whole = pl.BlockSpec()
+    q_spec = pl.BlockSpec((None, None, rows, head_dim), lambda t, h, s: (t, h, 0, 0))
+    if num_splits == 1:
+        out_shape = jax.ShapeDtypeStruct(q_tiles.shape, q_tiles.dtype)
+        out_specs = q_spec
+    else:
+        split_shape = (num_splits, num_tiles, num_kv_heads, rows)
+        out_shape = [
+            jax.ShapeDtypeStruct((*split_shape, 1), jnp.float32),
+            jax.ShapeDtypeStruct((*split_shape, 1), jnp.float32),
+            jax.ShapeDtypeStruct((*split_shape, head_dim), jnp.float32),
+        ]
+        out_specs = [
+            pl.BlockSpec((None, None, None, rows, width), lambda t, h, s: (s, t, h, 0, 0))
+            for width in (1, 1, head_dim)
+        ]
+    out = pl.pallas_call(
+        kernel,
+        grid=(num_tiles, num_kv_heads, num_splits),
+        in_specs=[whole, whole, whole, whole, q_spec, whole, whole],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
+        interpret=interpret,
+        name="paged_attention_triton",
+    )(tiles.seq, tiles.first_pos, tiles.num_tokens, block_tables, q_tiles, k_cache, v_cache)
+    if num_splits == 1:
+        return out
+    return online_softmax.combine_splits(tuple(out), q_tiles.dtype)

@@ -1,0 +1,52 @@
+"""Writing this step's K/V into the paged cache.
+
+The cache is viewed as [Hkv, num_blocks * block_size, D] (a free reshape of
+the page layout) and the new rows are scattered at their flat slots. Inside a
+jitted step that donates the cache, XLA performs the scatter in place: it
+touches only the T * Hkv rows written, never the pool.
+
+A Pallas kernel with `input_output_aliases` can do the same in-place writes;
+benchmarks/kernels.py measures one against this scatter. The scatter stays: it
+is one fused op on every backend, it needs no per-backend kernel, and it was
+the faster of the two where measured (see the benchmark's JSON).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def write_kv(
+    k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Store new keys and values at their cache slots.
+
+    k_cache, v_cache: [Hkv, num_blocks, block_size, D]
+    k, v:             [T, Hkv, D], cast to the cache dtype
+    slot_mapping:     int32 [T], flat slot block * block_size + offset; padding
+                      tokens point into the null block 0. Slots outside the
+                      pool are dropped.
+    returns the updated (k_cache, v_cache); donate the caches to update in place.
+    """
+    if k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            "k_cache and v_cache must both be [num_kv_heads, num_blocks, block_size, head_dim], "
+            f"got {k_cache.shape} and {v_cache.shape}"
+        )
+    if slot_mapping.ndim != 1 or slot_mapping.dtype != jnp.int32:
+        raise TypeError(
+            f"slot_mapping must be int32 [T], got {slot_mapping.dtype} {slot_mapping.shape}"
+        )
+    num_kv_heads, num_blocks, block_size, head_dim = k_cache.shape
+    expected = (slot_mapping.shape[0], num_kv_heads, head_dim)
+    if k.shape != expected or v.shape != expected:
+        raise ValueError(f"k and v must be [T, Hkv, D] = {expected}, got {k.shape} and {v.shape}")
+    flat_shape = (num_kv_heads, num_blocks * block_size, head_dim)
+
+    def scatter(cache, new):
+        rows = new.swapaxes(0, 1).astype(cache.dtype)
+        flat = cache.reshape(flat_shape).at[:, slot_mapping].set(rows, mode="drop")
+        return flat.reshape(cache.shape)
+
+    return scatter(k_cache, k), scatter(v_cache, v)
