@@ -1,0 +1,124 @@
+"""The model-free simulator: no token lost under pressure, the paper's orderings, sharing."""
+
+from __future__ import annotations
+
+import pytest
+
+from experiments.simulator import SimConfig, simulate
+from experiments.workloads import make_workload
+
+
+def output_lengths_match(result, requests) -> bool:
+    return all(
+        len(result.outputs[r.request_id]) == r.n
+        and all(len(tokens) == r.output_len for tokens in result.outputs[r.request_id])
+        for r in requests
+    )
+
+
+@pytest.mark.parametrize(
+    "pressure",
+    [
+        SimConfig(num_kv_slots=512, max_num_batched_tokens=256),
+        SimConfig(num_kv_slots=512, block_size=8, enable_chunked_prefill=False),
+        SimConfig(num_kv_slots=512, preemption_mode="swap", num_host_slots=4096),
+        SimConfig(num_kv_slots=512, enable_prefix_caching=True, block_size=4),
+    ],
+)
+def test_memory_pressure_changes_no_output(pressure):
+    requests = [
+        r for r in make_workload("alpaca", 120, request_rate=50.0, seed=1) if r.total_len <= 300
+    ]
+    roomy = simulate(requests, SimConfig(num_kv_slots=1 << 16))
+    pressed = simulate(requests, pressure)
+    assert roomy.num_preemptions == 0 and pressed.num_preemptions > 0
+    assert pressed.num_finished == len(requests) and pressed.num_ignored == 0
+    assert output_lengths_match(pressed, requests)
+    assert pressed.outputs == roomy.outputs
+
+
+def test_a_request_that_cannot_fit_is_ignored_and_the_rest_finish():
+    requests = make_workload("alpaca", 120, request_rate=50.0, seed=1)
+    too_long = [r.request_id for r in requests if r.total_len > 512]
+    result = simulate(requests, SimConfig(num_kv_slots=512))
+    assert len(too_long) == result.num_ignored == 1
+    assert result.num_finished == len(requests) - 1 and too_long[0] not in result.outputs
+
+
+@pytest.mark.parametrize("beam_search", [False, True])
+def test_parallel_samples_and_beams_share_blocks(beam_search):
+    requests = make_workload("alpaca", 60, n=4, beam_search=beam_search, seed=2)
+    result = simulate(requests, SimConfig(num_kv_slots=4096))
+    assert result.num_finished == len(requests)
+    assert output_lengths_match(result, requests)
+    assert 0.0 < result.sharing_saved < 1.0
+    assert result.breakdown is None
+
+
+def test_beams_save_more_than_parallel_samples():
+    saved = {
+        beam: simulate(make_workload("alpaca", 60, n=4, beam_search=beam, seed=2)).sharing_saved
+        for beam in (False, True)
+    }
+    assert saved[True] > saved[False]
+
+
+def test_beam_search_survives_pressure():
+    requests = make_workload("alpaca", 40, n=4, beam_search=True, seed=3)
+    result = simulate(requests, SimConfig(num_kv_slots=1024))
+    assert result.num_preemptions > 0
+    assert output_lengths_match(result, requests)
+
+
+def test_figure2_orderings_on_sharegpt():
+    requests = make_workload("sharegpt", 150, seed=0)
+    results = {
+        allocator: simulate(requests, SimConfig(allocator=allocator))
+        for allocator in ("orca-max", "orca-pow2", "orca-oracle", "jpaged")
+    }
+    token_states = {a: r.breakdown.percentages()["token_states"] for a, r in results.items()}
+    assert (
+        token_states["orca-max"]
+        < token_states["orca-pow2"]
+        < token_states["orca-oracle"]
+        < token_states["jpaged"]
+    )
+    for result in results.values():
+        assert sum(result.breakdown.percentages().values()) == pytest.approx(100.0)
+        assert output_lengths_match(result, requests)
+    assert results["jpaged"].token_states_of_allocated >= 0.96
+    assert results["orca-oracle"].breakdown.internal_fragmentation == 0
+    assert results["orca-max"].num_preemptions == 0
+    assert results["orca-max"].peak_running_seqs == 16384 // 2048
+    assert results["jpaged"].mean_running_seqs > results["orca-oracle"].mean_running_seqs
+
+
+def test_prefix_caching_hits_the_shared_prefix():
+    requests = make_workload("alpaca", 80, prefix="five-shot", seed=4)
+    cached = simulate(requests, SimConfig(enable_prefix_caching=True))
+    uncached = simulate(requests, SimConfig())
+    prefix_share = 341 / (sum(len(r.prompt_token_ids) for r in requests) / len(requests))
+    # The first request misses; the others hit the prefix's full blocks (336 tokens).
+    assert 0.8 * prefix_share < cached.prefix_cache_hit_rate <= prefix_share
+    assert cached.sharing_saved > 0.3
+    assert uncached.prefix_cache_hit_rate is None and uncached.sharing_saved == 0.0
+    assert cached.outputs == uncached.outputs
+
+
+def test_timeline_and_summary():
+    result = simulate(make_workload("alpaca", 300, request_rate=20.0, seed=5))
+    times = [point["time_s"] for point in result.timeline]
+    assert 0 < len(times) <= 200 and times == sorted(times)
+    assert result.simulated_s >= times[-1]
+    summary = result.summary()
+    assert "outputs" not in summary and summary["config"]["allocator"] == "jpaged"
+    assert summary["num_finished"] == 300
+
+
+def test_bad_configurations():
+    with pytest.raises(ValueError, match="allocator"):
+        SimConfig(allocator="orca-min")
+    with pytest.raises(ValueError, match="num_kv_slots"):
+        SimConfig(num_kv_slots=8, block_size=16)
+    with pytest.raises(ValueError, match="one sequence per request"):
+        simulate(make_workload("alpaca", 2, n=2), SimConfig(allocator="orca-oracle"))
