@@ -12,6 +12,8 @@ import random
 from dataclasses import dataclass
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from experiments.baselines import ContiguousKVManager
 from jpaged.block_manager import BlockManager
@@ -398,3 +400,42 @@ def test_bad_calls_raise_before_changing_anything():
     with pytest.raises(ValueError, match="max_num_seqs"):
         driver.scheduler.fork(group, seq, 51)
     assert len(group.seqs) == 2
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    block_size=st.sampled_from([1, 2, 4, 8]),
+    num_slots=st.integers(48, 160),
+    budget=st.integers(8, 48),
+    max_num_seqs=st.integers(3, 8),
+    mode=st.sampled_from(["recompute", "swap"]),
+    chunked=st.booleans(),
+    prefix=st.booleans(),
+)
+def test_random_servers_lose_nothing(
+    seed, block_size, num_slots, budget, max_num_seqs, mode, chunked, prefix
+):
+    manager = paged(
+        block_size=block_size,
+        num_blocks=num_slots // block_size + 1,
+        num_host_blocks=512 // block_size if mode == "swap" else 0,
+        prefix_caching=prefix,
+    )
+    # A group of 3 samples without shared blocks (recomputed) must fit the pool.
+    max_total = min(40, (num_slots // block_size // 3) * block_size)
+    driver = make_driver(
+        manager,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget if chunked else max_total,
+        max_model_len=max_total,
+        enable_chunked_prefill=chunked,
+        preemption_mode=mode,
+    )
+    reqs = random_reqs(seed, num=12, max_n=3, max_total=max_total)
+    for req in reqs:
+        driver.add(req)
+    driver.run()
+    assert all(not output.ignored for output in driver.outputs)
+    assert_finished_exactly(driver, reqs)
+    assert_all_free(manager)
