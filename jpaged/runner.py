@@ -26,7 +26,6 @@ from jpaged.model import LlamaConfig, LlamaForCausalLM, forward, init_kv_caches
 from kernels_pallas.reference import (
     paged_decode_attention_reference,
     ragged_paged_attention_reference,
-    write_kv_reference,
 )
 
 AttentionBackend = Literal["pallas", "reference"]
@@ -63,7 +62,7 @@ def attention_functions(backend: AttentionBackend, interpret: bool = False):
         return (
             ragged_paged_attention_reference,
             _decode_as_ragged(paged_decode_attention_reference),
-            write_kv_reference,
+            kernels_pallas.write_kv,
         )
     if backend == "pallas":
         ragged = functools.partial(kernels_pallas.ragged_paged_attention, interpret=interpret)

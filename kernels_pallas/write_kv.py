@@ -1,9 +1,13 @@
 """Writing this step's K/V into the paged cache.
 
-The cache is viewed as [Hkv, num_blocks * block_size, D] (a free reshape of
-the page layout) and the new rows are scattered at their flat slots. Inside a
-jitted step that donates the cache, XLA performs the scatter in place: it
-touches only the T * Hkv rows written, never the pool.
+New rows are scattered at (block, offset) = divmod(slot, block_size) of the
+page layout. Inside a jitted step that donates the cache, XLA performs the
+scatter in place: it touches only the T * Hkv rows written, never the pool.
+The indices address the 4-D cache directly rather than a flattened
+[Hkv, num_blocks * block_size, D] view: with one new token XLA turns the
+scatter into a dynamic-update-slice, and through the reshape that slice lost
+its in-place buffer, so every layer copied its whole cache (seconds per step on
+CPU at a few thousand blocks).
 
 A Pallas kernel with `input_output_aliases` can do the same in-place writes;
 benchmarks/kernels.py measures one against this scatter. The scatter stays: it
@@ -42,11 +46,10 @@ def write_kv(
     expected = (slot_mapping.shape[0], num_kv_heads, head_dim)
     if k.shape != expected or v.shape != expected:
         raise ValueError(f"k and v must be [T, Hkv, D] = {expected}, got {k.shape} and {v.shape}")
-    flat_shape = (num_kv_heads, num_blocks * block_size, head_dim)
+    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
 
     def scatter(cache, new):
         rows = new.swapaxes(0, 1).astype(cache.dtype)
-        flat = cache.reshape(flat_shape).at[:, slot_mapping].set(rows, mode="drop")
-        return flat.reshape(cache.shape)
+        return cache.at[:, blocks, offsets].set(rows, mode="drop")
 
     return scatter(k_cache, k), scatter(v_cache, v)
