@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import csv
+import json
+
 import pytest
 
+from experiments import sweep
 from experiments.simulator import SimConfig, simulate
 from experiments.workloads import make_workload
 
@@ -122,3 +126,23 @@ def test_bad_configurations():
         SimConfig(num_kv_slots=8, block_size=16)
     with pytest.raises(ValueError, match="one sequence per request"):
         simulate(make_workload("alpaca", 2, n=2), SimConfig(allocator="orca-oracle"))
+
+
+def test_sweep_writes_its_tables(tmp_path, capsys):
+    sweep.main(
+        "--block-sizes 8,64 --sharegpt-requests 20 --alpaca-requests 30 --figure2-requests 20 "
+        f"--sharing-requests 20 --num-kv-slots 4096 --jobs 1 --out-dir {tmp_path}".split()
+    )
+    printed = capsys.readouterr().out
+    assert "Figure 2" in printed and "synthetic" in printed
+    with (tmp_path / "sweep_block_size.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["workload"], r["block_size"]) for r in rows] == [
+        (w, b) for w in ("sharegpt", "alpaca", "alpaca+one-shot") for b in ("8", "64")
+    ]
+    with (tmp_path / "sweep_figure2.csv").open() as f:
+        figure2 = {r["system"]: r for r in csv.DictReader(f)}
+    assert set(figure2) == {"orca-max", "orca-pow2", "orca-oracle", "jpaged"}
+    assert float(figure2["jpaged"]["paper_token_states_pct"]) == 96.3
+    report = json.loads((tmp_path / "sweep.json").read_text())
+    assert len(report["runs"]) == 6 + 4 + 8
