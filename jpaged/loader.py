@@ -88,12 +88,12 @@ def load_model(
 
 def _float_dtype(dtype: Any) -> jnp.dtype:
     try:
-        dtype = jnp.dtype(dtype)
+        resolved = jnp.dtype(dtype)
     except TypeError:
-        dtype = None
-    if dtype is None or dtype.name not in SUPPORTED_DTYPES:
+        resolved = None
+    if resolved is None or resolved.name not in SUPPORTED_DTYPES:
         raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype!r}")
-    return dtype
+    return resolved
 
 
 class LazyTensors(Mapping[str, np.ndarray]):
@@ -123,15 +123,16 @@ def build_model(config: LlamaConfig, tensors: LazyTensors, dtype: Any) -> LlamaF
         name = hf_tensor_name(path)
         if name not in tensors:
             raise ValueError(f"{tensors.source} has no tensor {name!r}")
+        value = tensors[name]
         # Hugging Face stores Linear weights [out, in]; nnx.Linear kernels are [in, out].
-        value = tensors[name].T if path[-1] == "kernel" else tensors[name]
-        expected = variable.get_value().shape
+        is_kernel = path[-1] == "kernel"
+        expected = variable.get_value().shape[::-1] if is_kernel else variable.get_value().shape
         if value.shape != expected:
             raise ValueError(
                 f"tensor {name!r} in {tensors.source} has shape {value.shape}, the config "
                 f"needs {expected}"
             )
-        return variable.replace(jnp.asarray(value, dtype))
+        return variable.replace(jnp.asarray(value.T if is_kernel else value, dtype))
 
     return nnx.merge(graphdef, nnx.map_state(load, state))
 
@@ -222,6 +223,11 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], LazyTensors]:
         raise ValueError(
             f"{path} carries rope_freqs (llama3 RoPE scaling baked into a tensor), which is "
             "not supported; load the model's Hugging Face directory instead"
+        )
+    if fields.get(f"{arch}.rope.scaling.type", "none") != "none":
+        raise ValueError(
+            f"{path} uses RoPE scaling {fields[f'{arch}.rope.scaling.type']!r}, which is not "
+            "supported for GGUF files"
         )
     hf_config = _hf_config_from_gguf(fields, arch, by_hf_name)
 

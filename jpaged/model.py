@@ -210,9 +210,9 @@ def _linear(in_features, out_features, dtype, rngs, use_bias=False) -> nnx.Linea
 class Attention(nnx.Module):
     def __init__(self, config: LlamaConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
         hidden, head_dim, bias = config.hidden_size, config.head_dim, config.attention_bias
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            config.num_heads, config.num_kv_heads, head_dim
-        )
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = head_dim
         self.q_proj = _linear(hidden, config.num_heads * head_dim, dtype, rngs, bias)
         self.k_proj = _linear(hidden, config.num_kv_heads * head_dim, dtype, rngs, bias)
         self.v_proj = _linear(hidden, config.num_kv_heads * head_dim, dtype, rngs, bias)
@@ -260,7 +260,15 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = MLP(config, dtype, rngs)
 
-    def __call__(self, x, rope, kv_cache, metadata, attention_fn, write_kv_fn):
+    def __call__(
+        self,
+        x: jax.Array,
+        rope: tuple[jax.Array, jax.Array],
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+        attention_fn: AttentionFn,
+        write_kv_fn: WriteKVFn,
+    ) -> tuple[jax.Array, KVCache]:
         """x [T, hidden] -> ([T, hidden], updated kv_cache); see Attention for the rest."""
         attn_out, kv_cache = self.self_attn(
             self.input_layernorm(x), rope, kv_cache, metadata, attention_fn, write_kv_fn

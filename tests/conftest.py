@@ -48,6 +48,16 @@ def _save(model, tokenizer, directory: Path, **save_kwargs) -> Path:
     return directory
 
 
+@pytest.fixture(scope="session", autouse=True)
+def single_threaded_torch():
+    """The PyTorch oracle runs on one thread: on a CPU shared with other processes its
+    spin-waiting thread pool otherwise slows it down by an order of magnitude."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> Path:
     """Untied Llama 3 style model with llama3 RoPE scaling, saved as sharded safetensors."""
@@ -75,7 +85,7 @@ def tiny_qwen2_dir(tmp_path_factory) -> Path:
     return _save(model, tokenizer, tmp_path_factory.mktemp("tiny_qwen2"))
 
 
-@pytest.fixture(params=["tiny_llama_dir", "tiny_qwen2_dir"])
+@pytest.fixture(scope="session", params=["tiny_llama_dir", "tiny_qwen2_dir"])
 def tiny_model_dir(request) -> Path:
     return request.getfixturevalue(request.param)
 
