@@ -29,7 +29,7 @@ import numpy as np
 from jpaged.batch_builder import BucketSizes, bucket, build_model_input
 from jpaged.block_manager import BlockManager
 from jpaged.config import CacheConfig, SchedulerConfig
-from jpaged.loader import load_model
+from jpaged.loader import cache_directory, load_model
 from jpaged.model import LlamaConfig
 from jpaged.outputs import FINISH_REASONS, CompletionOutput, RequestMetrics, RequestOutput
 from jpaged.runner import AttentionBackend, ModelRunner
@@ -68,7 +68,8 @@ class EngineConfig:
     preemption_mode: Literal["recompute", "swap"] = "recompute"
     attention_backend: AttentionBackend | None = None
     interpret: bool = False
-    buckets: BucketSizes = BucketSizes()
+    buckets: BucketSizes = BucketSizes(min_num_tokens=1, min_num_seqs=1, min_blocks_per_seq=8)
+    persistent_compilation_cache: bool = True
     seed: int = 0
 
     def __post_init__(self):
@@ -111,6 +112,13 @@ class _Request:
     metrics: RequestMetrics
 
 
+def use_persistent_compilation_cache() -> None:
+    """Keep compiled steps on disk (under the jpaged cache) unless the user chose a place:
+    a process that serves the same shapes again loads them instead of compiling."""
+    if jax.config.jax_compilation_cache_dir is None:
+        jax.config.update("jax_compilation_cache_dir", str(cache_directory() / "xla"))
+
+
 def free_device_memory() -> int:
     """Bytes free on the default device (host RAM when the device is a CPU)."""
     stats = jax.devices()[0].memory_stats()
@@ -147,6 +155,8 @@ class LLMEngine:
     ):
         """loaded: (model, model_config, tokenizer) already in memory, else config.model loads."""
         self.config = config
+        if config.persistent_compilation_cache:
+            use_persistent_compilation_cache()
         model, self.model_config, self.tokenizer = loaded or load_model(config.model, config.dtype)
         model_max = self.model_config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or min(model_max, 2048), model_max)
@@ -364,25 +374,23 @@ class LLMEngine:
         return len(shapes)
 
 
-def _buckets_up_to(limit: int, minimum: int) -> list[int]:
-    """Every bucket a size in 1..limit pads to."""
-    sizes, size = [], bucket(1, minimum)
-    while size <= bucket(limit, minimum):
-        sizes.append(size)
-        size *= 2
-    return sizes
-
-
 def step_shapes(
     buckets: BucketSizes, max_tokens: int, max_seqs: int, max_blocks: int
 ) -> list[tuple[int, int, int, bool]]:
-    """Every padded (tokens, sequences, blocks per sequence, decode_only) a step can take."""
-    token_sizes = _buckets_up_to(max_tokens, buckets.min_num_tokens)
-    seq_sizes = _buckets_up_to(min(max_seqs, max_tokens), buckets.min_num_seqs)
-    block_sizes = _buckets_up_to(max_blocks, buckets.min_blocks_per_seq)
-    shapes = []
-    for num_blocks in block_sizes:
-        for num_seqs in seq_sizes:
-            shapes.append((bucket(num_seqs, buckets.min_num_tokens), num_seqs, num_blocks, True))
-            shapes.extend((num_tokens, num_seqs, num_blocks, False) for num_tokens in token_sizes)
-    return shapes
+    """Every padded (tokens, sequences, blocks per sequence, decode_only) a step can take.
+
+    A step runs 1..max_seqs sequences with at least one new token each, and at
+    most max_tokens tokens; decode-only steps have one token per sequence.
+    """
+    token_seq_pairs = {
+        (bucket(num_tokens, buckets.min_num_tokens), bucket(num_seqs, buckets.min_num_seqs),
+         num_tokens == num_seqs)
+        for num_seqs in range(1, min(max_seqs, max_tokens) + 1)
+        for num_tokens in range(num_seqs, max_tokens + 1)
+    }
+    block_sizes = {bucket(n, buckets.min_blocks_per_seq) for n in range(1, max_blocks + 1)}
+    return sorted(
+        (num_tokens, num_seqs, num_blocks, decode_only)
+        for num_tokens, num_seqs, decode_only in token_seq_pairs
+        for num_blocks in block_sizes
+    )

@@ -7,6 +7,7 @@ attention backend.
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -61,7 +62,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 def _llm(loaded, **kwargs) -> LLM:
     config = dict(block_size=8, num_blocks=128, max_num_seqs=8, max_num_batched_tokens=64,
-                  max_model_len=128, buckets=SMALL_BUCKETS)
+                  max_model_len=128, buckets=SMALL_BUCKETS, persistent_compilation_cache=False)
     return LLM("tiny", loaded=loaded, **(config | kwargs))
 
 
@@ -127,6 +128,8 @@ def test_no_recompilation_after_warmup(loaded):
     prompts = [rng.integers(0, vocab, rng.integers(1, 40)).tolist() for _ in range(100)]
     params = [SamplingParams(temperature=0.0, max_tokens=int(rng.integers(1, 24)), ignore_eos=True)
               for _ in prompts]
+    # A persistent cache would serve a missed shape without a compile event.
+    assert jax.config.jax_compilation_cache_dir is None
     before = num_compilations()
     outputs = llm.generate(prompts, params)
     assert num_compilations() - before == 0
