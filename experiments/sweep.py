@@ -237,17 +237,17 @@ def main(argv: list[str] | None = None) -> None:
     for name, (title, rows) in tables.items():
         print(f"\n{title}\n{format_table(rows)}")
         write_csv(args.out_dir / f"sweep_{name}.csv", rows)
-    sim_seconds = sum(r["wall_s"] for r in results)
+    cpu_seconds = sum(r["cpu_s"] for r in results)
     report = {
         "args": {k: str(v) for k, v in vars(args).items()},
         "wall_s": elapsed,
-        "simulation_s": sim_seconds,
+        "simulation_cpu_s": cpu_seconds,
         "runs": results,
     }
     (args.out_dir / "sweep.json").write_text(json.dumps(report, indent=1, default=str))
     print(
-        f"\n{len(runs)} simulations took {sim_seconds:.0f} s of simulator time, "
-        f"{elapsed:.0f} s wall with {args.jobs} jobs; results in {args.out_dir}/"
+        f"\n{len(runs)} simulations took {cpu_seconds:.0f} s CPU, "
+        f"{elapsed:.0f} s wall clock with {args.jobs} jobs; results in {args.out_dir}/"
     )
 
 
