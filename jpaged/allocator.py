@@ -23,7 +23,8 @@ order: swap_out (device -> host), swap_in (host -> device), copies
 freed during a step may be reused in the same step, which that order makes
 safe, except for blocks a later phase still reads (copy sources on the device,
 swap-in sources on the host): those are pinned and join the free queue only at
-commit.
+commit. The one order a step cannot express is swapping out a device block
+that its own swap-in or copies write, so `swap_out` refuses that.
 """
 
 from __future__ import annotations
@@ -244,6 +245,7 @@ class Transaction:
         self._swap_out: list[tuple[int, int]] = []
         self._swap_in: list[tuple[int, int]] = []
         self._copies: list[tuple[int, int]] = []
+        self._written: set[int] = set()
 
     @property
     def num_free(self) -> int:
@@ -269,6 +271,10 @@ class Transaction:
         if block_hash in self._index:
             return self._index[block_hash]
         return self.base.hash_index.get(block_hash)
+
+    def is_written(self, block: int) -> bool:
+        """Whether this step's swap-in or copies write device `block` (after any swap-out)."""
+        return block in self._written
 
     def _check_free(self, num_blocks: int, num_free: int, pool: str) -> None:
         if num_blocks > num_free:
@@ -330,6 +336,7 @@ class Transaction:
         if copy_content:
             self._device.pin(block)
             self._copies.append((block, private))
+            self._written.add(private)
         self._device.decref(block)
         return private
 
@@ -337,6 +344,12 @@ class Transaction:
         """Move device block tables to host; each distinct block is copied once."""
         distinct = list(dict.fromkeys(block for table in tables for block in table))
         self._check_free(len(distinct), self.num_free_host, "host")
+        written = [block for block in distinct if block in self._written]
+        if written:
+            raise ValueError(
+                f"device blocks {written} are written by this step's swap-in or copies, "
+                "which run after its swap-outs; swap them out in a later step"
+            )
         host_of = {block: self._host.pop_head() for block in distinct}
         self._swap_out.extend(host_of.items())
         host_tables = [[host_of[block] for block in table] for table in tables]
@@ -354,6 +367,7 @@ class Transaction:
         self._check_free(len(distinct), self.num_free, "device")
         device_of = {block: self._take_head() for block in distinct}
         self._swap_in.extend(device_of.items())
+        self._written.update(device_of.values())
         tables = [[device_of[block] for block in table] for table in host_tables]
         for table in tables:
             for block in table:

@@ -295,8 +295,7 @@ class BlockManager:
         num_full = min(seq.num_computed_tokens // self.block_size, len(table))
         hashes = self._hashes(seq, record, num_full)
         for i in range(record.num_cached, num_full):
-            if self._step.block_hash(table[i]) == NO_HASH:
-                self._step.register(table[i], hashes[i])
+            self._step.register(table[i], hashes[i])
         record.num_cached = max(record.num_cached, num_full)
 
     # Swapping ----------------------------------------------------------------------
@@ -306,13 +305,19 @@ class BlockManager:
         assert all(record.on_host == on_host for record in records)
         return [record.table for record in records]
 
-    def _distinct_blocks(self, seqs: list[Sequence], on_host: bool) -> int:
-        return len({block for table in self._tables(seqs, on_host) for block in table})
+    def _distinct_blocks(self, seqs: list[Sequence], on_host: bool) -> set[int]:
+        return {block for table in self._tables(seqs, on_host) for block in table}
 
     def can_swap_out(self, group: SequenceGroup) -> bool:
-        """Whether the host pool holds the distinct blocks of the group's RUNNING sequences."""
-        running = group.seqs_with(SequenceStatus.RUNNING)
-        return self._distinct_blocks(running, on_host=False) <= self.num_free_host_blocks
+        """Whether the group's RUNNING sequences can move to host now.
+
+        Their distinct blocks must fit the host pool, and none may be written
+        by this step's swap-in or copies (the device swaps out before those).
+        """
+        blocks = self._distinct_blocks(group.seqs_with(SequenceStatus.RUNNING), on_host=False)
+        if any(self._step.is_written(block) for block in blocks):
+            return False
+        return len(blocks) <= self.num_free_host_blocks
 
     def swap_out(self, group: SequenceGroup) -> None:
         """Move the RUNNING sequences' tables to host blocks (shared blocks move once)."""
@@ -325,7 +330,7 @@ class BlockManager:
 
     def can_swap_in(self, group: SequenceGroup) -> AllocStatus:
         """Whether the SWAPPED sequences' distinct blocks fit on the device, with the watermark."""
-        required = self._distinct_blocks(group.seqs_with(SequenceStatus.SWAPPED), on_host=True)
+        required = len(self._distinct_blocks(group.seqs_with(SequenceStatus.SWAPPED), True))
         if required > self.num_device_blocks - self.watermark_blocks:
             return AllocStatus.NEVER
         if self.num_free_blocks - required >= self.watermark_blocks:

@@ -36,6 +36,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.deferred: list[int] = []
         self.host_deferred: list[int] = []
         self.ops = {"swap_out": [], "swap_in": [], "copies": []}
+        self.written: set[int] = set()  # device blocks this step's swap-in or copies write
 
     @staticmethod
     def snapshot(state):
@@ -121,6 +122,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         if copy_content:
             self.pinned.add(block)
             self.ops["copies"].append((block, private))
+            self.written.add(private)
         self.model_release(block)
         self.held.append(private)
 
@@ -134,6 +136,10 @@ class AllocatorMachine(RuleBasedStateMachine):
         distinct = list(dict.fromkeys(wanted))
         if len(distinct) > len(self.host_free):
             with pytest.raises(ValueError, match="free host blocks"):
+                self.txn.swap_out(tables)
+            return
+        if self.written.intersection(distinct):
+            with pytest.raises(ValueError, match="written by this step"):
                 self.txn.swap_out(tables)
             return
         host_of = {block: self.host_free.pop(0) for block in distinct}
@@ -159,6 +165,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         device_of = {block: self.model_take_head() for block in distinct}
         assert self.txn.swap_in(tables) == [[device_of[b] for b in table] for table in tables]
         self.ops["swap_in"] += device_of.items()
+        self.written |= set(device_of.values())
         self.held += [device_of[b] for b in wanted]
         self.host_pinned |= set(distinct)
         for block in wanted:
@@ -174,7 +181,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.free += self.deferred
         self.host_free += self.host_deferred
         self.deferred, self.host_deferred = [], []
-        self.pinned, self.host_pinned = set(), set()
+        self.pinned, self.host_pinned, self.written = set(), set(), set()
         self.check_committed_state()
         self.snapshots.append(self.snapshot(self.state))
 

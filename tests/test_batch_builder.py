@@ -1,0 +1,129 @@
+"""The batch builder against a brute-force oracle written with plain loops."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jpaged.batch_builder import BucketSizes, build_model_input
+from jpaged.block_manager import BlockManager
+from jpaged.config import CacheConfig
+from jpaged.sequence import Sequence, SequenceGroup, SequenceStatus
+
+
+class FixedTables:
+    def __init__(self, block_size, tables):
+        self.block_size, self.tables = block_size, tables
+
+    def block_table(self, seq):
+        return self.tables[seq.seq_id]
+
+
+def next_power_of_two(n, minimum):
+    size = 1
+    while size < max(n, minimum):
+        size *= 2
+    return size
+
+
+def oracle(scheduled, tables, block_size, buckets):
+    """Every array built entry by entry, padding per jpaged.attention_metadata."""
+    num_tokens = sum(n for _, n in scheduled)
+    context_lens = [seq.num_computed_tokens + n for seq, n in scheduled]
+    blocks = [-(-length // block_size) for length in context_lens]
+    padded_tokens = next_power_of_two(num_tokens, buckets.min_num_tokens)
+    padded_seqs = next_power_of_two(len(scheduled), buckets.min_num_seqs)
+    padded_blocks = next_power_of_two(max(blocks, default=0), buckets.min_blocks_per_seq)
+    out = {
+        "input_ids": [0] * padded_tokens,
+        "positions": [0] * padded_tokens,
+        "slot_mapping": [t % block_size for t in range(padded_tokens)],
+        "block_tables": [[0] * padded_blocks for _ in range(padded_seqs)],
+        "context_lens": [0] * padded_seqs,
+        "query_start_loc": [num_tokens] * (padded_seqs + 1),
+        "logits_indices": [0] * padded_seqs,
+    }
+    out["query_start_loc"][0] = token = 0
+    for i, (seq, n) in enumerate(scheduled):
+        table = tables.block_table(seq)
+        for j in range(blocks[i]):
+            out["block_tables"][i][j] = table[j]
+        for position in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
+            out["input_ids"][token] = seq.token_ids[position]
+            out["positions"][token] = position
+            out["slot_mapping"][token] = (
+                table[position // block_size] * block_size + position % block_size
+            )
+            token += 1
+        out["context_lens"][i] = context_lens[i]
+        out["query_start_loc"][i + 1] = token
+        out["logits_indices"][i] = token - 1
+    return out
+
+
+@st.composite
+def schedules(draw):
+    block_size = draw(st.sampled_from([1, 2, 4, 16]))
+    scheduled, tables = [], {}
+    free_blocks = iter(draw(st.permutations(range(1, 400))))
+    for seq_id in range(draw(st.integers(0, 9))):
+        num_prompt = draw(st.integers(1, 40))
+        num_output = draw(st.integers(0, 8))
+        tokens = draw(
+            st.lists(
+                st.integers(0, 1000),
+                min_size=num_prompt + num_output,
+                max_size=num_prompt + num_output,
+            )
+        )
+        seq = Sequence(seq_id, tokens[:num_prompt], tokens[num_prompt:])
+        seq.num_computed_tokens = draw(st.integers(0, len(seq) - 1))
+        num_new = draw(st.integers(1, len(seq) - seq.num_computed_tokens))
+        spare = draw(st.integers(0, 2))  # tables may hold blocks beyond this step's context
+        tables[seq_id] = [next(free_blocks) for _ in range(-(-len(seq) // block_size) + spare)]
+        scheduled.append((seq, num_new))
+    buckets = BucketSizes(*draw(st.tuples(*[st.integers(1, 20)] * 3)))
+    return scheduled, FixedTables(block_size, tables), buckets
+
+
+@settings(max_examples=150, deadline=None)
+@given(schedules())
+def test_matches_brute_force_oracle(schedule):
+    scheduled, tables, buckets = schedule
+    model_input = build_model_input(scheduled, tables, buckets)
+    expected = oracle(scheduled, tables, tables.block_size, buckets)
+    metadata = model_input.metadata
+    arrays = {"input_ids": model_input.input_ids, **vars(metadata)}
+    for name, want in expected.items():
+        assert arrays[name].dtype == np.int32, name
+        np.testing.assert_array_equal(arrays[name], np.array(want), err_msg=name)
+    assert model_input.num_tokens == sum(n for _, n in scheduled)
+    assert model_input.num_seqs == len(scheduled)
+
+
+def test_through_a_block_manager_after_copy_on_write():
+    manager = BlockManager(CacheConfig(block_size=4, num_blocks=16, watermark=0.0))
+    parent = Sequence(0, list(range(6)))
+    group = SequenceGroup("a", [parent])
+    manager.allocate(group)
+    manager.append_slots(parent, 6)
+    parent.num_computed_tokens, parent.status = 6, SequenceStatus.RUNNING
+    parent.append_token(42)
+    child = Sequence(1, list(range(6)), [43], SequenceStatus.RUNNING, 6)
+    manager.fork(parent, child)
+    scheduled = [(parent, 1), (child, 1)]
+    for seq, n in scheduled:
+        manager.append_slots(seq, n)
+    metadata = build_model_input(scheduled, manager, BucketSizes(1, 1, 1)).metadata
+    parent_table, child_table = manager.block_table(parent), manager.block_table(child)
+    assert parent_table[0] == child_table[0] and parent_table[1] != child_table[1]
+    np.testing.assert_array_equal(metadata.block_tables, [parent_table, child_table])
+    np.testing.assert_array_equal(
+        metadata.slot_mapping, [parent_table[1] * 4 + 2, child_table[1] * 4 + 2]
+    )
+    np.testing.assert_array_equal(metadata.context_lens, [7, 7])
+
+
+def test_bucket_minimums_must_be_positive():
+    with pytest.raises(ValueError, match="min_num_seqs must be >= 1, got 0"):
+        BucketSizes(min_num_seqs=0)

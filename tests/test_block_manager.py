@@ -1,0 +1,398 @@
+"""BlockManager against brute-force models of its tables and of the KV it addresses.
+
+The state machine drives admissions, chunked prefills and decodes, forks,
+frees, swaps and recompute preemptions in any order, and checks them against
+two oracles: a recount of every block table (refcounts, free + used = total,
+no leak) and a model of the KV memory itself. Each step the model applies the
+step's BlockOps in the documented order, then writes every scheduled token's
+"K/V" (the salt and the whole token prefix up to it, which is what real K/V
+depend on and what the prefix cache may share) into its slot. Every computed
+position of every live sequence must then read back its own prefix: that
+checks copy-on-write copies, swaps, prefix hits, evictions and same-step block
+reuse at once.
+"""
+
+import numpy as np
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from jpaged.block_manager import AllocStatus, BlockManager
+from jpaged.config import CacheConfig
+from jpaged.sequence import Sequence, SequenceGroup, SequenceStatus
+
+TOKENS = st.lists(st.integers(0, 2), min_size=1, max_size=14)
+RUNNING, SWAPPED, WAITING = SequenceStatus.RUNNING, SequenceStatus.SWAPPED, SequenceStatus.WAITING
+
+
+def cdiv(a, b):
+    return -(-a // b)
+
+
+class BlockManagerMachine(RuleBasedStateMachine):
+    @initialize(
+        block_size=st.sampled_from([1, 2, 4]),
+        num_blocks=st.integers(2, 24),
+        num_host_blocks=st.integers(0, 12),
+        caching=st.booleans(),
+        watermark=st.sampled_from([0.0, 0.1]),
+    )
+    def setup(self, block_size, num_blocks, num_host_blocks, caching, watermark):
+        config = CacheConfig(block_size, num_blocks, num_host_blocks, caching, watermark)
+        self.bm = BlockManager(config)
+        self.bs, self.num_blocks, self.num_host_blocks = block_size, num_blocks, num_host_blocks
+        self.groups: list[SequenceGroup] = []
+        self.next_id = 0
+        self.device_kv: dict[int, tuple] = {}
+        self.host_kv: dict[int, tuple] = {}
+        self.pending: list[tuple[Sequence, int]] = []
+        self.swapped_in_now: set[int] = set()  # device blocks this step's swap-in writes
+
+    # Helpers ---------------------------------------------------------------------
+
+    def kv(self, group, seq, position):
+        return group.cache_salt, tuple(seq.token_slice(0, position + 1))
+
+    def live(self, status):
+        return [(g, s) for g in self.groups for s in g.seqs if s.status is status]
+
+    def busy(self, group):
+        return any(seq in group.seqs for seq, _ in self.pending)
+
+    def groups_with(self, status, idle=True):
+        return [g for g in self.groups if g.seqs_with(status) and not (idle and self.busy(g))]
+
+    def device_tables(self):
+        return [self.bm.block_table(s) for _, s in self.live(RUNNING)]
+
+    def host_tables(self):
+        return [self.bm.host_block_table(s) for _, s in self.live(SWAPPED)]
+
+    def expected_append_blocks(self, seqs, num_new):
+        """Blocks append_slots consumes, by replaying it on a copy of the refcounts."""
+        refcounts, needed = {}, 0
+        for seq, n in zip(seqs, num_new, strict=True):
+            table = self.bm.block_table(seq)
+            first = seq.num_computed_tokens // self.bs
+            last = (seq.num_computed_tokens + n - 1) // self.bs
+            needed += max(0, last + 1 - len(table))
+            for block in table[first : last + 1]:
+                count = refcounts.setdefault(block, self.bm.step.refcount(block))
+                if count > 1:
+                    needed += 1
+                    refcounts[block] = count - 1
+        return needed
+
+    # Rules -----------------------------------------------------------------------
+
+    @rule(prompt=TOKENS, salt=st.sampled_from([None, "tenant"]))
+    def add_request(self, prompt, salt):
+        group = SequenceGroup(str(self.next_id), [Sequence(self.next_id, prompt)], cache_salt=salt)
+        self.next_id += 1
+        capacity = self.bm.num_device_blocks - self.bm.watermark_blocks
+        status = self.bm.can_allocate(group)
+        assert (status is AllocStatus.NEVER) == (cdiv(len(prompt), self.bs) > capacity)
+        if status is AllocStatus.NEVER:
+            self.bm.free(group.seqs[0])
+        else:
+            self.groups.append(group)
+
+    @precondition(lambda self: self.groups_with(WAITING))
+    @rule(data=st.data())
+    def admit(self, data):
+        group = data.draw(st.sampled_from(self.groups_with(WAITING)))
+        if self.bm.can_allocate(group) is not AllocStatus.OK:
+            return
+        self.bm.allocate(group)
+        for seq in group.seqs_with(WAITING):
+            assert len(self.bm.block_table(seq)) == cdiv(len(seq), self.bs)
+            assert seq.num_computed_tokens % self.bs == 0
+            assert seq.num_computed_tokens <= len(seq) - 1
+            if not self.bm.enable_prefix_caching:
+                assert seq.num_computed_tokens == 0
+            seq.status = RUNNING
+
+    @precondition(lambda self: self.groups_with(RUNNING))
+    @rule(data=st.data(), chunk=st.integers(1, 9))
+    def schedule(self, data, chunk):
+        group = data.draw(st.sampled_from(self.groups_with(RUNNING)))
+        seqs = group.seqs_with(RUNNING)
+        num_new = [min(chunk, seq.num_uncomputed_tokens) for seq in seqs]
+        fits = self.expected_append_blocks(seqs, num_new) <= self.bm.num_free_blocks
+        if len(set(num_new)) == 1:
+            assert self.bm.can_append_slots(group, num_new[0]) == fits
+        if not fits:
+            return
+        for seq, n in zip(seqs, num_new, strict=True):
+            self.bm.append_slots(seq, n)
+            table = self.bm.block_table(seq)
+            start = seq.num_computed_tokens
+            written = {table[p // self.bs] for p in range(start, start + n)}
+            assert all(self.bm.step.refcount(block) == 1 for block in written)
+            self.pending.append((seq, n))
+
+    @precondition(lambda self: self.groups_with(RUNNING))
+    @rule(data=st.data())
+    def fork(self, data):
+        group = data.draw(st.sampled_from(self.groups_with(RUNNING)))
+        parent = data.draw(st.sampled_from(group.seqs_with(RUNNING)))
+        child = Sequence(
+            self.next_id,
+            list(parent.prompt_token_ids),
+            list(parent.output_token_ids),
+            RUNNING,
+            parent.num_computed_tokens,
+        )
+        self.next_id += 1
+        self.bm.fork(parent, child)
+        group.seqs.append(child)
+
+    @precondition(lambda self: self.groups_with(RUNNING) or self.groups_with(SWAPPED))
+    @rule(data=st.data())
+    def finish(self, data):
+        candidates = self.groups_with(RUNNING) + self.groups_with(SWAPPED)
+        group = data.draw(st.sampled_from(candidates))
+        seq = data.draw(st.sampled_from(group.unfinished_seqs()))
+        self.bm.free(seq)
+        seq.status = SequenceStatus.FINISHED_STOPPED
+        if group.is_finished:
+            self.groups.remove(group)
+
+    @precondition(lambda self: self.groups_with(RUNNING))
+    @rule(data=st.data())
+    def swap_out(self, data):
+        group = data.draw(st.sampled_from(self.groups_with(RUNNING)))
+        seqs = group.seqs_with(RUNNING)
+        distinct = {block for seq in seqs for block in self.bm.block_table(seq)}
+        fits = len(distinct) <= self.bm.num_free_host_blocks
+        # The step's swap-in writes those blocks, after its swap-outs.
+        clash = not distinct.isdisjoint(self.swapped_in_now)
+        assert self.bm.can_swap_out(group) == (fits and not clash)
+        if fits and clash:
+            with pytest.raises(ValueError, match="written by this step"):
+                self.bm.swap_out(group)
+        elif fits:
+            self.bm.swap_out(group)
+            for seq in seqs:
+                seq.status = SWAPPED
+
+    @precondition(lambda self: self.groups_with(SWAPPED))
+    @rule(data=st.data())
+    def swap_in(self, data):
+        group = data.draw(st.sampled_from(self.groups_with(SWAPPED)))
+        seqs = group.seqs_with(SWAPPED)
+        required = len({block for seq in seqs for block in self.bm.host_block_table(seq)})
+        status = self.bm.can_swap_in(group)
+        capacity = self.bm.num_device_blocks - self.bm.watermark_blocks
+        assert (status is AllocStatus.NEVER) == (required > capacity)
+        if status is AllocStatus.OK:
+            assert self.bm.num_free_blocks - required >= self.bm.watermark_blocks
+            self.bm.swap_in(group)
+            self.swapped_in_now.update(b for seq in seqs for b in self.bm.block_table(seq))
+            for seq in seqs:
+                seq.status = RUNNING
+
+    @precondition(lambda self: self.groups_with(RUNNING))
+    @rule(data=st.data())
+    def preempt_by_recompute(self, data):
+        group = data.draw(st.sampled_from(self.groups_with(RUNNING)))
+        for seq in group.unfinished_seqs():
+            self.bm.free(seq)
+            seq.num_computed_tokens = 0
+            seq.status = WAITING
+
+    @rule(data=st.data())
+    def end_step(self, data):
+        ops = self.bm.end_step()
+        self.apply_block_ops(ops)
+        for seq, n in self.pending:
+            group = next(g for g in self.groups if seq in g.seqs)
+            table = self.bm.block_table(seq)
+            for position in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
+                block = table[position // self.bs]
+                assert self.bm.state.device.refcounts[block] == 1, "write into a shared block"
+                self.device_kv[block * self.bs + position % self.bs] = self.kv(group, seq, position)
+            seq.num_computed_tokens += n
+            if seq.num_computed_tokens == len(seq):
+                seq.append_token(data.draw(st.integers(0, 2)))
+            self.bm.cache_computed_blocks(seq)
+        self.pending.clear()
+        self.swapped_in_now.clear()
+        self.check_kv_contents()
+        self.check_committed_state()
+
+    def apply_block_ops(self, ops):
+        bs = self.bs
+        for device, host in ops.swap_out.tolist():
+            for offset in range(bs):
+                self.host_kv[host * bs + offset] = self.device_kv.get(device * bs + offset)
+        for host, device in ops.swap_in.tolist():
+            for offset in range(bs):
+                self.device_kv[device * bs + offset] = self.host_kv.get(host * bs + offset)
+        sources = {
+            (src, offset): self.device_kv.get(src * bs + offset)
+            for src, _ in ops.copies.tolist()
+            for offset in range(bs)
+        }
+        for src, dst in ops.copies.tolist():
+            for offset in range(bs):
+                self.device_kv[dst * bs + offset] = sources[src, offset]
+
+    def check_kv_contents(self):
+        for status, kv, table_of in (
+            (RUNNING, self.device_kv, self.bm.block_table),
+            (SWAPPED, self.host_kv, self.bm.host_block_table),
+        ):
+            for group, seq in self.live(status):
+                table = table_of(seq)
+                for position in range(seq.num_computed_tokens):
+                    slot = table[position // self.bs] * self.bs + position % self.bs
+                    assert kv.get(slot) == self.kv(group, seq, position), (seq.seq_id, position)
+
+    def check_committed_state(self):
+        state = self.bm.state
+        used = np.bincount(sum(self.device_tables(), []), minlength=self.num_blocks)
+        np.testing.assert_array_equal(state.device.refcounts, used)
+        free = state.device.free_queue()
+        assert sorted(free) == [b for b in range(1, self.num_blocks) if used[b] == 0]
+        assert self.bm.physical_blocks_used == np.count_nonzero(used)
+        assert self.bm.num_free_blocks + self.bm.physical_blocks_used == self.num_blocks - 1
+        host_used = np.bincount(sum(self.host_tables(), []), minlength=self.num_host_blocks)
+        np.testing.assert_array_equal(state.host.refcounts, host_used)
+        assert state.host.num_free == np.count_nonzero(host_used == 0)
+
+    @invariant()
+    def refcounts_count_table_entries(self):
+        if not hasattr(self, "bm"):
+            return
+        tables = self.device_tables()
+        entries = sum(tables, [])
+        assert 0 not in entries, "the null block is handed out"
+        counts = np.bincount(entries, minlength=self.num_blocks)
+        for block in range(self.num_blocks):
+            assert self.bm.step.refcount(block) == counts[block]
+        host_counts = np.bincount(sum(self.host_tables(), []), minlength=self.num_host_blocks)
+        for block in range(self.num_host_blocks):
+            assert self.bm.step.host_refcount(block) == host_counts[block]
+        assert self.bm.logical_blocks_used == len(entries)
+        assert self.bm.num_free_blocks + np.count_nonzero(counts) <= self.num_blocks - 1
+        for _, seq in self.live(RUNNING):
+            assert len(self.bm.block_table(seq)) >= cdiv(seq.num_computed_tokens, self.bs)
+
+    def teardown(self):
+        if not hasattr(self, "bm"):
+            return
+        for group in self.groups:
+            for seq in group.seqs:
+                self.bm.free(seq)
+        self.bm.end_step()
+        assert self.bm.num_free_blocks == self.num_blocks - 1, "leaked device blocks"
+        assert self.bm.num_free_host_blocks == self.num_host_blocks, "leaked host blocks"
+        assert not self.bm.state.device.refcounts.any()
+        assert self.bm.logical_blocks_used == 0
+
+
+BlockManagerMachine.TestCase.settings = settings(
+    max_examples=200, stateful_step_count=50, deadline=None
+)
+TestBlockManager = BlockManagerMachine.TestCase
+
+
+def make_manager(**overrides):
+    config = dict(block_size=4, num_blocks=9, num_host_blocks=8, watermark=0.0)
+    return BlockManager(CacheConfig(**{**config, **overrides}))
+
+
+def running_group(manager, seq_id, prompt, salt=None):
+    group = SequenceGroup(str(seq_id), [Sequence(seq_id, prompt)], cache_salt=salt)
+    manager.allocate(group)
+    group.seqs[0].status = RUNNING
+    return group
+
+
+def test_can_allocate_is_never_beyond_the_pool_and_keeps_the_watermark():
+    manager = make_manager(num_blocks=11, watermark=0.2)  # 10 usable, 2 kept back
+    too_long = SequenceGroup("a", [Sequence(0, list(range(33)))])  # 9 blocks
+    assert manager.can_allocate(too_long) is AllocStatus.NEVER
+    running_group(manager, 1, list(range(100, 120)))  # 5 blocks
+    fits = SequenceGroup("b", [Sequence(2, list(range(200, 212)))])  # 3 blocks: 5 - 3 >= 2
+    later = SequenceGroup("c", [Sequence(3, list(range(300, 316)))])  # 4 blocks: 5 - 4 < 2
+    assert manager.can_allocate(fits) is AllocStatus.OK
+    assert manager.can_allocate(later) is AllocStatus.LATER
+
+
+def test_allocate_beyond_free_blocks_raises_before_any_change():
+    manager = make_manager(num_blocks=4)
+    group = SequenceGroup("a", [Sequence(0, list(range(13)))])
+    with pytest.raises(ValueError, match="needs 4 free blocks, only 3"):
+        manager.allocate(group)
+    assert manager.num_free_blocks == 3 and manager.logical_blocks_used == 0
+
+
+def test_copy_on_write_after_fork_copies_the_partial_block():
+    manager = make_manager()
+    group = running_group(manager, 0, list(range(6)))
+    parent = group.seqs[0]
+    manager.append_slots(parent, 6)
+    manager.end_step()
+    parent.num_computed_tokens = 6
+    child = Sequence(1, list(parent.prompt_token_ids), [], RUNNING, 6)
+    manager.fork(parent, child)
+    group.seqs.append(child)
+    assert manager.physical_blocks_used == 2 and manager.logical_blocks_used == 4
+    shared_last = manager.block_table(parent)[1]
+    manager.append_slots(parent, 1)
+    manager.append_slots(child, 1)
+    ops = manager.end_step()
+    private = manager.block_table(parent)[1]
+    assert ops.copies.tolist() == [[shared_last, private]]
+    assert manager.block_table(child)[1] == shared_last  # the last writer keeps it
+    assert manager.block_table(parent)[0] == manager.block_table(child)[0]
+
+
+def test_can_append_slots_lets_the_last_writer_keep_a_shared_block():
+    manager = make_manager(num_blocks=4)  # 3 usable blocks
+    group = running_group(manager, 0, list(range(6)))  # 2 blocks
+    parent = group.seqs[0]
+    manager.append_slots(parent, 6)
+    parent.num_computed_tokens = 6
+    group.seqs.append(Sequence(1, list(range(6)), [], RUNNING, 6))
+    manager.fork(parent, group.seqs[1])
+    # Both write into the shared second block: one copy, not two.
+    assert manager.num_free_blocks == 1
+    assert manager.can_append_slots(group, 1)
+    assert not manager.can_append_slots(group, 3)  # plus a third block each
+    third = Sequence(2, list(range(6)), [], RUNNING, 6)
+    manager.fork(parent, third)
+    group.seqs.append(third)
+    assert not manager.can_append_slots(group, 1)  # three writers need two copies
+
+
+def test_swap_moves_shared_blocks_once_and_back():
+    manager = make_manager()
+    group = running_group(manager, 0, list(range(8)))
+    parent = group.seqs[0]
+    child = Sequence(1, list(parent.prompt_token_ids), [], RUNNING, 0)
+    manager.fork(parent, child)
+    group.seqs.append(child)
+    device_table = list(manager.block_table(parent))
+    manager.swap_out(group)
+    ops = manager.end_step()
+    assert ops.swap_out[:, 0].tolist() == device_table
+    assert manager.num_free_blocks == 8 and manager.num_free_host_blocks == 6
+    for seq in group.seqs:
+        seq.status = SWAPPED
+    host_table = list(manager.host_block_table(parent))
+    assert host_table == manager.host_block_table(child) and len(set(host_table)) == 2
+    manager.swap_in(group)
+    ops = manager.end_step()
+    assert ops.swap_in[:, 0].tolist() == host_table
+    assert ops.swap_in[:, 1].tolist() == manager.block_table(parent) == manager.block_table(child)
+    assert manager.num_free_host_blocks == 8
+
+
+def test_free_unknown_sequence_is_a_no_op():
+    manager = make_manager()
+    manager.free(Sequence(5, [1, 2, 3]))
+    assert manager.num_free_blocks == 8

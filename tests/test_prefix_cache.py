@@ -1,0 +1,136 @@
+"""Prefix caching: the hash chain, the persistent index, and hits through the BlockManager."""
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jpaged.block_manager import BlockManager
+from jpaged.config import CacheConfig
+from jpaged.prefix_cache import NO_HASH, HashIndex, hash_block
+from jpaged.sequence import Sequence, SequenceGroup, SequenceStatus
+
+
+def test_hash_depends_on_parent_tokens_and_salt():
+    base = hash_block(NO_HASH, [1, 2, 3, 4], None)
+    assert base == hash_block(NO_HASH, [1, 2, 3, 4], None)
+    variants = [
+        hash_block(base, [1, 2, 3, 4], None),
+        hash_block(NO_HASH, [1, 2, 3, 5], None),
+        hash_block(NO_HASH, [1, 2, 3, 4], "tenant"),
+        hash_block(NO_HASH, [1, 2, 3, 4], ""),
+        hash_block(NO_HASH, [1, 2, 3], None),
+    ]
+    assert len({base, *variants}) == 6
+    assert NO_HASH not in variants
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    capacity=st.integers(1, 64),
+    batches=st.lists(
+        st.dictionaries(st.integers(1, 40), st.one_of(st.none(), st.integers(0, 9))), max_size=8
+    ),
+)
+def test_hash_index_matches_a_dict_and_keeps_old_versions(capacity, batches):
+    versions = [(HashIndex.empty(capacity), {})]
+    for changes in batches:
+        index, model = versions[-1]
+        model = {**model, **changes}
+        model = {h: b for h, b in model.items() if b is not None}
+        versions.append((index.updated(changes), model))
+    for index, model in versions:
+        assert dict(index.items()) == model and len(index) == len(model)
+        for block_hash in range(1, 41):
+            assert index.get(block_hash) == model.get(block_hash)
+
+
+def make_manager(num_blocks=64, block_size=4, caching=True):
+    config = CacheConfig(block_size, num_blocks, enable_prefix_caching=caching, watermark=0.0)
+    return BlockManager(config)
+
+
+def run_prompt(manager, seq_id, prompt, salt=None):
+    """Admit a request and compute its whole prompt; returns (seq, tokens served by the cache)."""
+    seq = Sequence(seq_id, list(prompt))
+    manager.allocate(SequenceGroup(str(seq_id), [seq], cache_salt=salt))
+    seq.status = SequenceStatus.RUNNING
+    hit_tokens = seq.num_computed_tokens
+    manager.append_slots(seq, len(seq) - hit_tokens)
+    manager.end_step()
+    seq.num_computed_tokens = len(seq)
+    manager.cache_computed_blocks(seq)
+    return seq, hit_tokens
+
+
+def test_hits_cover_whole_shared_blocks_but_never_the_last_token():
+    manager = make_manager()
+    first, hit = run_prompt(manager, 0, range(10))
+    assert hit == 0
+    _, hit = run_prompt(manager, 1, [*range(8), 50, 51])
+    assert hit == 8
+    _, hit = run_prompt(manager, 2, range(8))  # the last token's block is not looked up
+    assert hit == 4
+    _, hit = run_prompt(manager, 3, [*range(4), 99, *range(5, 10)])
+    assert hit == 4
+    _, hit = run_prompt(manager, 4, range(10), salt="other tenant")
+    assert hit == 0
+    _, hit = run_prompt(manager, 5, range(10), salt="other tenant")
+    assert hit == 8
+    stats = manager.prefix_cache_stats
+    assert stats.query_tokens == 10 + 10 + 8 + 10 + 10 + 10
+    assert stats.hit_tokens == 8 + 4 + 4 + 8
+    assert stats.query_blocks == 2 + 2 + 1 + 2 + 2 + 2 and stats.hit_blocks == 6
+    assert stats.hit_rate == stats.hit_tokens / stats.query_tokens
+
+
+def test_freed_blocks_stay_cached_until_evicted_least_recently_freed_first():
+    manager = make_manager(num_blocks=9, block_size=2)  # 8 usable blocks
+    seq, _ = run_prompt(manager, 0, range(8))  # blocks 1..4, all full and cached
+    manager.free(seq)
+    manager.end_step()
+    # Free queue: 5 6 7 8 then seq's blocks last first: 4 3 2 1.
+    assert manager.state.device.free_queue() == [5, 6, 7, 8, 4, 3, 2, 1]
+    filler = Sequence(1, [90] * 10)  # five blocks: 5, 6, 7, 8 and 4, evicting its hash
+    manager.allocate(SequenceGroup("filler", [filler]))
+    assert manager.block_table(filler) == [5, 6, 7, 8, 4]
+    manager.free(filler)
+    seq, hit = run_prompt(manager, 2, range(9))
+    assert hit == 6 and manager.block_table(seq) == [1, 2, 3, 4, 8]
+
+
+def test_no_hits_when_prefix_caching_is_off():
+    manager = make_manager(caching=False)
+    run_prompt(manager, 0, range(10))
+    _, hit = run_prompt(manager, 1, range(10))
+    assert hit == 0 and manager.prefix_cache_stats.query_tokens == 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    block_size=st.sampled_from([1, 2, 3]),
+    prompts=st.lists(
+        st.tuples(st.lists(st.integers(0, 1), min_size=1, max_size=10), st.sampled_from("ab")),
+        min_size=1,
+        max_size=12,
+    ),
+)
+def test_hits_are_the_longest_cached_block_prefix(block_size, prompts):
+    """Brute force: the most leading full blocks equal to an earlier same-salt prompt's."""
+    manager = make_manager(num_blocks=256, block_size=block_size)
+    earlier: list[tuple[list[int], str]] = []
+    for seq_id, (prompt, salt) in enumerate(prompts):
+        eligible = (len(prompt) - 1) // block_size
+        expected = 0
+        for other, other_salt in earlier:
+            if other_salt != salt:
+                continue
+            blocks = min(eligible, len(other) // block_size)
+            size = 0
+            while (
+                size < blocks
+                and prompt[: (size + 1) * block_size] == other[: (size + 1) * block_size]
+            ):
+                size += 1
+            expected = max(expected, size)
+        _, hit = run_prompt(manager, seq_id, prompt, salt)
+        assert hit == expected * block_size
+        earlier.append((prompt, salt))
