@@ -2,14 +2,14 @@
 
 `AllocatorState` is a value: reference counts and an LRU free queue for the
 device pool and for the host (swap) pool, the prefix hash of every device
-block, and the hash -> block index. Its arrays are read-only and nothing ever
-mutates a state.
+block, and the hash -> block index. Its arrays are persistent (read-only numpy
+chunks) and nothing ever mutates a state.
 
 A `Transaction` overlays one scheduler step's changes on a state (dicts of the
 entries it changed) and reads through them, so each operation costs
 O(blocks touched) Python work. `commit()` returns the next state and the
-step's device ops, paying one array copy (a memcpy) per changed array plus the
-touched shards of the hash index.
+step's device ops, copying only the chunks of each array, and the shards of
+the hash index, that the step touched.
 
 Free queue (vLLM v1's LRU order): freed blocks join the tail and allocation
 takes the head. A freed block keeps its prefix hash, so a later prompt can
@@ -29,6 +29,7 @@ that its own swap-in or copies write, so `swap_out` refuses that.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,20 +42,56 @@ def _readonly(array: np.ndarray) -> np.ndarray:
     return array
 
 
-def _scatter(array: np.ndarray, changes: dict[int, int]) -> np.ndarray:
-    """A read-only copy of `array` with array[k] = v for each change (`array` itself if none)."""
-    if not changes:
-        return array
-    out = array.copy()
-    out[np.fromiter(changes.keys(), np.int64, len(changes))] = np.fromiter(
-        changes.values(), array.dtype, len(changes)
-    )
-    return _readonly(out)
-
-
 def _pairs(pairs: list[tuple[int, int]]) -> np.ndarray:
     """int32 [K, 2] array of (source, destination) block pairs."""
     return _readonly(np.array(pairs, dtype=np.int32).reshape(len(pairs), 2))
+
+
+@dataclass(frozen=True)
+class ChunkedArray:
+    """A persistent 1-D integer array made of read-only numpy chunks.
+
+    `updated` copies only the chunks it changes, plus the tuple of chunk
+    references. With chunks of about sqrt(size) entries a step's commit costs
+    O(sqrt(size) * (1 + chunks touched)) memcpy work, where one flat array
+    would copy all `size` entries every step.
+    """
+
+    chunks: tuple[np.ndarray, ...]
+    chunk_bits: int
+    size: int
+
+    @classmethod
+    def of(cls, values: np.ndarray) -> ChunkedArray:
+        size = len(values)
+        chunk_bits = max(6, math.ceil(math.log2(max(size, 1)) / 2))
+        step = 1 << chunk_bits
+        chunks = tuple(_readonly(values[i : i + step].copy()) for i in range(0, max(size, 1), step))
+        return cls(chunks, chunk_bits, size)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def item(self, index: int) -> int:
+        return self.chunks[index >> self.chunk_bits].item(index & ((1 << self.chunk_bits) - 1))
+
+    def to_numpy(self) -> np.ndarray:
+        return _readonly(np.concatenate(self.chunks)[: self.size])
+
+    def updated(self, changes: dict[int, int]) -> ChunkedArray:
+        """A new array with array[k] = v for each change (`self` if there are none)."""
+        if not changes:
+            return self
+        by_chunk: dict[int, list[int]] = {}
+        for index in changes:
+            by_chunk.setdefault(index >> self.chunk_bits, []).append(index)
+        mask = (1 << self.chunk_bits) - 1
+        chunks = list(self.chunks)
+        for chunk_id, indices in by_chunk.items():
+            chunk = chunks[chunk_id].copy()
+            chunk[[index & mask for index in indices]] = [changes[index] for index in indices]
+            chunks[chunk_id] = _readonly(chunk)
+        return ChunkedArray(tuple(chunks), self.chunk_bits, self.size)
 
 
 @dataclass(frozen=True)
@@ -69,9 +106,9 @@ class PoolState:
     num_free:  number of blocks in the queue.
     """
 
-    refcounts: np.ndarray
-    next_free: np.ndarray
-    prev_free: np.ndarray
+    refcounts: ChunkedArray
+    next_free: ChunkedArray
+    prev_free: ChunkedArray
     num_free: int
 
     @classmethod
@@ -85,22 +122,22 @@ class PoolState:
         prev_free[chain[1:]] = chain[:-1]
         refcounts = np.zeros(num_blocks, np.int32)
         return cls(
-            _readonly(refcounts),
-            _readonly(next_free),
-            _readonly(prev_free),
+            ChunkedArray.of(refcounts),
+            ChunkedArray.of(next_free),
+            ChunkedArray.of(prev_free),
             num_blocks - first_block,
         )
 
     @property
     def num_blocks(self) -> int:
-        return self.refcounts.shape[0]
+        return len(self.refcounts)
 
     def free_queue(self) -> list[int]:
         """Free blocks from the head (allocated next) to the tail."""
-        blocks, block = [], int(self.next_free[self.num_blocks])
+        blocks, block = [], self.next_free.item(self.num_blocks)
         while block != self.num_blocks:
             blocks.append(block)
-            block = int(self.next_free[block])
+            block = self.next_free.item(block)
         return blocks
 
 
@@ -115,7 +152,7 @@ class AllocatorState:
 
     device: PoolState
     host: PoolState
-    block_hashes: np.ndarray
+    block_hashes: ChunkedArray
     hash_index: HashIndex
 
     @classmethod
@@ -124,7 +161,7 @@ class AllocatorState:
         return cls(
             device=PoolState.create(num_blocks, first_block=1),
             host=PoolState.create(num_host_blocks),
-            block_hashes=_readonly(np.zeros(num_blocks, np.uint64)),
+            block_hashes=ChunkedArray.of(np.zeros(num_blocks, np.uint64)),
             hash_index=HashIndex.empty(num_blocks),
         )
 
@@ -159,15 +196,15 @@ class _PoolEdit:
 
     def refcount(self, block: int) -> int:
         count = self._refcounts.get(block)
-        return int(self.base.refcounts[block]) if count is None else count
+        return self.base.refcounts.item(block) if count is None else count
 
     def _next_of(self, block: int) -> int:
         link = self._next.get(block)
-        return int(self.base.next_free[block]) if link is None else link
+        return self.base.next_free.item(block) if link is None else link
 
     def _prev_of(self, block: int) -> int:
         link = self._prev.get(block)
-        return int(self.base.prev_free[block]) if link is None else link
+        return self.base.prev_free.item(block) if link is None else link
 
     def _link(self, before: int, after: int) -> None:
         self._next[before] = after
@@ -222,9 +259,9 @@ class _PoolEdit:
         self._deferred.clear()
         self._pinned.clear()
         return PoolState(
-            _scatter(self.base.refcounts, self._refcounts),
-            _scatter(self.base.next_free, self._next),
-            _scatter(self.base.prev_free, self._prev),
+            self.base.refcounts.updated(self._refcounts),
+            self.base.next_free.updated(self._next),
+            self.base.prev_free.updated(self._prev),
             self.num_free,
         )
 
@@ -264,7 +301,7 @@ class Transaction:
 
     def block_hash(self, block: int) -> int:
         block_hash = self._block_hashes.get(block)
-        return int(self.base.block_hashes[block]) if block_hash is None else block_hash
+        return self.base.block_hashes.item(block) if block_hash is None else block_hash
 
     def cached_block(self, block_hash: int) -> int | None:
         """The device block holding `block_hash`, in use or free, or None."""
@@ -384,7 +421,7 @@ class Transaction:
         state = AllocatorState(
             device=self._device.commit(),
             host=self._host.commit(),
-            block_hashes=_scatter(self.base.block_hashes, self._block_hashes),
+            block_hashes=self.base.block_hashes.updated(self._block_hashes),
             hash_index=self.base.hash_index.updated(self._index),
         )
         ops = BlockOps(_pairs(self._swap_out), _pairs(self._swap_in), _pairs(self._copies))

@@ -16,13 +16,14 @@ from typing import Protocol
 import numpy as np
 
 from jpaged.attention_metadata import AttentionMetadata
+from jpaged.block_manager import BlockTable
 from jpaged.sequence import Sequence
 
 
 class BlockTables(Protocol):
     block_size: int
 
-    def block_table(self, seq: Sequence) -> list[int]: ...
+    def block_table(self, seq: Sequence) -> BlockTable: ...
 
 
 @dataclass(frozen=True)
@@ -85,13 +86,8 @@ def build_model_input(
     padded_blocks = bucket(int(num_blocks.max(initial=0)), buckets.min_blocks_per_seq)
 
     tables = np.zeros((padded_seqs, padded_blocks), np.int32)
-    used = np.arange(padded_blocks) < num_blocks[:, None]
-    table_prefixes = (
-        block_tables.block_table(seq)[:n] for seq, n in zip(seqs, num_blocks.tolist(), strict=True)
-    )
-    tables[:num_seqs][used] = np.fromiter(
-        itertools.chain.from_iterable(table_prefixes), np.int32, int(num_blocks.sum())
-    )
+    for row, (seq, n) in enumerate(zip(seqs, num_blocks.tolist(), strict=True)):
+        tables[row, :n] = block_tables.block_table(seq).array[:n]
 
     query_start_loc = np.full(padded_seqs + 1, num_tokens, np.int32)
     query_start_loc[0] = 0

@@ -13,7 +13,10 @@ after a fork; requests share full blocks through the prefix cache.
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from jpaged.allocator import AllocatorState, BlockOps, Transaction
 from jpaged.config import CacheConfig
@@ -27,6 +30,73 @@ class AllocStatus(enum.Enum):
     NEVER = enum.auto()
 
 
+class BlockTable:
+    """The physical blocks of one sequence in logical order, in a growable int32 buffer.
+
+    Only the BlockManager edits it. Readers index and iterate it (Python ints),
+    compare it with any sequence of ints, or take `array`, a read-only int32
+    view that stays valid until the manager next edits the table; the numpy
+    buffer lets the batch builder copy whole tables without touching each entry.
+    """
+
+    __slots__ = ("_buffer", "_readonly", "_size")
+
+    def __init__(self, blocks: list[int] | np.ndarray = ()):
+        self._size = len(blocks)
+        self._set_buffer(np.zeros(max(8, 2 * self._size), np.int32))
+        self._buffer[: self._size] = blocks
+
+    def _set_buffer(self, buffer: np.ndarray) -> None:
+        self._buffer = buffer
+        # Views of a read-only view are read-only: `array` need not set flags each call.
+        self._readonly = buffer.view()
+        self._readonly.flags.writeable = False
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __getitem__(self, index: int | slice) -> int | list[int]:
+        return self.array[index].tolist()
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.tolist())
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, BlockTable | list | tuple) and self.tolist() == list(other)
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return f"BlockTable({self.tolist()})"
+
+    @property
+    def array(self) -> np.ndarray:
+        """int32 [len(self)], read-only."""
+        return self._readonly[: self._size]
+
+    def tolist(self) -> list[int]:
+        return self._buffer[: self._size].tolist()
+
+    def block(self, index: int) -> int:
+        """Entry `index` (0 <= index < len), without bounds checks beyond the buffer's."""
+        return self._buffer.item(index)
+
+    def replace(self, index: int, block: int) -> None:
+        self._buffer[index] = block
+
+    def extend(self, blocks: list[int]) -> None:
+        new_size = self._size + len(blocks)
+        if new_size > len(self._buffer):
+            grown = np.zeros(max(2 * len(self._buffer), new_size), np.int32)
+            grown[: self._size] = self._buffer[: self._size]
+            self._set_buffer(grown)
+        self._buffer[self._size : new_size] = blocks
+        self._size = new_size
+
+    def copy(self) -> BlockTable:
+        return BlockTable(self._buffer[: self._size])
+
+
 @dataclass
 class _SeqBlocks:
     """What the manager knows of one sequence.
@@ -37,7 +107,7 @@ class _SeqBlocks:
     """
 
     cache_salt: str | None
-    table: list[int] = field(default_factory=list)
+    table: BlockTable = field(default_factory=BlockTable)
     block_hashes: list[int] = field(default_factory=list)
     num_cached: int = 0
     on_host: bool = False
@@ -90,13 +160,13 @@ class BlockManager:
         """Sum of device block-table lengths: what the tables would hold without sharing."""
         return self._logical_blocks
 
-    def block_table(self, seq: Sequence) -> list[int]:
-        """The live device block table of `seq`; callers must not modify it."""
+    def block_table(self, seq: Sequence) -> BlockTable:
+        """The device block table of `seq` (read-only to callers)."""
         record = self._seqs[seq.seq_id]
         assert not record.on_host, f"sequence {seq.seq_id} is swapped out"
         return record.table
 
-    def host_block_table(self, seq: Sequence) -> list[int]:
+    def host_block_table(self, seq: Sequence) -> BlockTable:
         """The host block table of a swapped-out `seq`."""
         record = self._seqs[seq.seq_id]
         assert record.on_host, f"sequence {seq.seq_id} is on the device"
@@ -117,21 +187,22 @@ class BlockManager:
         return record
 
     def _hashes(self, seq: Sequence, record: _SeqBlocks, num_blocks: int) -> list[int]:
-        """The first `num_blocks` hashes of the chain, extending the memo as needed."""
+        """The memoised hash chain, extended to at least `num_blocks` blocks."""
         hashes, size = record.block_hashes, self.block_size
         for i in range(len(hashes), num_blocks):
             parent = hashes[-1] if hashes else NO_HASH
             tokens = seq.token_slice(i * size, (i + 1) * size)
             hashes.append(hash_block(parent, tokens, record.cache_salt))
-        return hashes[:num_blocks]
+        return hashes
 
     def _prefix_hits(self, seq: Sequence, cache_salt: str | None) -> list[int]:
         """Cached blocks holding seq's longest cached prefix, never its last token."""
         if not self.enable_prefix_caching:
             return []
         record = self._record(seq, cache_salt)
+        num_eligible = (len(seq) - 1) // self.block_size
         hits = []
-        for block_hash in self._hashes(seq, record, (len(seq) - 1) // self.block_size):
+        for block_hash in self._hashes(seq, record, num_eligible)[:num_eligible]:
             block = self._step.cached_block(block_hash)
             if block is None:
                 break
@@ -186,7 +257,7 @@ class BlockManager:
         for seq, seq_hits in zip(seqs, hits, strict=True):
             new_blocks = self._step.allocate(_cdiv(len(seq), self.block_size) - len(seq_hits))
             record = self._record(seq, group.cache_salt)
-            record.table = seq_hits + new_blocks
+            record.table = BlockTable(seq_hits + new_blocks)
             record.num_cached = len(seq_hits)
             self._logical_blocks += len(record.table)
             seq.num_computed_tokens = len(seq_hits) * self.block_size
@@ -203,10 +274,14 @@ class BlockManager:
 
     # Growth and sharing ----------------------------------------------------------
 
-    def _write_range(self, seq: Sequence, num_new_tokens: int) -> tuple[int, int]:
-        """Logical blocks [first, last] holding positions computed .. computed + new - 1."""
+    def _write_range(self, seq: Sequence, num_new_tokens: int) -> tuple[BlockTable, int, int]:
+        """seq's table and the logical blocks [first, end) its next new tokens go to.
+
+        Only [first, min(end, len(table))) exist yet; the rest are still to allocate.
+        """
+        table = self._seqs[seq.seq_id].table
         start = seq.num_computed_tokens
-        return start // self.block_size, (start + num_new_tokens - 1) // self.block_size
+        return table, start // self.block_size, (start + num_new_tokens - 1) // self.block_size + 1
 
     def can_append_slots(self, group: SequenceGroup, num_new_tokens: int) -> bool:
         """Whether every RUNNING sequence of the group can take `num_new_tokens` more tokens.
@@ -215,19 +290,21 @@ class BlockManager:
         a shared block written by w of its r holders needs w copies, or w - 1
         when they are all its holders (the last writer keeps it).
         """
+        refcount = self._step.refcount
         needed = 0
         writers: dict[int, int] = {}
-        for seq in group.seqs_with(SequenceStatus.RUNNING):
-            table = self.block_table(seq)
-            first, last = self._write_range(seq, num_new_tokens)
-            needed += max(0, last + 1 - len(table))
-            for block in table[first : last + 1]:
-                writers[block] = writers.get(block, 0) + 1
+        for seq in group.seqs:
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            table, first, end = self._write_range(seq, num_new_tokens)
+            needed += max(0, end - len(table))
+            for i in range(first, min(end, len(table))):
+                block = table.block(i)
+                if refcount(block) > 1:
+                    writers[block] = writers.get(block, 0) + 1
         for block, num_writers in writers.items():
-            refcount = self._step.refcount(block)
-            if refcount > 1:
-                needed += num_writers if refcount > num_writers else num_writers - 1
-        return needed <= self.num_free_blocks
+            needed += num_writers if refcount(block) > num_writers else num_writers - 1
+        return needed <= self._step.num_free
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
         """Slots for positions num_computed_tokens .. + num_new_tokens - 1 of `seq`.
@@ -237,21 +314,23 @@ class BlockManager:
         """
         if num_new_tokens < 1:
             raise ValueError(f"num_new_tokens must be >= 1, got {num_new_tokens}")
-        table = self.block_table(seq)
-        first, last = self._write_range(seq, num_new_tokens)
+        table, first, end = self._write_range(seq, num_new_tokens)
+        step = self._step
         shared = [
-            i for i in range(first, min(last + 1, len(table))) if self._step.refcount(table[i]) > 1
+            i for i in range(first, min(end, len(table))) if step.refcount(table.block(i)) > 1
         ]
-        num_new_blocks = max(0, last + 1 - len(table))
-        if len(shared) + num_new_blocks > self.num_free_blocks:
+        num_new_blocks = max(0, end - len(table))
+        if not shared and not num_new_blocks:
+            return
+        if len(shared) + num_new_blocks > step.num_free:
             raise ValueError(
                 f"sequence {seq.seq_id} needs {len(shared) + num_new_blocks} free blocks, "
-                f"only {self.num_free_blocks} are free"
+                f"only {step.num_free} are free"
             )
         for i in shared:
             written = i * self.block_size < seq.num_computed_tokens
-            table[i] = self._step.copy_on_write(table[i], copy_content=written)
-        table.extend(self._step.allocate(num_new_blocks))
+            table.replace(i, step.copy_on_write(table.block(i), copy_content=written))
+        table.extend(step.allocate(num_new_blocks))
         self._logical_blocks += num_new_blocks
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
@@ -260,10 +339,10 @@ class BlockManager:
             raise ValueError(f"child sequence {child.seq_id} already has a block table")
         source = self._seqs[parent.seq_id]
         table = self.block_table(parent)
-        for block in table:
+        for block in table.tolist():
             self._step.share(block)
         self._seqs[child.seq_id] = _SeqBlocks(
-            source.cache_salt, list(table), list(source.block_hashes), source.num_cached
+            source.cache_salt, table.copy(), list(source.block_hashes), source.num_cached
         )
         self._logical_blocks += len(table)
 
@@ -277,7 +356,7 @@ class BlockManager:
         if record is None:
             return
         release = self._step.free_host if record.on_host else self._step.free
-        for block in reversed(record.table):
+        for block in reversed(record.table.tolist()):
             release(block)
         if not record.on_host:
             self._logical_blocks -= len(record.table)
@@ -291,19 +370,21 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         record = self._seqs[seq.seq_id]
-        table = self.block_table(seq)
-        num_full = min(seq.num_computed_tokens // self.block_size, len(table))
+        num_full = min(seq.num_computed_tokens // self.block_size, len(record.table))
+        if num_full <= record.num_cached:
+            return
+        assert not record.on_host, f"sequence {seq.seq_id} is swapped out"
         hashes = self._hashes(seq, record, num_full)
         for i in range(record.num_cached, num_full):
-            self._step.register(table[i], hashes[i])
-        record.num_cached = max(record.num_cached, num_full)
+            self._step.register(record.table.block(i), hashes[i])
+        record.num_cached = num_full
 
     # Swapping ----------------------------------------------------------------------
 
     def _tables(self, seqs: list[Sequence], on_host: bool) -> list[list[int]]:
         records = [self._seqs[seq.seq_id] for seq in seqs]
         assert all(record.on_host == on_host for record in records)
-        return [record.table for record in records]
+        return [record.table.tolist() for record in records]
 
     def _distinct_blocks(self, seqs: list[Sequence], on_host: bool) -> set[int]:
         return {block for table in self._tables(seqs, on_host) for block in table}
@@ -326,7 +407,7 @@ class BlockManager:
         for seq, host_table in zip(seqs, host_tables, strict=True):
             record = self._seqs[seq.seq_id]
             self._logical_blocks -= len(record.table)
-            record.table, record.on_host = host_table, True
+            record.table, record.on_host = BlockTable(host_table), True
 
     def can_swap_in(self, group: SequenceGroup) -> AllocStatus:
         """Whether the SWAPPED sequences' distinct blocks fit on the device, with the watermark."""
@@ -347,5 +428,5 @@ class BlockManager:
         tables = self._step.swap_in(self._tables(seqs, on_host=True))
         for seq, table in zip(seqs, tables, strict=True):
             record = self._seqs[seq.seq_id]
-            record.table, record.on_host, record.num_cached = table, False, 0
+            record.table, record.on_host, record.num_cached = BlockTable(table), False, 0
             self._logical_blocks += len(table)

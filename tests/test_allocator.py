@@ -7,11 +7,11 @@ must equal how often the test holds it.
 
 import numpy as np
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from jpaged.allocator import AllocatorState, Transaction
+from jpaged.allocator import AllocatorState, ChunkedArray, Transaction
 from jpaged.prefix_cache import NO_HASH
 
 HASHES = st.integers(1, 12)
@@ -40,8 +40,8 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     @staticmethod
     def snapshot(state):
-        arrays = (state.device.refcounts, state.device.next_free, state.host.refcounts)
-        return state, [a.copy() for a in arrays], state.hash_index.items()
+        arrays = (state.device.refcounts, state.device.next_free, state.block_hashes)
+        return state, [a.to_numpy().copy() for a in arrays], state.hash_index.items()
 
     # Model helpers ---------------------------------------------------------------
 
@@ -191,13 +191,13 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert host.free_queue() == self.host_free
         assert device.num_free == len(self.free) and host.num_free == len(self.host_free)
         expected = np.bincount(self.held, minlength=self.num_blocks)
-        np.testing.assert_array_equal(device.refcounts, expected)
+        np.testing.assert_array_equal(device.refcounts.to_numpy(), expected)
         expected_host = np.bincount(self.host_held, minlength=self.num_host_blocks)
-        np.testing.assert_array_equal(host.refcounts, expected_host)
+        np.testing.assert_array_equal(host.refcounts.to_numpy(), expected_host)
         expected_hashes = np.zeros(self.num_blocks, np.uint64)
         for block, block_hash in self.hash_of.items():
             expected_hashes[block] = block_hash
-        np.testing.assert_array_equal(self.state.block_hashes, expected_hashes)
+        np.testing.assert_array_equal(self.state.block_hashes.to_numpy(), expected_hashes)
         assert sorted(self.state.hash_index.items()) == sorted(self.block_of.items())
         # Every block is free xor referenced; free + used = total; the null block is neither.
         used = set(self.held)
@@ -219,10 +219,10 @@ class AllocatorMachine(RuleBasedStateMachine):
     @invariant()
     def earlier_states_are_unchanged(self):
         for state, arrays, index_items in getattr(self, "snapshots", []):
-            now = (state.device.refcounts, state.device.next_free, state.host.refcounts)
+            now = (state.device.refcounts, state.device.next_free, state.block_hashes)
             for before, after in zip(arrays, now, strict=True):
-                np.testing.assert_array_equal(before, after)
-                assert not after.flags.writeable
+                np.testing.assert_array_equal(before, after.to_numpy())
+                assert not any(chunk.flags.writeable for chunk in after.chunks)
             assert state.hash_index.items() == index_items
 
     def teardown(self):
@@ -243,6 +243,26 @@ AllocatorMachine.TestCase.settings = settings(
     max_examples=150, stateful_step_count=40, deadline=None
 )
 TestAllocator = AllocatorMachine.TestCase
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    size=st.integers(0, 300),
+    dtype=st.sampled_from([np.int32, np.uint64]),
+    batches=st.lists(st.dictionaries(st.integers(0, 299), st.integers(0, 2**31 - 1)), max_size=5),
+)
+def test_chunked_array_matches_numpy_and_keeps_old_versions(size, dtype, batches):
+    versions = [(ChunkedArray.of(np.arange(size, dtype=dtype)), np.arange(size, dtype=dtype))]
+    for changes in batches:
+        changes = {k: v for k, v in changes.items() if k < size}
+        array, model = versions[-1]
+        model = model.copy()
+        model[list(changes)] = list(changes.values())
+        versions.append((array.updated(changes), model))
+    for array, model in versions:
+        assert len(array) == size
+        np.testing.assert_array_equal(array.to_numpy(), model)
+        assert all(array.item(i) == model[i] for i in range(size))
 
 
 def test_state_create_leaves_null_block_out():

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jpaged.batch_builder import BucketSizes, build_model_input
-from jpaged.block_manager import BlockManager
+from jpaged.block_manager import BlockManager, BlockTable
 from jpaged.config import CacheConfig
 from jpaged.sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -16,7 +16,7 @@ class FixedTables:
         self.block_size, self.tables = block_size, tables
 
     def block_table(self, seq):
-        return self.tables[seq.seq_id]
+        return BlockTable(self.tables[seq.seq_id])
 
 
 def next_power_of_two(n, minimum):
@@ -45,7 +45,7 @@ def oracle(scheduled, tables, block_size, buckets):
     }
     out["query_start_loc"][0] = token = 0
     for i, (seq, n) in enumerate(scheduled):
-        table = tables.block_table(seq)
+        table = tables.tables[seq.seq_id]
         for j in range(blocks[i]):
             out["block_tables"][i][j] = table[j]
         for position in range(seq.num_computed_tokens, seq.num_computed_tokens + n):

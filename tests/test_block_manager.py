@@ -18,7 +18,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from jpaged.block_manager import AllocStatus, BlockManager
+from jpaged.block_manager import AllocStatus, BlockManager, BlockTable
 from jpaged.config import CacheConfig
 from jpaged.sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -64,10 +64,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
         return [g for g in self.groups if g.seqs_with(status) and not (idle and self.busy(g))]
 
     def device_tables(self):
-        return [self.bm.block_table(s) for _, s in self.live(RUNNING)]
+        return [self.bm.block_table(s).tolist() for _, s in self.live(RUNNING)]
 
     def host_tables(self):
-        return [self.bm.host_block_table(s) for _, s in self.live(SWAPPED)]
+        return [self.bm.host_block_table(s).tolist() for _, s in self.live(SWAPPED)]
 
     def expected_append_blocks(self, seqs, num_new):
         """Blocks append_slots consumes, by replaying it on a copy of the refcounts."""
@@ -211,7 +211,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             table = self.bm.block_table(seq)
             for position in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
                 block = table[position // self.bs]
-                assert self.bm.state.device.refcounts[block] == 1, "write into a shared block"
+                assert self.bm.state.device.refcounts.item(block) == 1, "write into a shared block"
                 self.device_kv[block * self.bs + position % self.bs] = self.kv(group, seq, position)
             seq.num_computed_tokens += n
             if seq.num_computed_tokens == len(seq):
@@ -253,13 +253,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def check_committed_state(self):
         state = self.bm.state
         used = np.bincount(sum(self.device_tables(), []), minlength=self.num_blocks)
-        np.testing.assert_array_equal(state.device.refcounts, used)
+        np.testing.assert_array_equal(state.device.refcounts.to_numpy(), used)
         free = state.device.free_queue()
         assert sorted(free) == [b for b in range(1, self.num_blocks) if used[b] == 0]
         assert self.bm.physical_blocks_used == np.count_nonzero(used)
         assert self.bm.num_free_blocks + self.bm.physical_blocks_used == self.num_blocks - 1
         host_used = np.bincount(sum(self.host_tables(), []), minlength=self.num_host_blocks)
-        np.testing.assert_array_equal(state.host.refcounts, host_used)
+        np.testing.assert_array_equal(state.host.refcounts.to_numpy(), host_used)
         assert state.host.num_free == np.count_nonzero(host_used == 0)
 
     @invariant()
@@ -289,7 +289,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.bm.end_step()
         assert self.bm.num_free_blocks == self.num_blocks - 1, "leaked device blocks"
         assert self.bm.num_free_host_blocks == self.num_host_blocks, "leaked host blocks"
-        assert not self.bm.state.device.refcounts.any()
+        assert not self.bm.state.device.refcounts.to_numpy().any()
         assert self.bm.logical_blocks_used == 0
 
 
@@ -390,6 +390,20 @@ def test_swap_moves_shared_blocks_once_and_back():
     assert ops.swap_in[:, 0].tolist() == host_table
     assert ops.swap_in[:, 1].tolist() == manager.block_table(parent) == manager.block_table(child)
     assert manager.num_free_host_blocks == 8
+
+
+def test_block_table_grows_and_reads_like_a_list():
+    table = BlockTable([3, 1])
+    model = [3, 1]
+    for blocks in ([4], list(range(5, 25)), [], [9, 9]):
+        table.extend(blocks)
+        model += blocks
+        assert table == model and len(table) == len(model) and list(table) == model
+        assert table.array.dtype == np.int32 and not table.array.flags.writeable
+        np.testing.assert_array_equal(table.array, model)
+    copy = table.copy()
+    table.replace(0, 77)
+    assert table[0] == 77 and table[-1] == 9 and copy[0] == 3 and table[1:3] == [1, 4]
 
 
 def test_free_unknown_sequence_is_a_no_op():
