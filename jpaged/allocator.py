@@ -8,8 +8,8 @@ chunks) and nothing ever mutates a state.
 A `Transaction` overlays one scheduler step's changes on a state (dicts of the
 entries it changed) and reads through them, so each operation costs
 O(blocks touched) Python work. `commit()` returns the next state and the
-step's device ops, copying only the chunks of each array, and the shards of
-the hash index, that the step touched.
+step's device ops, copying only the chunks of each array, and the nodes and
+leaves of the hash index, that the step touched.
 
 Free queue (vLLM v1's LRU order): freed blocks join the tail and allocation
 takes the head. A freed block keeps its prefix hash, so a later prompt can

@@ -8,6 +8,10 @@ A sequence's table maps logical block i (positions i*block_size ..
 (i+1)*block_size - 1) to a physical block of the device pool, or of the host
 pool while the sequence is swapped out. Sequences of a group share blocks
 after a fork; requests share full blocks through the prefix cache.
+
+What the manager remembers of a sequence (its table, its hash chain) lives
+here, keyed by seq_id, until `free(seq)`; that includes a WAITING sequence
+whose prompt `can_allocate` has already hashed.
 """
 
 from __future__ import annotations
