@@ -14,6 +14,30 @@ import numpy as np
 from jpaged.sampling_params import SamplingParams
 
 
+def _filter(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Mask to -inf every logit outside each row's top-k and top-p sets. [B, V] -> [B, V]."""
+    sorted_logits = jnp.sort(scaled, axis=-1)[:, ::-1]
+    vocab = scaled.shape[-1]
+    kth = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab) - 1
+    kth_logit = jnp.take_along_axis(sorted_logits, kth[:, None], axis=-1)
+    # Nucleus: keep the smallest prefix of sorted tokens whose mass reaches top_p.
+    sorted_probs = jax.nn.softmax(sorted_logits, axis=-1)
+    mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
+    nucleus_size = jnp.sum(mass_before < top_p[:, None], axis=-1)
+    nucleus_logit = jnp.take_along_axis(sorted_logits, (nucleus_size - 1)[:, None], axis=-1)
+    return jnp.where(scaled >= jnp.maximum(kth_logit, nucleus_logit), scaled, -jnp.inf)
+
+
+def _draw(logits, temperature, top_k, top_p, seeds, steps) -> jax.Array:
+    """A token per row from its temperature-scaled, filtered distribution. -> int32 [B]."""
+    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    # The vocabulary sort costs more than the rest of sampling: skip it when no row filters.
+    needs_filter = jnp.any((top_k > 0) | (top_p < 1.0))
+    filtered = jax.lax.cond(needs_filter, _filter, lambda s, k, p: s, scaled, top_k, top_p)
+    keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(seeds, steps)
+    return jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
+
+
 @jax.jit
 def sample(
     logits: jax.Array,
@@ -34,20 +58,13 @@ def sample(
     returns      int32 [B]
     """
     greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
-    sorted_logits = jnp.sort(scaled, axis=-1)[:, ::-1]
-    vocab = logits.shape[-1]
-    kth = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab) - 1
-    kth_logit = jnp.take_along_axis(sorted_logits, kth[:, None], axis=-1)
-    # Nucleus: keep the smallest prefix of sorted tokens whose mass reaches top_p.
-    sorted_probs = jax.nn.softmax(sorted_logits, axis=-1)
-    mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
-    nucleus_size = jnp.sum(mass_before < top_p[:, None], axis=-1)
-    nucleus_logit = jnp.take_along_axis(sorted_logits, (nucleus_size - 1)[:, None], axis=-1)
-    cutoff = jnp.maximum(kth_logit, nucleus_logit)
-    filtered = jnp.where(scaled >= cutoff, scaled, -jnp.inf)
-    keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(seeds, steps)
-    sampled = jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
+    any_sampled = jnp.any(temperature > 0)
+    sampled = jax.lax.cond(
+        any_sampled,
+        _draw,
+        lambda *args: greedy_tokens,
+        logits, temperature, top_k, top_p, seeds, steps,
+    )
     return jnp.where(temperature > 0, sampled, greedy_tokens)
 
 
