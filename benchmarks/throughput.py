@@ -34,16 +34,25 @@ from experiments.workloads import sample_lengths
 MAX_TOTAL_LEN = 512
 
 
-def mixed_workload(num_requests: int, scale: float, vocab_size: int, seed: int):
-    """[(prompt token ids, output length)], ShareGPT-like lengths scaled by `scale`."""
-    rng = np.random.default_rng(seed)
-    lengths = sample_lengths("sharegpt", num_requests, rng)
+def mixed_workload(num_requests: int, scale: float, vocab_size: int, seed: int, token_seed: int):
+    """[(prompt token ids, output length)], ShareGPT-like lengths scaled by `scale`.
+
+    The lengths come from `seed`, the token ids from `token_seed`: a warm-up run
+    with other tokens takes the same steps (so compiles the same shapes) but
+    gets no prefix-cache hits from the timed run's prompts.
+    """
+    lengths = sample_lengths("sharegpt", num_requests, np.random.default_rng(seed))
     prompt_lens = np.clip((lengths[:, 0] * scale).astype(int), 4, MAX_TOTAL_LEN // 2)
     output_lens = np.clip((lengths[:, 1] * scale).astype(int), 4, MAX_TOTAL_LEN - prompt_lens)
+    tokens = np.random.default_rng(token_seed)
     return [
-        (rng.integers(0, vocab_size, p).tolist(), int(o))
+        (tokens.integers(0, vocab_size, p).tolist(), int(o))
         for p, o in zip(prompt_lens, output_lens, strict=True)
     ]
+
+
+def _progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 def _percentiles(values) -> dict:
@@ -55,20 +64,25 @@ def _percentiles(values) -> dict:
 def run_jpaged(args) -> dict:
     from jpaged import LLM, SamplingParams
     from jpaged.loader import load_model
+    from jpaged.stats import EngineStats
 
     loaded = load_model("smollm2")
     vocab = loaded[1].vocab_size
-    workload = mixed_workload(args.num_requests, args.scale, vocab, args.seed)
+    workload = mixed_workload(args.num_requests, args.scale, vocab, args.seed, args.seed + 1)
     llm = LLM("smollm2", loaded=loaded, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=MAX_TOTAL_LEN)
-    started = time.perf_counter()
-    num_shapes = llm.engine.warmup()
-    warmup_s = time.perf_counter() - started
-
     params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for _, o in workload]
+    warmup = mixed_workload(args.num_requests, args.scale, vocab, args.seed, args.seed + 2)
+    started = time.perf_counter()
+    llm.generate([p for p, _ in warmup], params)
+    warmup_s = time.perf_counter() - started
+    _progress(f"jpaged warm-up run (compiles its step shapes): {warmup_s:.1f} s")
+
+    llm.engine.stats = EngineStats()
     started = time.perf_counter()
     outputs = llm.generate([p for p, _ in workload], params)
     elapsed = time.perf_counter() - started
+    _progress(f"jpaged mixed workload: {elapsed:.1f} s")
     num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     assert num_tokens == sum(o for _, o in workload), "a request lost tokens"
     summary = llm.engine.stats.summary()
@@ -84,8 +98,8 @@ def run_jpaged(args) -> dict:
         "preemptions": summary["preemptions"],
     }
     batch1 = _jpaged_batch1(llm, vocab, args.seed)
-    return {"warmup_s": warmup_s, "warmup_shapes": num_shapes,
-            "kv_cache": str(llm.engine.kv_cache_info), "mixed": mixed, "batch1": batch1}
+    return {"warmup_s": warmup_s, "kv_cache": str(llm.engine.kv_cache_info),
+            "mixed": mixed, "batch1": batch1}
 
 
 def _jpaged_batch1(llm, vocab: int, seed: int) -> dict:
@@ -137,7 +151,7 @@ def run_transformers(args) -> dict:
         default_model_directory(), dtype=torch.float32
     ).eval()
     vocab = model.config.vocab_size
-    workload = mixed_workload(args.num_requests, args.scale, vocab, args.seed)
+    workload = mixed_workload(args.num_requests, args.scale, vocab, args.seed, args.seed + 1)
     pad_id = 0
     _hf_generate(model, torch, [workload[0][0]], 4, pad_id)
 
@@ -146,6 +160,7 @@ def run_transformers(args) -> dict:
     for start in range(0, len(workload), args.hf_batch_size):
         batch = workload[start : start + args.hf_batch_size]
         times = _hf_generate(model, torch, [p for p, _ in batch], max(o for _, o in batch), pad_id)
+        _progress(f"transformers batch {start // args.hf_batch_size}: {times[-1] - started:.1f} s")
         for _, num_out in batch:
             ttft.append(times[0] - started)
             if num_out > 1:
