@@ -93,6 +93,12 @@ def _check_kernel_shapes(implementation, dtype, block_size, head_dim, pages_per_
                 f"the Triton kernel needs pages_per_chunk * block_size >= "
                 f"{triton_attention.MIN_CHUNK}, got {pages_per_chunk} * {block_size}"
             )
+        chunk_bytes = pages_per_chunk * block_size * head_dim * jnp.dtype(dtype).itemsize
+        if chunk_bytes > triton_attention.MAX_CHUNK_BYTES:
+            raise ValueError(
+                f"the Triton kernel reads at most {triton_attention.MAX_CHUNK_BYTES} bytes of keys "
+                f"per step, got pages_per_chunk * block_size * head_dim * itemsize = {chunk_bytes}"
+            )
     if implementation == "tpu" and block_size % tpu_attention.sublane_count(dtype):
         raise ValueError(
             f"the TPU kernel needs block_size a multiple of "
@@ -100,13 +106,11 @@ def _check_kernel_shapes(implementation, dtype, block_size, head_dim, pages_per_
         )
 
 
-def _default_pages_per_chunk(implementation: str, block_size: int, max_blocks: int) -> int:
-    """Pages per chunk: enough tokens per chunk, no more pages than a table row holds."""
+def _default_pages_per_chunk(implementation, dtype, block_size, head_dim, max_blocks) -> int:
     if implementation == "tpu":
         return max(1, min(tpu_attention.DEFAULT_CHUNK_TOKENS // block_size, max_blocks))
-    wanted = max(1, triton_attention.DEFAULT_CHUNK_TOKENS // block_size)
-    needed = max(1, triton_attention.MIN_CHUNK // block_size)
-    return max(needed, min(wanted, pl.next_power_of_2(max_blocks)))
+    page_bytes = block_size * head_dim * jnp.dtype(dtype).itemsize
+    return triton_attention.default_pages_per_chunk(block_size, page_bytes, max_blocks)
 
 
 def _default_num_kv_splits(implementation: str, num_programs: int, max_chunks: int) -> int:
@@ -212,7 +216,7 @@ def paged_decode_attention(
     num_kv_heads, _, block_size, head_dim = k_cache.shape
     max_blocks = block_tables.shape[1]
     pages_per_chunk = pages_per_chunk or _default_pages_per_chunk(
-        implementation, block_size, max_blocks
+        implementation, q.dtype, block_size, head_dim, max_blocks
     )
     _check_kernel_shapes(implementation, q.dtype, block_size, head_dim, pages_per_chunk, 1)
     num_kv_splits = num_kv_splits or _default_num_kv_splits(
@@ -321,7 +325,7 @@ def ragged_paged_attention(
     group = num_q_heads // num_kv_heads
     block_q = block_q or _default_block_q(implementation, group, num_tokens)
     pages_per_chunk = pages_per_chunk or _default_pages_per_chunk(
-        implementation, block_size, block_tables.shape[1]
+        implementation, q.dtype, block_size, head_dim, block_tables.shape[1]
     )
     _check_kernel_shapes(implementation, q.dtype, block_size, head_dim, pages_per_chunk, block_q)
     query_tiles = tiles.ragged_tiles(context_lens, query_start_loc, num_tokens, block_q)

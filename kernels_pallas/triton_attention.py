@@ -15,7 +15,13 @@ still lowers in 0.12.
 
 Triton's constraints shape the knobs: tensor dimensions must be powers of two
 (block_size, head_dim, pages_per_chunk, rows) and every matmul dimension at
-least 16 (rows >= 16 and pages_per_chunk * block_size >= 16).
+least 16 (rows >= 16 and pages_per_chunk * block_size >= 16). Shared memory
+bounds the chunk: Triton 3.9 compiling these kernels for sm_90 with two
+pipeline stages needs about 104-144 KiB when a chunk of keys is 32 KiB
+(decode, 64-row ragged tiles), twice that at 64 KiB, more than an A100 or H100
+block may use. So chunks hold up to 32 KiB of keys and pipeline over two
+stages; a single page bigger than that runs unpipelined, and pages over 64 KiB
+are refused.
 """
 
 from __future__ import annotations
@@ -33,7 +39,16 @@ from kernels_pallas.tiles import QueryTiles
 
 MIN_ROWS = 16
 MIN_CHUNK = 16
-DEFAULT_CHUNK_TOKENS = 128
+PIPELINED_CHUNK_BYTES = 32 * 1024
+MAX_CHUNK_BYTES = 64 * 1024
+
+
+def default_pages_per_chunk(block_size: int, page_bytes: int, max_blocks: int) -> int:
+    """Pages per loop step: keys within PIPELINED_CHUNK_BYTES, at least MIN_CHUNK
+    tokens, and no more pages than a table row holds (all powers of two)."""
+    within_budget = max(1, PIPELINED_CHUNK_BYTES // page_bytes)
+    pages = min(1 << (within_budget.bit_length() - 1), pl.next_power_of_2(max_blocks))
+    return max(pages, pl.cdiv(MIN_CHUNK, block_size))
 
 
 def _kernel(
@@ -107,6 +122,8 @@ def tile_attention(
     returns       [NT, Hkv, rows, D] in q_tiles.dtype.
     """
     num_tiles, num_kv_heads, rows, head_dim = q_tiles.shape
+    chunk_bytes = pages_per_chunk * k_cache.shape[2] * head_dim * k_cache.dtype.itemsize
+    num_stages = 2 if chunk_bytes <= PIPELINED_CHUNK_BYTES else 1
     kernel = functools.partial(
         _kernel,
         group=group,
@@ -138,7 +155,7 @@ def tile_attention(
         in_specs=[whole, whole, whole, whole, q_spec, whole, whole],
         out_specs=out_specs,
         out_shape=out_shape,
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=num_stages),
         interpret=interpret,
         name="paged_attention_triton",
     )(tiles.seq, tiles.first_pos, tiles.num_tokens, block_tables, q_tiles, k_cache, v_cache)

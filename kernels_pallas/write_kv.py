@@ -9,10 +9,12 @@ scatter into a dynamic-update-slice, and through the reshape that slice lost
 its in-place buffer, so every layer copied its whole cache (seconds per step on
 CPU at a few thousand blocks).
 
-A Pallas kernel with `input_output_aliases` can do the same in-place writes;
-benchmarks/kernels.py measures one against this scatter. The scatter stays: it
-is one fused op on every backend, it needs no per-backend kernel, and it was
-the faster of the two where measured (see the benchmark's JSON).
+A Pallas kernel with `input_output_aliases` can make the same in-place writes
+(one program per token); benchmarks/kernels.py times it against this scatter.
+The scatter is kept: it is one fused op on every backend with no per-backend
+kernel to maintain, and it is the faster of the two wherever the benchmark
+has run (on CPU, where the kernel is interpreted). Replace it if the kernel
+wins on an accelerator.
 """
 
 from __future__ import annotations

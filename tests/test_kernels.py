@@ -379,6 +379,7 @@ def _decode_args(dtype=F32, block_size=8, num_q_heads=4):
         (dict(implementation="tpu", block_size=4), ValueError, "multiple of 8 for float32"),
         (dict(implementation="triton", block_size=12), ValueError, "power of two"),
         (dict(implementation="triton", pages_per_chunk=1), ValueError, ">= 16"),
+        (dict(implementation="triton", block_size=128, pages_per_chunk=4), ValueError, "65536"),
         (dict(num_kv_splits=0), ValueError, "num_kv_splits must be >= 1"),
     ],
 )
@@ -432,17 +433,19 @@ def test_write_kv_matches_slot_by_slot_writes():
     )
 
 
-def test_write_kv_updates_a_donated_cache_in_place():
+@pytest.mark.parametrize("slots", [[13], [8, 9, 39]])
+def test_write_kv_updates_a_donated_cache_in_place(slots):
+    """One token (XLA's dynamic-update-slice path) and several (scatter) alike."""
     shape = (2, 5, 8, 16)
     k_cache, v_cache = jnp.zeros(shape), jnp.zeros(shape)
     k_pointer, v_pointer = k_cache.unsafe_buffer_pointer(), v_cache.unsafe_buffer_pointer()
-    new = jnp.ones((3, 2, 16))
+    new = jnp.ones((len(slots), 2, 16))
     write = jax.jit(kp.write_kv, donate_argnums=(0, 1))
-    new_k, new_v = write(k_cache, v_cache, new, new, jnp.array([8, 9, 39], jnp.int32))
+    new_k, new_v = write(k_cache, v_cache, new, new, jnp.array(slots, jnp.int32))
     assert k_cache.is_deleted() and v_cache.is_deleted()
     assert new_k.unsafe_buffer_pointer() == k_pointer
     assert new_v.unsafe_buffer_pointer() == v_pointer
-    assert float(new_k.sum()) == 3 * 2 * 16
+    assert float(new_k.sum()) == len(slots) * 2 * 16
 
 
 def test_write_kv_rejects_mismatched_shapes():
