@@ -108,12 +108,17 @@ class _SeqBlocks:
     table:        physical blocks, logical order (host blocks while on_host).
     block_hashes: hash chain of the sequence's leading full blocks, computed once.
     num_cached:   leading table entries known to the prefix cache.
+    num_shared:   leading table entries another table may also hold. Entries past
+                  it are this sequence's alone: only a fork, a prefix hit or a
+                  swap-in shares a block, and a prefix hit takes only registered
+                  blocks, which lie before the sequence's next write.
     """
 
     cache_salt: str | None
     table: BlockTable = field(default_factory=BlockTable)
     block_hashes: list[int] = field(default_factory=list)
     num_cached: int = 0
+    num_shared: int = 0
     on_host: bool = False
 
 
@@ -262,7 +267,7 @@ class BlockManager:
             new_blocks = self._step.allocate(_cdiv(len(seq), self.block_size) - len(seq_hits))
             record = self._record(seq, group.cache_salt)
             record.table = BlockTable(seq_hits + new_blocks)
-            record.num_cached = len(seq_hits)
+            record.num_cached = record.num_shared = len(seq_hits)
             self._logical_blocks += len(record.table)
             seq.num_computed_tokens = len(seq_hits) * self.block_size
             self._count_query(seq, len(seq_hits))
@@ -278,14 +283,10 @@ class BlockManager:
 
     # Growth and sharing ----------------------------------------------------------
 
-    def _write_range(self, seq: Sequence, num_new_tokens: int) -> tuple[BlockTable, int, int]:
-        """seq's table and the logical blocks [first, end) its next new tokens go to.
-
-        Only [first, min(end, len(table))) exist yet; the rest are still to allocate.
-        """
-        table = self._seqs[seq.seq_id].table
+    def _write_range(self, seq: Sequence, num_new_tokens: int) -> tuple[int, int]:
+        """The logical blocks [first, end) that seq's next `num_new_tokens` tokens go to."""
         start = seq.num_computed_tokens
-        return table, start // self.block_size, (start + num_new_tokens - 1) // self.block_size + 1
+        return start // self.block_size, (start + num_new_tokens - 1) // self.block_size + 1
 
     def can_append_slots(self, group: SequenceGroup, num_new_tokens: int) -> bool:
         """Whether every RUNNING sequence of the group can take `num_new_tokens` more tokens.
@@ -300,10 +301,13 @@ class BlockManager:
         for seq in group.seqs:
             if seq.status is not SequenceStatus.RUNNING:
                 continue
-            table, first, end = self._write_range(seq, num_new_tokens)
-            needed += max(0, end - len(table))
-            for i in range(first, min(end, len(table))):
-                block = table.block(i)
+            record = self._seqs[seq.seq_id]
+            first, end = self._write_range(seq, num_new_tokens)
+            num_blocks = len(record.table)
+            if end > num_blocks:
+                needed += end - num_blocks
+            for i in range(first, min(end, record.num_shared)):
+                block = record.table.block(i)
                 if refcount(block) > 1:
                     writers[block] = writers.get(block, 0) + 1
         for block, num_writers in writers.items():
@@ -318,14 +322,18 @@ class BlockManager:
         """
         if num_new_tokens < 1:
             raise ValueError(f"num_new_tokens must be >= 1, got {num_new_tokens}")
-        table, first, end = self._write_range(seq, num_new_tokens)
+        record = self._seqs[seq.seq_id]
+        table = record.table
+        first, end = self._write_range(seq, num_new_tokens)
+        num_new_blocks = end - len(table)
+        if first >= record.num_shared and num_new_blocks <= 0:
+            return  # the common decode step: the slots exist and are private
         step = self._step
         shared = [
-            i for i in range(first, min(end, len(table))) if step.refcount(table.block(i)) > 1
+            i for i in range(first, min(end, record.num_shared))
+            if step.refcount(table.block(i)) > 1
         ]
-        num_new_blocks = max(0, end - len(table))
-        if not shared and not num_new_blocks:
-            return
+        num_new_blocks = max(0, num_new_blocks)
         if len(shared) + num_new_blocks > step.num_free:
             raise ValueError(
                 f"sequence {seq.seq_id} needs {len(shared) + num_new_blocks} free blocks, "
@@ -345,8 +353,13 @@ class BlockManager:
         table = self.block_table(parent)
         for block in table.tolist():
             self._step.share(block)
+        source.num_shared = len(table)
         self._seqs[child.seq_id] = _SeqBlocks(
-            source.cache_salt, table.copy(), list(source.block_hashes), source.num_cached
+            source.cache_salt,
+            table.copy(),
+            list(source.block_hashes),
+            num_cached=source.num_cached,
+            num_shared=len(table),
         )
         self._logical_blocks += len(table)
 
@@ -374,9 +387,10 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         record = self._seqs[seq.seq_id]
-        num_full = min(seq.num_computed_tokens // self.block_size, len(record.table))
+        num_full = seq.num_computed_tokens // self.block_size
         if num_full <= record.num_cached:
             return
+        num_full = min(num_full, len(record.table))
         assert not record.on_host, f"sequence {seq.seq_id} is swapped out"
         hashes = self._hashes(seq, record, num_full)
         for i in range(record.num_cached, num_full):
@@ -433,4 +447,5 @@ class BlockManager:
         for seq, table in zip(seqs, tables, strict=True):
             record = self._seqs[seq.seq_id]
             record.table, record.on_host, record.num_cached = BlockTable(table), False, 0
+            record.num_shared = len(table)
             self._logical_blocks += len(table)
