@@ -44,6 +44,7 @@ def default_implementation(interpret: bool | pltpu.InterpretParams) -> Implement
 
 
 def _check_common(q, k_cache, v_cache, block_tables, context_lens, implementation, knobs):
+    """Checks both ops share (shapes as in their docstrings); raises before any work."""
     if implementation not in (None, *IMPLEMENTATIONS):
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
     if k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
@@ -78,6 +79,7 @@ def _check_common(q, k_cache, v_cache, block_tables, context_lens, implementatio
 
 
 def _check_kernel_shapes(implementation, dtype, block_size, head_dim, pages_per_chunk, block_q):
+    """What each kernel's tiling needs of the static shapes (module docstrings say why)."""
     if block_q & (block_q - 1):
         raise ValueError(f"block_q must be a power of two, got {block_q}")
     if implementation == "triton":
@@ -107,6 +109,7 @@ def _check_kernel_shapes(implementation, dtype, block_size, head_dim, pages_per_
 
 
 def _default_pages_per_chunk(implementation, dtype, block_size, head_dim, max_blocks) -> int:
+    """Pages per kernel loop step, capped by the pages a table row holds."""
     if implementation == "tpu":
         return max(1, min(tpu_attention.DEFAULT_CHUNK_TOKENS // block_size, max_blocks))
     page_bytes = block_size * head_dim * jnp.dtype(dtype).itemsize
@@ -123,28 +126,34 @@ def _default_num_kv_splits(implementation: str, num_programs: int, max_chunks: i
     return splits
 
 
-def _run_kernel(
-    implementation,
-    q_tiles,
-    k_cache,
-    v_cache,
-    block_tables,
-    query_tiles,
+def _attend_tiles(
+    implementation: str,
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    block_tables: jax.Array,
+    query_tiles: tiles.QueryTiles,
     *,
-    group,
-    block_q,
-    scale,
-    soft_cap,
-    pages_per_chunk,
-    num_kv_splits,
-    interpret,
-):
-    """Pad the block tables to whole chunks (null block 0) and run the kernel."""
+    block_q: int,
+    pages_per_chunk: int,
+    **kernel_knobs,
+) -> jax.Array:
+    """Lay q out tile by tile, run the kernel, and put the outputs back per token.
+
+    q: [T, Hq, D]; k/v_cache: [Hkv, num_blocks, block_size, D];
+    block_tables: int32 [B, max_blocks]; query_tiles: tiles of block_q tokens.
+    Returns [T, Hq, D] in q.dtype.
+    """
+    num_kv_heads = k_cache.shape[0]
+    group = q.shape[1] // num_kv_heads
+    rows = tiles.tile_rows(group, block_q, _min_rows(implementation))
+    q_tiles = tiles.gather_query_tiles(q, query_tiles, num_kv_heads, block_q, rows)
+    # Whole chunks of table entries: the kernels read block_tables a chunk at a time.
     max_blocks = block_tables.shape[1]
-    padded = pl.cdiv(max_blocks, pages_per_chunk) * pages_per_chunk
-    block_tables = jnp.pad(block_tables, ((0, 0), (0, padded - max_blocks)))
+    padding = pl.cdiv(max_blocks, pages_per_chunk) * pages_per_chunk - max_blocks
+    block_tables = jnp.pad(block_tables, ((0, 0), (0, padding)))
     module = tpu_attention if implementation == "tpu" else triton_attention
-    return module.tile_attention(
+    out_tiles = module.tile_attention(
         q_tiles,
         k_cache,
         v_cache,
@@ -152,12 +161,10 @@ def _run_kernel(
         query_tiles,
         group=group,
         block_q=block_q,
-        scale=scale,
-        soft_cap=soft_cap,
         pages_per_chunk=pages_per_chunk,
-        num_splits=num_kv_splits,
-        interpret=interpret,
+        **kernel_knobs,
     )
+    return tiles.scatter_output_tiles(out_tiles, query_tiles, q.shape[0], group, block_q)
 
 
 def _min_rows(implementation: str) -> int:
@@ -222,26 +229,20 @@ def paged_decode_attention(
     num_kv_splits = num_kv_splits or _default_num_kv_splits(
         implementation, q.shape[0] * num_kv_heads, pl.cdiv(max_blocks, pages_per_chunk)
     )
-    group = q.shape[1] // num_kv_heads
-    query_tiles = tiles.decode_tiles(context_lens)
-    rows = tiles.tile_rows(group, 1, _min_rows(implementation))
-    q_tiles = tiles.gather_query_tiles(q, query_tiles, num_kv_heads, 1, rows)
-    out_tiles = _run_kernel(
+    return _attend_tiles(
         implementation,
-        q_tiles,
+        q,
         k_cache,
         v_cache,
         block_tables,
-        query_tiles,
-        group=group,
+        tiles.decode_tiles(context_lens),
         block_q=1,
         scale=scale,
         soft_cap=soft_cap,
         pages_per_chunk=pages_per_chunk,
-        num_kv_splits=num_kv_splits,
+        num_splits=num_kv_splits,
         interpret=interpret,
     )
-    return tiles.scatter_output_tiles(out_tiles, query_tiles, q.shape[0], group, 1)
 
 
 def _default_block_q(implementation: str, group: int, num_tokens: int) -> int:
@@ -328,22 +329,17 @@ def ragged_paged_attention(
         implementation, q.dtype, block_size, head_dim, block_tables.shape[1]
     )
     _check_kernel_shapes(implementation, q.dtype, block_size, head_dim, pages_per_chunk, block_q)
-    query_tiles = tiles.ragged_tiles(context_lens, query_start_loc, num_tokens, block_q)
-    rows = tiles.tile_rows(group, block_q, _min_rows(implementation))
-    q_tiles = tiles.gather_query_tiles(q, query_tiles, num_kv_heads, block_q, rows)
-    out_tiles = _run_kernel(
+    return _attend_tiles(
         implementation,
-        q_tiles,
+        q,
         k_cache,
         v_cache,
         block_tables,
-        query_tiles,
-        group=group,
+        tiles.ragged_tiles(context_lens, query_start_loc, num_tokens, block_q),
         block_q=block_q,
         scale=scale,
         soft_cap=soft_cap,
         pages_per_chunk=pages_per_chunk,
-        num_kv_splits=num_kv_splits,
+        num_splits=num_kv_splits,
         interpret=interpret,
     )
-    return tiles.scatter_output_tiles(out_tiles, query_tiles, num_tokens, group, block_q)

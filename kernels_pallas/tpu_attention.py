@@ -58,6 +58,17 @@ def _kernel(
     scale: float,
     soft_cap: float | None,
 ):
+    """One grid step: query tile x KV head x key split.
+
+    Scalar prefetch (SMEM):
+      seq_ref, first_pos_ref, num_tokens_ref: int32 [NT]  tile metadata (tiles.py)
+      block_tables_ref:  int32 [B * pages_per_seq]  the tables, row-major
+    q_ref:               [rows, D]  (VMEM) this tile's query rows for this KV head
+    k_hbm_ref, v_hbm_ref: [Hkv, num_blocks, block_size, D]  (HBM) whole caches
+    refs: the outputs as in the Triton kernel, then the scratch
+      k_buf, v_buf: [2, pages_per_chunk, block_size, D]  (VMEM) two chunk buffers
+      sems:         DMA semaphores [2 (keys, values), 2 (buffer)].
+    """
     *out_refs, k_buf, v_buf, sems = refs
     tile, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     seq = seq_ref[tile]

@@ -67,6 +67,15 @@ def _kernel(
     scale: float,
     soft_cap: float | None,
 ):
+    """One program: query tile x KV head x key split.
+
+    seq_ref, first_pos_ref, num_tokens_ref: int32 [NT]  tile metadata (tiles.py)
+    block_tables_ref:       int32 [B, max_blocks]
+    q_ref:                  [rows, D]  this tile's query rows for this KV head
+    k_cache_ref, v_cache_ref: [Hkv, num_blocks, block_size, D]  whole caches
+    out_refs: the [rows, D] output, or with key splits this split's
+              (row_max, row_sum, acc) f32 [rows, 1], [rows, 1], [rows, D].
+    """
     tile, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     seq = seq_ref[tile]
     first_pos = first_pos_ref[tile]
