@@ -86,8 +86,9 @@ def build_model_input(
     padded_blocks = bucket(int(num_blocks.max(initial=0)), buckets.min_blocks_per_seq)
 
     tables = np.zeros((padded_seqs, padded_blocks), np.int32)
+    block_table = block_tables.block_table
     for row, (seq, n) in enumerate(zip(seqs, num_blocks.tolist(), strict=True)):
-        tables[row, :n] = block_tables.block_table(seq).array[:n]
+        tables[row, :n] = block_table(seq).prefix(n)
 
     query_start_loc = np.full(padded_seqs + 1, num_tokens, np.int32)
     query_start_loc[0] = 0

@@ -17,6 +17,7 @@ whose prompt `can_allocate` has already hashed.
 from __future__ import annotations
 
 import enum
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -26,6 +27,8 @@ from jpaged.allocator import AllocatorState, BlockOps, Transaction
 from jpaged.config import CacheConfig
 from jpaged.prefix_cache import NO_HASH, PrefixCacheStats, hash_block
 from jpaged.sequence import Sequence, SequenceGroup, SequenceStatus
+
+_RUNNING = SequenceStatus.RUNNING  # an enum attribute lookup costs as much as the check
 
 
 class AllocStatus(enum.Enum):
@@ -77,6 +80,11 @@ class BlockTable:
     def array(self) -> np.ndarray:
         """int32 [len(self)], read-only."""
         return self._readonly[: self._size]
+
+    def prefix(self, num_entries: int) -> np.ndarray:
+        """int32 [num_entries], read-only: the first entries, in one view (no `array` first)."""
+        assert num_entries <= self._size, (num_entries, self._size)
+        return self._readonly[:num_entries]
 
     def tolist(self) -> list[int]:
         return self._buffer[: self._size].tolist()
@@ -283,11 +291,6 @@ class BlockManager:
 
     # Growth and sharing ----------------------------------------------------------
 
-    def _write_range(self, seq: Sequence, num_new_tokens: int) -> tuple[int, int]:
-        """The logical blocks [first, end) that seq's next `num_new_tokens` tokens go to."""
-        start = seq.num_computed_tokens
-        return start // self.block_size, (start + num_new_tokens - 1) // self.block_size + 1
-
     def can_append_slots(self, group: SequenceGroup, num_new_tokens: int) -> bool:
         """Whether every RUNNING sequence of the group can take `num_new_tokens` more tokens.
 
@@ -295,24 +298,34 @@ class BlockManager:
         a shared block written by w of its r holders needs w copies, or w - 1
         when they are all its holders (the last writer keeps it).
         """
-        refcount = self._step.refcount
         needed = 0
-        writers: dict[int, int] = {}
+        shared_writes: list[int] = []
         for seq in group.seqs:
-            if seq.status is not SequenceStatus.RUNNING:
+            if seq.status is not _RUNNING:
                 continue
             record = self._seqs[seq.seq_id]
-            first, end = self._write_range(seq, num_new_tokens)
+            # The new tokens go to logical blocks first .. end - 1.
+            start = seq.num_computed_tokens
+            end = (start + num_new_tokens - 1) // self.block_size + 1
             num_blocks = len(record.table)
             if end > num_blocks:
                 needed += end - num_blocks
-            for i in range(first, min(end, record.num_shared)):
-                block = record.table.block(i)
-                if refcount(block) > 1:
-                    writers[block] = writers.get(block, 0) + 1
-        for block, num_writers in writers.items():
-            needed += num_writers if refcount(block) > num_writers else num_writers - 1
+            first = start // self.block_size
+            if first < record.num_shared:
+                shared_writes += record.table[first : min(end, record.num_shared)]
+        if shared_writes:
+            needed += self._num_copies(shared_writes)
         return needed <= self._step.num_free
+
+    def _num_copies(self, written_blocks: list[int]) -> int:
+        """Copy-on-write blocks that one write per entry of `written_blocks` takes."""
+        refcount = self._step.refcount
+        num_copies = 0
+        for block, num_writers in Counter(written_blocks).items():
+            holders = refcount(block)
+            if holders > 1:
+                num_copies += num_writers if holders > num_writers else num_writers - 1
+        return num_copies
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
         """Slots for positions num_computed_tokens .. + num_new_tokens - 1 of `seq`.
@@ -324,7 +337,9 @@ class BlockManager:
             raise ValueError(f"num_new_tokens must be >= 1, got {num_new_tokens}")
         record = self._seqs[seq.seq_id]
         table = record.table
-        first, end = self._write_range(seq, num_new_tokens)
+        start = seq.num_computed_tokens
+        first = start // self.block_size
+        end = (start + num_new_tokens - 1) // self.block_size + 1
         num_new_blocks = end - len(table)
         if first >= record.num_shared and num_new_blocks <= 0:
             return  # the common decode step: the slots exist and are private

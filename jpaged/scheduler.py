@@ -28,12 +28,17 @@ from __future__ import annotations
 import dataclasses
 from collections import deque
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 from jpaged.allocator import BlockOps
 from jpaged.block_manager import AllocStatus
 from jpaged.config import SchedulerConfig
 from jpaged.sequence import Sequence, SequenceGroup, SequenceStatus
+
+# Module-level aliases: an enum attribute lookup costs as much as the status check itself.
+_WAITING = SequenceStatus.WAITING
+_RUNNING = SequenceStatus.RUNNING
+_SWAPPED = SequenceStatus.SWAPPED
 
 
 class KVCacheManager(Protocol):
@@ -88,8 +93,13 @@ class SchedulerOutput:
         return not self.scheduled
 
 
-class _Chunk(NamedTuple):
-    """Sequences of one group that advance in a step, each by num_new_tokens tokens."""
+@dataclass(slots=True)
+class _Chunk:
+    """Sequences of one group that advance in a step, each by num_new_tokens tokens.
+
+    A slotted dataclass: the scheduler makes one per group per step, and a
+    NamedTuple costs twice as much to build.
+    """
 
     seqs: list[Sequence]
     num_new_tokens: int
@@ -127,7 +137,7 @@ class Scheduler:
         """Queue a new request: one WAITING sequence holding the prompt."""
         if group.request_id in self._unfinished:
             raise ValueError(f"request id {group.request_id!r} is already in the scheduler")
-        if len(group.seqs) != 1 or group.seqs[0].status is not SequenceStatus.WAITING:
+        if len(group.seqs) != 1 or group.seqs[0].status is not _WAITING:
             raise ValueError(
                 f"a new request must hold exactly one WAITING sequence, got "
                 f"{[s.status.name for s in group.seqs]}"
@@ -164,7 +174,7 @@ class Scheduler:
         """End a running sequence with a finished `status` and free its blocks."""
         if not status.is_finished:
             raise ValueError(f"status must be a finished status, got {status.name}")
-        if seq.status is not SequenceStatus.RUNNING:
+        if seq.status is not _RUNNING:
             raise ValueError(
                 f"only running sequences finish; sequence {seq.seq_id} is {seq.status.name}"
             )
@@ -172,7 +182,7 @@ class Scheduler:
 
     def remove_seq(self, group: SequenceGroup, seq: Sequence) -> None:
         """Drop a running sequence from its group (a pruned beam) and free its blocks."""
-        if seq.status is not SequenceStatus.RUNNING or seq not in group.seqs:
+        if seq.status is not _RUNNING or seq not in group.seqs:
             raise ValueError(
                 f"sequence {seq.seq_id} is not a running sequence of {group.request_id!r}"
             )
@@ -184,7 +194,7 @@ class Scheduler:
 
     def fork(self, group: SequenceGroup, parent: Sequence, child_seq_id: int) -> Sequence:
         """A new running sequence of `group` with the parent's tokens, sharing its blocks."""
-        if parent.status is not SequenceStatus.RUNNING or parent not in group.seqs:
+        if parent.status is not _RUNNING or parent not in group.seqs:
             raise ValueError(
                 f"sequence {parent.seq_id} is not a running sequence of {group.request_id!r}"
             )
@@ -245,11 +255,12 @@ class Scheduler:
         group's sequences complete in the same step.)
         """
         ready: list[SequenceGroup] = []
+        cache_computed_blocks = self.block_manager.cache_computed_blocks
         for seq, num_new_tokens in output.scheduled:
-            if seq.status is not SequenceStatus.RUNNING:
+            if seq.status is not _RUNNING:
                 continue  # aborted since the step was scheduled
             seq.num_computed_tokens += num_new_tokens
-            self.block_manager.cache_computed_blocks(seq)
+            cache_computed_blocks(seq)
             if seq.num_computed_tokens == len(seq):
                 group = self._group_of_seq[seq.seq_id]
                 if not ready or ready[-1] is not group:
@@ -260,7 +271,7 @@ class Scheduler:
         queue, self.running = self.running, deque()
         while queue:
             group = queue.popleft()
-            seqs = group.seqs_with(SequenceStatus.RUNNING)
+            seqs = group.seqs_with(_RUNNING)
             if not seqs:
                 continue  # finished since the last step
             chunk = self._next_chunk(seqs, plan)
@@ -298,13 +309,13 @@ class Scheduler:
     def _schedule_swapped(self, plan: _StepPlan) -> None:
         while self.swapped:
             group = self.swapped[0]
-            seqs = group.seqs_with(SequenceStatus.SWAPPED)
+            seqs = group.seqs_with(_SWAPPED)
             chunk = self._next_chunk(seqs, plan)
             if chunk is None or self.block_manager.can_swap_in(group) is not AllocStatus.OK:
                 return
             self.swapped.popleft()
             self.block_manager.swap_in(group)
-            _set_status(seqs, SequenceStatus.RUNNING)
+            _set_status(seqs, _RUNNING)
             self.running.append(group)
             advancing = _advancing_part(group, seqs, chunk)
             if not self.block_manager.can_append_slots(advancing, chunk.num_new_tokens):
@@ -314,7 +325,7 @@ class Scheduler:
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         while self.waiting:
             group = self.waiting[0]
-            seqs = group.seqs_with(SequenceStatus.WAITING)
+            seqs = group.seqs_with(_WAITING)
             if self._next_chunk(seqs, plan) is None:
                 return
             status = self.block_manager.can_allocate(group)
@@ -325,7 +336,7 @@ class Scheduler:
                 self._ignore(group, plan)
                 continue
             self.block_manager.allocate(group)
-            _set_status(seqs, SequenceStatus.RUNNING)
+            _set_status(seqs, _RUNNING)
             self.running.append(group)
             # Prefix-cache hits computed some tokens: the chunk may have shrunk.
             chunk = self._next_chunk(seqs, plan)
@@ -362,23 +373,24 @@ class Scheduler:
         return None
 
     def _schedule_chunk(self, chunk: _Chunk, plan: _StepPlan) -> None:
-        for seq in chunk.seqs:
-            self.block_manager.append_slots(seq, chunk.num_new_tokens)
-            plan.scheduled.append((seq, chunk.num_new_tokens))
-        plan.tokens_left -= chunk.num_new_tokens * len(chunk.seqs)
-        plan.seqs_left -= len(chunk.seqs)
+        seqs, num_new_tokens = chunk.seqs, chunk.num_new_tokens
+        for seq in seqs:
+            self.block_manager.append_slots(seq, num_new_tokens)
+            plan.scheduled.append((seq, num_new_tokens))
+        plan.tokens_left -= num_new_tokens * len(seqs)
+        plan.seqs_left -= len(seqs)
 
     def _preempt(self, group: SequenceGroup, plan: _StepPlan) -> None:
         seqs = group.unfinished_seqs()
         if self.config.preemption_mode == "swap" and self.block_manager.can_swap_out(group):
             self.block_manager.swap_out(group)
-            _set_status(seqs, SequenceStatus.SWAPPED)
+            _set_status(seqs, _SWAPPED)
             self.swapped.appendleft(group)
         else:
             for seq in seqs:
                 self.block_manager.free(seq)
                 seq.num_computed_tokens = 0
-                seq.status = SequenceStatus.WAITING
+                seq.status = _WAITING
             self.waiting.appendleft(group)
         plan.preempted.append(group)
         self.num_preemptions += 1
@@ -412,6 +424,6 @@ def _set_status(seqs: list[Sequence], status: SequenceStatus) -> None:
 def _pop_newest_unfinished(queue: deque[SequenceGroup]) -> SequenceGroup | None:
     while queue:
         group = queue.pop()
-        if group.seqs_with(SequenceStatus.RUNNING):
+        if group.seqs_with(_RUNNING):
             return group
     return None
