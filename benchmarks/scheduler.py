@@ -45,14 +45,22 @@ def max_len(num_seqs: int, context_len: int, steps: int) -> int:
 
 
 def running_scheduler(manager, num_seqs: int, context_len: int, steps: int, seed: int = 0):
-    """A scheduler whose `num_seqs` sequences have `context_len` tokens computed and decode next."""
+    """A scheduler whose `num_seqs` sequences have up to `context_len` tokens computed and decode.
+
+    Prompt lengths step down by one token per sequence, over a block, so that
+    each step about 1/BLOCK_SIZE of the sequences start a new block (allocation,
+    prefix-cache registration), as in a steady state. Equal lengths would put
+    every sequence's block boundary on the same step, leaving the median step
+    with no block work at all.
+    """
     config = SchedulerConfig(
         max_num_seqs=num_seqs,
         max_num_batched_tokens=PREFILL_BUDGET,
         max_model_len=max_len(num_seqs, context_len, steps),
     )
     scheduler = Scheduler(config, manager)
-    prompts = np.random.default_rng(seed).integers(0, 32000, (num_seqs, context_len)).tolist()
+    tokens = np.random.default_rng(seed).integers(0, 32000, (num_seqs, context_len)).tolist()
+    prompts = [row[: context_len - seq_id % BLOCK_SIZE] for seq_id, row in enumerate(tokens)]
     for seq_id, prompt in enumerate(prompts):
         scheduler.add_request(SequenceGroup(f"r{seq_id}", [Sequence(seq_id, prompt)]))
     decoding: set[str] = set()
