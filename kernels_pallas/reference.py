@@ -23,19 +23,21 @@ HIGHEST = jax.lax.Precision.HIGHEST
 def write_kv_reference(
     k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
-    """Scatter new K/V into the cache.
+    """Scatter new K/V into the cache (slots past the pool are dropped).
 
     k_cache, v_cache: [Hkv, num_blocks, block_size, D]
     k, v:             [T, Hkv, D]
     slot_mapping:     int32 [T]
     returns the updated (k_cache, v_cache).
     """
-    num_kv_heads, num_blocks, block_size, head_dim = k_cache.shape
-    flat = (num_kv_heads, num_blocks * block_size, head_dim)
+    block_size = k_cache.shape[2]
+    # Index the 4-D cache: a scatter through a flattened view can lose its
+    # in-place buffer once XLA turns a one-token write into a dynamic-update-slice.
+    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
 
     def scatter(cache, new):
-        cache = cache.reshape(flat).at[:, slot_mapping].set(new.swapaxes(0, 1).astype(cache.dtype))
-        return cache.reshape(k_cache.shape)
+        rows = new.swapaxes(0, 1).astype(cache.dtype)
+        return cache.at[:, blocks, offsets].set(rows, mode="drop")
 
     return scatter(k_cache, k), scatter(v_cache, v)
 

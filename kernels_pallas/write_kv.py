@@ -1,26 +1,31 @@
 """Writing this step's K/V into the paged cache.
 
 New rows are scattered at (block, offset) = divmod(slot, block_size) of the
-page layout. Inside a jitted step that donates the cache, XLA performs the
-scatter in place: it touches only the T * Hkv rows written, never the pool.
-The indices address the 4-D cache directly rather than a flattened
-[Hkv, num_blocks * block_size, D] view: with one new token XLA turns the
-scatter into a dynamic-update-slice, and through the reshape that slice lost
+page layout (reference.write_kv_reference). Inside a jitted step that donates
+the cache, XLA performs the scatter in place: it touches only the T * Hkv rows
+written, never the pool. The indices address the 4-D cache directly rather than
+a flattened [Hkv, num_blocks * block_size, D] view: with one new token XLA turns
+the scatter into a dynamic-update-slice, and through the reshape that slice lost
 its in-place buffer, so every layer copied its whole cache (seconds per step on
 CPU at a few thousand blocks).
 
-A Pallas kernel with `input_output_aliases` can make the same in-place writes
-(one program per token); benchmarks/kernels.py times it against this scatter.
-The scatter is kept: it is one fused op on every backend with no per-backend
-kernel to maintain, and it is the faster of the two wherever the benchmark
-has run (on CPU, where the kernel is interpreted). Replace it if the kernel
-wins on an accelerator.
+The alternative is a Pallas kernel whose outputs alias the caches
+(`input_output_aliases`), one program per token; benchmarks/kernels.py times
+one against this scatter. On CPU (kernel interpreted, 8 KV heads of 128,
+4096 blocks of 16) neither wins throughout: the kernel took 10 / 12-17 / 47-50
+/ 283 us for 1 / 8 / 64 / 256 tokens, the scatter 46 / 11-12 / 56-80 /
+304-319 us. A kernel that must store head by head (Triton blocks are powers of
+two, and 3 KV heads are not) took twice as long from 8 tokens on. With no clear
+winner the scatter stays: one fused op on every backend, no per-backend kernel
+to keep. If the benchmark shows the kernel ahead on an accelerator, switch there.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from kernels_pallas.reference import write_kv_reference
 
 
 def write_kv(
@@ -31,8 +36,8 @@ def write_kv(
     k_cache, v_cache: [Hkv, num_blocks, block_size, D]
     k, v:             [T, Hkv, D], cast to the cache dtype
     slot_mapping:     int32 [T], flat slot block * block_size + offset; padding
-                      tokens point into the null block 0. Slots outside the
-                      pool are dropped.
+                      tokens point into the null block 0. Slots past the pool
+                      are dropped.
     returns the updated (k_cache, v_cache); donate the caches to update in place.
     """
     if k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
@@ -44,14 +49,8 @@ def write_kv(
         raise TypeError(
             f"slot_mapping must be int32 [T], got {slot_mapping.dtype} {slot_mapping.shape}"
         )
-    num_kv_heads, num_blocks, block_size, head_dim = k_cache.shape
+    num_kv_heads, _, _, head_dim = k_cache.shape
     expected = (slot_mapping.shape[0], num_kv_heads, head_dim)
     if k.shape != expected or v.shape != expected:
         raise ValueError(f"k and v must be [T, Hkv, D] = {expected}, got {k.shape} and {v.shape}")
-    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
-
-    def scatter(cache, new):
-        rows = new.swapaxes(0, 1).astype(cache.dtype)
-        return cache.at[:, blocks, offsets].set(rows, mode="drop")
-
-    return scatter(k_cache, k), scatter(v_cache, v)
+    return write_kv_reference(k_cache, v_cache, k, v, slot_mapping)
