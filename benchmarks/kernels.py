@@ -12,10 +12,11 @@ over dense overhead, with the targets (<= 10% overhead, >= 70% of peak at
 contexts >= 4k). It also times write_kv (XLA scatter) against a Pallas kernel
 that writes through input_output_aliases.
 
-On CPU the same sweep (smaller) times the reference path, which is what runs
-there, against dense attention and a measured streaming-read bandwidth. The
-Pallas kernels only run in interpret mode on CPU; that one timing is printed
-too, but interpret-mode timings say nothing about accelerator speed.
+On CPU the same sweep (smaller) times the reference path, and the default
+CPU implementation where that differs, against dense attention and a measured
+streaming-read bandwidth. The Pallas kernels only run in interpret mode on
+CPU; that one timing is printed too, but interpret-mode timings say nothing
+about accelerator speed.
 
 The last line printed is one JSON object.
 """
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import os
 import platform
@@ -155,6 +157,7 @@ def decode_case(rng, batch, context, block_size, dtype, implementation, interpre
     kv_bytes = 2 * k.size * k.dtype.itemsize
     bandwidth = kv_bytes / paged_s
     return {
+        "implementation": implementation,
         "batch": batch,
         "context": context,
         "block_size": block_size,
@@ -288,7 +291,9 @@ def main(argv=None) -> dict:
 
     device = jax.devices()[0]
     dtype = jnp.float32 if on_cpu else jnp.bfloat16
-    implementation = "reference" if on_cpu else kp.default_implementation(False)
+    default = kp.default_implementation(False)
+    # On CPU both the definition and what the runner uses there (when they differ).
+    implementations = list(dict.fromkeys(["reference", default])) if on_cpu else [default]
     peak = measured_read_bandwidth() if on_cpu else peak_bandwidth(device)
     rng = np.random.default_rng(0)
     points, skipped = [], []
@@ -297,21 +302,20 @@ def main(argv=None) -> dict:
             if not fits(batch, context, dtype, device):
                 skipped.append({"batch": batch, "context": context, "reason": "memory"})
                 continue
-            for block_size in args.block_sizes:
-                points.append(
-                    decode_case(
-                        rng,
-                        batch,
-                        context,
-                        block_size,
-                        dtype,
-                        implementation,
-                        False,
-                        args.repeats,
-                        peak,
-                    )
+            for block_size, implementation in itertools.product(args.block_sizes, implementations):
+                point = decode_case(
+                    rng,
+                    batch,
+                    context,
+                    block_size,
+                    dtype,
+                    implementation,
+                    False,
+                    args.repeats,
+                    peak,
                 )
-                print(json.dumps(points[-1]), file=sys.stderr)
+                points.append(point)
+                print(json.dumps(point), file=sys.stderr)
     result = {
         "benchmark": "kernels.paged_decode",
         "machine": {
@@ -327,7 +331,7 @@ def main(argv=None) -> dict:
             "numpy": np.__version__,
         },
         "settings": {
-            "implementation": implementation,
+            "implementations": implementations,
             "dtype": jnp.dtype(dtype).name,
             "num_q_heads": NUM_Q_HEADS,
             "num_kv_heads": NUM_KV_HEADS,
@@ -337,7 +341,10 @@ def main(argv=None) -> dict:
         },
         "decode": points,
         "skipped": skipped,
-        "summary": summarize(points, peak),
+        "summary": {
+            name: summarize([p for p in points if p["implementation"] == name], peak)
+            for name in implementations
+        },
     }
     if on_cpu:
         interpret_batch = min(args.batches)
@@ -352,11 +359,16 @@ def main(argv=None) -> dict:
             1,
             peak,
         )
-        result["write_kv"] = write_kv_case(64, 512, 16, dtype, True, args.repeats)
+        result["write_kv"] = [
+            write_kv_case(tokens, 4096, 16, dtype, True, args.repeats) for tokens in (1, 8, 64, 256)
+        ]
         result["note"] = INTERPRET_NOTE
     else:
         result["write_kv"] = (
-            write_kv_case(256, 16384, 16, dtype, False, args.repeats)
+            [
+                write_kv_case(tokens, 16384, 16, dtype, False, args.repeats)
+                for tokens in (1, 8, 64, 256, 2048)
+            ]
             if backend == "gpu"
             else {"skipped": "the aliasing peer is a Triton-style kernel; no TPU variant here"}
         )
