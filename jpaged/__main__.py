@@ -35,7 +35,8 @@ def _parser() -> argparse.ArgumentParser:
                          help="KV cache budget in GiB (default: a fraction of free memory)")
         sub.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks")
         sub.add_argument("--max-model-len", type=int, default=None)
-        sub.add_argument("--attention-backend", choices=["pallas", "reference"], default=None)
+        sub.add_argument("--attention-backend", choices=["pallas", "xla", "reference"],
+                         default=None, help="default: pallas on TPU/GPU, xla on CPU")
     return parser
 
 

@@ -23,23 +23,19 @@ import kernels_pallas
 from jpaged.allocator import BlockOps
 from jpaged.attention_metadata import AttentionMetadata
 from jpaged.model import LlamaConfig, LlamaForCausalLM, forward, init_kv_caches
-from kernels_pallas.reference import (
-    paged_decode_attention_reference,
-    ragged_paged_attention_reference,
-)
 
-AttentionBackend = Literal["pallas", "reference"]
+AttentionBackend = Literal["pallas", "xla", "reference"]
 KVCaches = list[tuple[jax.Array, jax.Array]]
 
 
 def default_attention_backend() -> AttentionBackend:
-    """Pallas kernels on accelerators; the pure-JAX reference on CPU, where
-    Pallas only runs in (slow) interpret mode."""
-    return "reference" if jax.default_backend() == "cpu" else "pallas"
+    """Pallas kernels on accelerators; on CPU, where Pallas only interprets (slowly),
+    the same tiled algorithm as an XLA loop."""
+    return "xla" if jax.default_backend() == "cpu" else "pallas"
 
 
 def _decode_as_ragged(decode_fn):
-    """Adapt a decode kernel ([B, Hq, D] queries) to the ragged signature.
+    """Adapt a decode op ([B, Hq, D] queries) to the ragged signature.
 
     In a decode-only step token i belongs to sequence i, so the first B query
     rows are the decode queries; rows past B (token padding) get zeros.
@@ -57,18 +53,20 @@ def _decode_as_ragged(decode_fn):
 
 
 def attention_functions(backend: AttentionBackend, interpret: bool = False):
-    """(ragged attention, decode attention, write_kv) of a backend, all with ragged signatures."""
-    if backend == "reference":
-        return (
-            ragged_paged_attention_reference,
-            _decode_as_ragged(paged_decode_attention_reference),
-            kernels_pallas.write_kv,
+    """(ragged attention, decode attention) of a backend, both with the ragged signature.
+
+    "pallas" takes the kernel of the default device (Triton under interpret=True
+    on CPU), "xla" the tiled XLA loop, "reference" the pure-JAX definition.
+    """
+    implementations = {"pallas": None, "xla": "xla", "reference": "reference"}
+    if backend not in implementations:
+        raise ValueError(
+            f"attention_backend must be one of {sorted(implementations)}, got {backend!r}"
         )
-    if backend == "pallas":
-        ragged = functools.partial(kernels_pallas.ragged_paged_attention, interpret=interpret)
-        decode = functools.partial(kernels_pallas.paged_decode_attention, interpret=interpret)
-        return ragged, _decode_as_ragged(decode), kernels_pallas.write_kv
-    raise ValueError(f"attention_backend must be 'pallas' or 'reference', got {backend!r}")
+    knobs = dict(implementation=implementations[backend], interpret=interpret)
+    ragged = functools.partial(kernels_pallas.ragged_paged_attention, **knobs)
+    decode = functools.partial(kernels_pallas.paged_decode_attention, **knobs)
+    return ragged, _decode_as_ragged(decode)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -119,10 +117,12 @@ class ModelRunner:
             (np.zeros(kv_shape, kv_dtype), np.zeros(kv_shape, kv_dtype))
             for _ in range(config.num_layers)
         ]
-        ragged, decode, write_kv = attention_functions(self.attention_backend, interpret)
+        ragged, decode = attention_functions(self.attention_backend, interpret)
 
         def step(attention_fn):
-            fn = functools.partial(forward, attention_fn=attention_fn, write_kv_fn=write_kv)
+            fn = functools.partial(
+                forward, attention_fn=attention_fn, write_kv_fn=kernels_pallas.write_kv
+            )
             return jax.jit(fn, static_argnums=0, donate_argnums=3)
 
         self._mixed_step = step(ragged)

@@ -1,11 +1,12 @@
 """Public paged-attention ops: argument checks, tiling, and backend dispatch.
 
-Both ops cut the queries into tiles (tiles.py) and hand them to one of three
+Both ops cut the queries into tiles (tiles.py) and hand them to one of four
 implementations, picked by `jax.default_backend()` unless forced:
 
     "tpu"        Mosaic kernel, scalar-prefetched tables, double-buffered page DMAs
     "triton"     Triton kernel for GPUs; also the kernel interpreted on CPU
-    "reference"  the pure-JAX definition (reference.py), used on CPU
+    "xla"        the same tiles and online softmax as an XLA loop, used on CPU
+    "reference"  the pure-JAX definition (reference.py), the tests' oracle
 
 `interpret=True` runs the chosen kernel in Pallas' interpret mode (on CPU the
 default choice becomes "triton"); a `pltpu.InterpretParams` selects the TPU
@@ -22,10 +23,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels_pallas import reference, tiles, tpu_attention, triton_attention
+from kernels_pallas import reference, tiles, tpu_attention, triton_attention, xla_attention
 
-Implementation = Literal["tpu", "triton", "reference"]
-IMPLEMENTATIONS = ("tpu", "triton", "reference")
+Implementation = Literal["tpu", "triton", "xla", "reference"]
+IMPLEMENTATIONS = ("tpu", "triton", "xla", "reference")
+# Keys per loop step of the XLA implementation: few steps, little masked work.
+XLA_CHUNK_TOKENS = 128
 # Kernel programs a decode step should have before key splitting stops paying:
 # a few per streaming multiprocessor of a large GPU.
 TRITON_TARGET_PROGRAMS = 512
@@ -40,7 +43,7 @@ def default_implementation(interpret: bool | pltpu.InterpretParams) -> Implement
         return "tpu"
     if backend == "gpu" or interpret:
         return "triton"
-    return "reference"
+    return "xla"
 
 
 def _check_common(q, k_cache, v_cache, block_tables, context_lens, implementation, knobs):
@@ -112,6 +115,8 @@ def _default_pages_per_chunk(implementation, dtype, block_size, head_dim, max_bl
     """Pages per kernel loop step, capped by the pages a table row holds."""
     if implementation == "tpu":
         return max(1, min(tpu_attention.DEFAULT_CHUNK_TOKENS // block_size, max_blocks))
+    if implementation == "xla":
+        return max(1, min(XLA_CHUNK_TOKENS // block_size, max_blocks))
     page_bytes = block_size * head_dim * jnp.dtype(dtype).itemsize
     return triton_attention.default_pages_per_chunk(block_size, page_bytes, max_blocks)
 
@@ -152,7 +157,9 @@ def _attend_tiles(
     max_blocks = block_tables.shape[1]
     padding = pl.cdiv(max_blocks, pages_per_chunk) * pages_per_chunk - max_blocks
     block_tables = jnp.pad(block_tables, ((0, 0), (0, padding)))
-    module = tpu_attention if implementation == "tpu" else triton_attention
+    module = {"tpu": tpu_attention, "triton": triton_attention, "xla": xla_attention}[
+        implementation
+    ]
     out_tiles = module.tile_attention(
         q_tiles,
         k_cache,
@@ -168,6 +175,8 @@ def _attend_tiles(
 
 
 def _min_rows(implementation: str) -> int:
+    if implementation == "xla":
+        return 1
     return tpu_attention.MIN_ROWS if implementation == "tpu" else triton_attention.MIN_ROWS
 
 

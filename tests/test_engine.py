@@ -113,8 +113,10 @@ def test_chunked_prefill_on_and_off(loaded, prompts, expected, chunked):
     assert _tokens(llm.generate(prompts, GREEDY)) == expected
 
 
-def test_pallas_backend_in_interpret_mode(loaded, prompts, expected):
-    llm = _llm(loaded, attention_backend="pallas", interpret=True)
+@pytest.mark.parametrize("backend", ["pallas", "reference"])
+def test_other_attention_backends(loaded, prompts, expected, backend):
+    # The default on CPU is "xla"; the Pallas kernels run here in interpret mode.
+    llm = _llm(loaded, attention_backend=backend, interpret=backend == "pallas")
     picked = [0, 3, 6]
     outputs = llm.generate([prompts[i] for i in picked], GREEDY)
     assert _tokens(outputs) == [expected[i] for i in picked]

@@ -111,6 +111,11 @@ DECODE_CASES = [
     ("tpu", BF16, 64, 8, 1, 128, None, 1),
     ("tpu", F32, 128, 3, 1, 128, 2, None),
     ("tpu", BF16, 128, 1, 2, 64, None, 1),
+    ("xla", F32, 1, 4, 1, 64, None, 4),
+    ("xla", BF16, 8, 3, 2, 128, None, None),
+    ("xla", F32, 16, 8, 2, 64, None, 1),
+    ("xla", BF16, 64, 1, 1, 128, None, None),
+    ("xla", F32, 128, 3, 2, 128, None, None),
 ]
 
 
@@ -202,6 +207,11 @@ RAGGED_CASES = [
     ("tpu", F32, 32, 1, 2, 64, 8, 2),
     ("tpu", BF16, 64, 3, 1, 128, None, 1),
     ("tpu", F32, 128, 3, 2, 64, None, 1),
+    ("xla", F32, 1, 4, 1, 64, 4, 1),
+    ("xla", BF16, 8, 3, 2, 128, None, 1),
+    ("xla", F32, 16, 8, 1, 64, 16, 1),
+    ("xla", BF16, 32, 1, 2, 128, 2, 1),
+    ("xla", F32, 128, 3, 2, 64, None, 1),
 ]
 
 
@@ -243,7 +253,7 @@ def test_ragged_matches_reference(
     assert not np.asarray(out[-batch.padding_tokens :].astype(F32)).any()
 
 
-@pytest.mark.parametrize("implementation", ["triton", "tpu"])
+@pytest.mark.parametrize("implementation", ["triton", "tpu", "xla"])
 @pytest.mark.parametrize("op", ["decode", "ragged"])
 def test_scale_and_soft_cap(implementation, op):
     rng = np.random.default_rng(3)
@@ -270,7 +280,7 @@ def test_scale_and_soft_cap(implementation, op):
     assert_close(out, expected, F32)
 
 
-@pytest.mark.parametrize("implementation", ["reference", "triton", "tpu"])
+@pytest.mark.parametrize("implementation", ["reference", "triton", "tpu", "xla"])
 def test_nan_poisoned_pool_changes_nothing(implementation):
     """Filling every unowned slot with NaN leaves the outputs finite and bit-identical."""
     rng = np.random.default_rng(11)
@@ -280,7 +290,8 @@ def test_nan_poisoned_pool_changes_nothing(implementation):
     query_start_loc = jnp.asarray(batch.query_start_loc, jnp.int32)
     decode_q = q[: len(batch.context_lens)]
     for k, v in ((pool.k, pool.v), (pool.k_nan, pool.v_nan)):
-        kwargs = dict(implementation=implementation, interpret=implementation != "reference")
+        kwargs = dict(implementation=implementation,
+                      interpret=implementation not in ("reference", "xla"))
         ragged = kp.ragged_paged_attention(
             q, k, v, pool.block_tables, pool.context_lens, query_start_loc, **kwargs
         )
@@ -352,7 +363,7 @@ def test_ragged_tiles_cover_every_token_once(block_q):
 
 def test_default_implementation_on_cpu():
     assert jax.default_backend() == "cpu"
-    assert kp.default_implementation(False) == "reference"
+    assert kp.default_implementation(False) == "xla"
     assert kp.default_implementation(True) == "triton"
     assert kp.default_implementation(pltpu.InterpretParams()) == "tpu"
 

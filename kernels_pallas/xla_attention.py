@@ -1,0 +1,74 @@
+"""Paged attention over query tiles in plain XLA, for CPUs.
+
+The same work split as the Pallas kernels (tiles.py) and the same online
+softmax (online_softmax.py), written as a loop over key chunks that XLA
+compiles for the host. It exists because the reference gathers every key of
+the longest sequence once per query token, and XLA's CPU gather is slow: here
+a prefill chunk of block_q tokens shares one gather, and the loop stops at the
+longest context actually in the batch rather than at the padded table width.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from kernels_pallas import online_softmax
+from kernels_pallas.tiles import QueryTiles
+
+
+def tile_attention(
+    q_tiles: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    block_tables: jax.Array,
+    tiles: QueryTiles,
+    *,
+    group: int,
+    block_q: int,
+    scale: float,
+    soft_cap: float | None,
+    pages_per_chunk: int,
+    num_splits: int,
+    interpret: bool,
+) -> jax.Array:
+    """Attention of every query tile through its sequence's block table.
+
+    q_tiles:      [NT, Hkv, rows, D]  (layout: tiles.py)
+    k/v_cache:    [Hkv, num_blocks, block_size, D]
+    block_tables: int32 [B, max_blocks], max_blocks a multiple of pages_per_chunk
+    tiles:        QueryTiles of NT tiles
+    returns       [NT, Hkv, rows, D] in q_tiles.dtype.
+    (num_splits and interpret have no meaning here: one loop does all keys.)
+    """
+    num_tiles, num_kv_heads, rows, head_dim = q_tiles.shape
+    chunk = pages_per_chunk * k_cache.shape[2]
+    tables = block_tables[tiles.seq]
+    kv_len = tiles.first_pos + tiles.num_tokens
+    row_pos, row_valid = jax.vmap(
+        lambda first, count: online_softmax.row_positions(first, count, rows, group, block_q)
+    )(tiles.first_pos, tiles.num_tokens)
+
+    # Fold one chunk of every tile's keys, for every KV head of the tile.
+    attend_one = functools.partial(online_softmax.attend_chunk, scale=scale, soft_cap=soft_cap)
+    attend = jax.vmap(
+        jax.vmap(attend_one, in_axes=(0, 0, 0, 0, None, None, None, None)),
+        in_axes=(0, 0, 0, 0, None, 0, 0, 0),
+    )
+
+    def body(index, state):
+        pages = lax.dynamic_slice_in_dim(tables, index * pages_per_chunk, pages_per_chunk, 1)
+        k = k_cache[:, pages].reshape(num_kv_heads, num_tiles, chunk, head_dim).swapaxes(0, 1)
+        v = v_cache[:, pages].reshape(num_kv_heads, num_tiles, chunk, head_dim).swapaxes(0, 1)
+        return attend(state, q_tiles, k, v, index * chunk, kv_len, row_pos, row_valid)
+
+    state = jax.tree.map(
+        lambda x: jnp.broadcast_to(x, (num_tiles, num_kv_heads, *x.shape)),
+        online_softmax.initial_state(rows, head_dim),
+    )
+    num_chunks = online_softmax.ceil_div(kv_len.max(), chunk)
+    state = lax.fori_loop(0, num_chunks, body, state)
+    return jax.vmap(jax.vmap(lambda s: online_softmax.normalize(s, q_tiles.dtype)))(state)
