@@ -53,4 +53,10 @@ def write_kv(
     expected = (slot_mapping.shape[0], num_kv_heads, head_dim)
     if k.shape != expected or v.shape != expected:
         raise ValueError(f"k and v must be [T, Hkv, D] = {expected}, got {k.shape} and {v.shape}")
+    if slot_mapping.shape[0] == 1:
+        # XLA rewrites a one-index scatter as a dynamic-update-slice, and when a
+        # loop then reads the cache (the XLA attention does) it copies the whole
+        # cache to keep the slice in place. Writing the one token twice keeps it
+        # a scatter: the same value lands in the same slot.
+        k, v, slot_mapping = (jnp.concatenate([x, x]) for x in (k, v, slot_mapping))
     return write_kv_reference(k_cache, v_cache, k, v, slot_mapping)
