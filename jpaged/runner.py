@@ -128,13 +128,6 @@ class ModelRunner:
         self._mixed_step = step(ragged)
         self._decode_step = step(decode)
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        k, _ = self.kv_caches[0]
-        return 2 * self.config.num_layers * self.config.num_kv_heads * self.config.head_dim * (
-            k.dtype.itemsize
-        )
-
     def apply_block_ops(self, ops: BlockOps) -> None:
         """Swap out, swap in, then copy-on-write copies, in that order, before the step."""
         if len(ops.swap_out):
