@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         llm = _llm(args)
         (_generate if args.command == "generate" else _chat)(llm, args)
-    except (ValueError, TypeError) as error:
+    except (ValueError, TypeError, ImportError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     return 0

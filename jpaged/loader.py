@@ -14,6 +14,7 @@ The cache lives in $JPAGED_CACHE, else $XDG_CACHE_HOME/jpaged, else ~/.cache/jpa
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -201,6 +202,11 @@ def load_gguf(
 
 def gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     """The tokenizer (and chat template) transformers rebuilds from a GGUF's metadata."""
+    if importlib.util.find_spec("torch") is None:
+        raise ImportError(
+            f"reading the tokenizer of {path.name} needs PyTorch (transformers' GGUF reader "
+            "imports it): pip install torch (a CPU build is enough)"
+        )
     return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
 
 
