@@ -22,6 +22,7 @@ from flax import nnx
 import kernels_pallas
 from jpaged.allocator import BlockOps
 from jpaged.attention_metadata import AttentionMetadata
+from jpaged.batch_builder import bucket
 from jpaged.model import LlamaConfig, LlamaForCausalLM, forward, init_kv_caches
 
 AttentionBackend = Literal["pallas", "xla", "reference"]
@@ -86,10 +87,6 @@ def _write_blocks(kv_caches: KVCaches, blocks: list, block_ids: jax.Array) -> KV
         (k.at[:, block_ids].set(hk), v.at[:, block_ids].set(hv))
         for (k, v), (hk, hv) in zip(kv_caches, blocks, strict=True)
     ]
-
-
-def _bucket(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 class ModelRunner:
@@ -165,7 +162,7 @@ class ModelRunner:
     @staticmethod
     def _pad_pairs(pairs: np.ndarray) -> np.ndarray:
         """Pad [K, 2] block pairs to a power of two with (0, 0): null block onto itself."""
-        padded = np.zeros((_bucket(len(pairs)), 2), np.int32)
+        padded = np.zeros((bucket(len(pairs), 1), 2), np.int32)
         padded[: len(pairs)] = pairs
         return padded
 
