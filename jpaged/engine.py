@@ -294,11 +294,8 @@ class LLMEngine:
 
     def _run(self, plan: SchedulerOutput) -> list[_Request]:
         """Execute a non-empty plan on the device; the requests that got a token."""
-        now = time.perf_counter()
         seqs = [seq for seq, _ in plan.scheduled]
         requests = [self._request_of_seq[seq.seq_id] for seq in seqs]
-        for request in requests:
-            request.metrics.first_scheduled_time = request.metrics.first_scheduled_time or now
         self.runner.apply_block_ops(plan.block_ops)
         model_input = build_model_input(plan.scheduled, self.block_manager, self.config.buckets)
         decode_only = model_input.num_tokens == model_input.num_seqs

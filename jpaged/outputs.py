@@ -29,7 +29,6 @@ class RequestMetrics:
     """Wall-clock times (time.perf_counter seconds) of one request."""
 
     arrival_time: float
-    first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
 

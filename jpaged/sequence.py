@@ -71,11 +71,6 @@ class Sequence:
     def num_uncomputed_tokens(self) -> int:
         return len(self) - self.num_computed_tokens
 
-    @property
-    def is_prefill(self) -> bool:
-        """True while some token other than the newest sampled one still lacks K/V."""
-        return self.num_uncomputed_tokens > 1 or not self.output_token_ids
-
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
 
