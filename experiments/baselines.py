@@ -104,6 +104,10 @@ class ContiguousKVManager:
             for seq in group.seqs_with(SequenceStatus.RUNNING)
         )
 
+    def has_decode_slot(self, seq: Sequence) -> bool:
+        """The slab holds the next position unless the request reached its reservation."""
+        return seq.num_computed_tokens < self._slabs[seq.seq_id][1]
+
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
         """The slab already holds every position of the request: only check the bound."""
         assert seq.num_computed_tokens + num_new_tokens <= self._slabs[seq.seq_id][1]

@@ -327,6 +327,12 @@ class BlockManager:
                 num_copies += num_writers if holders > num_writers else num_writers - 1
         return num_copies
 
+    def has_decode_slot(self, seq: Sequence) -> bool:
+        """Whether the slot of seq's next token exists and is private: no block work needed."""
+        record = self._seqs[seq.seq_id]
+        block = seq.num_computed_tokens // self.block_size
+        return record.num_shared <= block < len(record.table)
+
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
         """Slots for positions num_computed_tokens .. + num_new_tokens - 1 of `seq`.
 

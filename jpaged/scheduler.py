@@ -55,6 +55,7 @@ class KVCacheManager(Protocol):
     def can_allocate(self, group: SequenceGroup) -> AllocStatus: ...
     def allocate(self, group: SequenceGroup) -> None: ...
     def can_append_slots(self, group: SequenceGroup, num_new_tokens: int) -> bool: ...
+    def has_decode_slot(self, seq: Sequence) -> bool: ...
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> None: ...
     def fork(self, parent: Sequence, child: Sequence) -> None: ...
     def free(self, seq: Sequence) -> None: ...  # a no-op for a sequence it does not know
@@ -274,6 +275,9 @@ class Scheduler:
             seqs = group.seqs_with(_RUNNING)
             if not seqs:
                 continue  # finished since the last step
+            if len(seqs) == 1 and self._schedule_decode(seqs[0], plan):
+                self.running.append(group)
+                continue
             chunk = self._next_chunk(seqs, plan)
             if chunk is None:
                 self.running.append(group)
@@ -282,6 +286,23 @@ class Scheduler:
             if self._make_room(group, seqs, chunk, queue, plan):
                 self.running.append(group)
                 self._schedule_chunk(chunk, plan)
+
+    def _schedule_decode(self, seq: Sequence, plan: _StepPlan) -> bool:
+        """The common case, cheaply: a lone sequence decodes into a slot it already owns.
+
+        False, with nothing planned, when the general path must decide.
+        """
+        if (
+            seq.num_uncomputed_tokens != 1
+            or plan.seqs_left < 1
+            or plan.tokens_left < 1
+            or not self.block_manager.has_decode_slot(seq)
+        ):
+            return False
+        plan.scheduled.append((seq, 1))
+        plan.tokens_left -= 1
+        plan.seqs_left -= 1
+        return True
 
     def _make_room(
         self,
