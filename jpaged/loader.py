@@ -121,16 +121,21 @@ def build_model(config: LlamaConfig, tensors: LazyTensors, dtype: Any) -> LlamaF
     graphdef, state = nnx.split(abstract)
 
     def load(path: tuple, variable: nnx.Variable) -> nnx.Variable:
-        name = hf_tensor_name(path)
-        if name not in tensors:
-            raise ValueError(f"{tensors.source} has no tensor {name!r}")
-        value = tensors[name]
+        names = hf_tensor_names(path)
+        missing = [name for name in names if name not in tensors]
+        if missing:
+            raise ValueError(f"{tensors.source} has no tensor {missing[0]!r}")
+        parts = [tensors[name] for name in names]
+        value = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
         # Hugging Face stores Linear weights [out, in]; nnx.Linear kernels are [in, out].
         is_kernel = path[-1] == "kernel"
         expected = variable.get_value().shape[::-1] if is_kernel else variable.get_value().shape
         if value.shape != expected:
+            shapes = ", ".join(
+                f"{name!r} {part.shape}" for name, part in zip(names, parts, strict=True)
+            )
             raise ValueError(
-                f"tensor {name!r} in {tensors.source} has shape {value.shape}, the config "
+                f"tensors {shapes} in {tensors.source} make shape {value.shape}, the config "
                 f"needs {expected}"
             )
         return variable.replace(jnp.asarray(value.T if is_kernel else value, dtype))
@@ -138,12 +143,22 @@ def build_model(config: LlamaConfig, tensors: LazyTensors, dtype: Any) -> LlamaF
     return nnx.merge(graphdef, nnx.map_state(load, state))
 
 
-def hf_tensor_name(path: tuple) -> str:
-    """The Hugging Face name of a parameter, e.g. ('layers', 0, 'mlp', 'up_proj', 'kernel')
-    -> 'model.layers.0.mlp.up_proj.weight'."""
-    *module, leaf = path
-    prefix = "" if module[0] == "lm_head" else "model."
-    return prefix + ".".join(map(str, module)) + (".bias" if leaf == "bias" else ".weight")
+# jpaged's fused projections and the Hugging Face projections they concatenate.
+FUSED_PROJECTIONS = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+
+
+def hf_tensor_names(path: tuple) -> list[str]:
+    """The Hugging Face names of a parameter's tensors, in concatenation order, e.g.
+    ('layers', 0, 'mlp', 'gate_up_proj', 'kernel')
+    -> ['model.layers.0.mlp.gate_proj.weight', 'model.layers.0.mlp.up_proj.weight']."""
+    *module, projection, leaf = path
+    prefix = "" if path[0] == "lm_head" else "model."
+    suffix = ".bias" if leaf == "bias" else ".weight"
+    parts = FUSED_PROJECTIONS.get(projection, (projection,))
+    return [prefix + ".".join(map(str, (*module, part))) + suffix for part in parts]
 
 
 # Hugging Face directories.

@@ -213,9 +213,9 @@ class Attention(nnx.Module):
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = head_dim
-        self.q_proj = _linear(hidden, config.num_heads * head_dim, dtype, rngs, bias)
-        self.k_proj = _linear(hidden, config.num_kv_heads * head_dim, dtype, rngs, bias)
-        self.v_proj = _linear(hidden, config.num_kv_heads * head_dim, dtype, rngs, bias)
+        # q, k and v as one matmul: one pass over x and fewer, larger weight reads.
+        qkv_width = (config.num_heads + 2 * config.num_kv_heads) * head_dim
+        self.qkv_proj = _linear(hidden, qkv_width, dtype, rngs, bias)
         self.o_proj = _linear(config.num_heads * head_dim, hidden, dtype, rngs)
 
     def __call__(
@@ -230,9 +230,11 @@ class Attention(nnx.Module):
         """x [T, hidden], rope (cos, sin) f32 [T, D/2], kv_cache 2 x [Hkv, N, bs, D]
         -> ([T, hidden], updated kv_cache)."""
         num_tokens = x.shape[0]
-        q = self.q_proj(x).reshape(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = jnp.split(self.qkv_proj(x), [q_width, q_width + kv_width], axis=-1)
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         k_cache, v_cache = write_kv_fn(*kv_cache, k, v, metadata.slot_mapping)
         out = attention_fn(
@@ -244,13 +246,14 @@ class Attention(nnx.Module):
 
 class MLP(nnx.Module):
     def __init__(self, config: LlamaConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
-        self.gate_proj = _linear(config.hidden_size, config.intermediate_size, dtype, rngs)
-        self.up_proj = _linear(config.hidden_size, config.intermediate_size, dtype, rngs)
+        # gate and up as one matmul, as q/k/v above.
+        self.gate_up_proj = _linear(config.hidden_size, 2 * config.intermediate_size, dtype, rngs)
         self.down_proj = _linear(config.intermediate_size, config.hidden_size, dtype, rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """SwiGLU: x [T, hidden] -> [T, hidden]."""
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = jnp.split(self.gate_up_proj(x), 2, axis=-1)
+        return self.down_proj(jax.nn.silu(gate) * up)
 
 
 class DecoderLayer(nnx.Module):
@@ -280,8 +283,10 @@ class DecoderLayer(nnx.Module):
 class LlamaForCausalLM(nnx.Module):
     """Llama-family causal LM over a paged KV cache.
 
-    Parameter names follow Hugging Face's (`embed_tokens`, `layers[i].self_attn.q_proj`,
-    ...); Linear kernels are stored [in, out], transposed from Hugging Face's.
+    Parameter names follow Hugging Face's (`embed_tokens`, `layers[i].self_attn.o_proj`,
+    ...), except that q/k/v and gate/up are fused into `qkv_proj` and `gate_up_proj`
+    (their Hugging Face tensors concatenated on the output axis); Linear kernels are
+    stored [in, out], transposed from Hugging Face's.
 
     To jit a step as a pure function with the cache donated, split the module once
     and merge inside the traced function (this is what `forward` does):
