@@ -28,16 +28,24 @@ class BlockTables(Protocol):
 
 @dataclass(frozen=True)
 class BucketSizes:
-    """Smallest padded sizes; a padded size is the next power of two >= max(actual, minimum)."""
+    """Smallest padded sizes; a padded size is the next power of two >= max(actual, minimum).
+
+    linear_step > 0 pads token and sequence counts past it to a multiple of it
+    instead: 48 rather than 64 rows for 33 sequences, fewer wasted rows for
+    more compiled shapes (worth it where rows cost compute, as on CPUs).
+    """
 
     min_num_tokens: int = 16
     min_num_seqs: int = 8
     min_blocks_per_seq: int = 8
+    linear_step: int = 0
 
     def __post_init__(self):
         for name in ("min_num_tokens", "min_num_seqs", "min_blocks_per_seq"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.linear_step < 0:
+            raise ValueError(f"linear_step must be >= 0, got {self.linear_step}")
 
 
 @dataclass(frozen=True)
@@ -55,9 +63,12 @@ class ModelInput:
     num_seqs: int
 
 
-def bucket(n: int, minimum: int) -> int:
-    """Next power of two >= max(n, minimum)."""
-    return 1 << (max(n, minimum) - 1).bit_length()
+def bucket(n: int, minimum: int, linear_step: int = 0) -> int:
+    """Next power of two >= max(n, minimum); past linear_step (if > 0), next multiple of it."""
+    size = max(n, minimum)
+    if 0 < linear_step < size:
+        return -(-size // linear_step) * linear_step
+    return 1 << (size - 1).bit_length()
 
 
 def build_model_input(
@@ -81,8 +92,8 @@ def build_model_input(
     num_blocks = -(-context_lens // block_size)
     num_tokens = int(q_lens.sum())
 
-    padded_tokens = bucket(num_tokens, buckets.min_num_tokens)
-    padded_seqs = bucket(num_seqs, buckets.min_num_seqs)
+    padded_tokens = bucket(num_tokens, buckets.min_num_tokens, buckets.linear_step)
+    padded_seqs = bucket(num_seqs, buckets.min_num_seqs, buckets.linear_step)
     padded_blocks = bucket(int(num_blocks.max(initial=0)), buckets.min_blocks_per_seq)
 
     tables = np.zeros((padded_seqs, padded_blocks), np.int32)

@@ -68,7 +68,9 @@ class EngineConfig:
     preemption_mode: Literal["recompute", "swap"] = "recompute"
     attention_backend: AttentionBackend | None = None
     interpret: bool = False
-    buckets: BucketSizes = BucketSizes(min_num_tokens=1, min_num_seqs=1, min_blocks_per_seq=8)
+    buckets: BucketSizes = BucketSizes(
+        min_num_tokens=1, min_num_seqs=1, min_blocks_per_seq=8, linear_step=16
+    )
     persistent_compilation_cache: bool = True
     seed: int = 0
 
@@ -380,8 +382,8 @@ def step_shapes(
     most max_tokens tokens; decode-only steps have one token per sequence.
     """
     token_seq_pairs = {
-        (bucket(num_tokens, buckets.min_num_tokens), bucket(num_seqs, buckets.min_num_seqs),
-         num_tokens == num_seqs)
+        (bucket(num_tokens, buckets.min_num_tokens, buckets.linear_step),
+         bucket(num_seqs, buckets.min_num_seqs, buckets.linear_step), num_tokens == num_seqs)
         for num_seqs in range(1, min(max_seqs, max_tokens) + 1)
         for num_tokens in range(num_seqs, max_tokens + 1)
     }

@@ -19,10 +19,12 @@ class FixedTables:
         return BlockTable(self.tables[seq.seq_id])
 
 
-def next_power_of_two(n, minimum):
+def padded_size(n, minimum, linear_step=0):
+    """The smallest power of two >= max(n, minimum), or past linear_step its smallest
+    multiple that is, counted up one by one."""
     size = 1
     while size < max(n, minimum):
-        size *= 2
+        size = size + linear_step if 0 < linear_step <= size else size * 2
     return size
 
 
@@ -31,9 +33,9 @@ def oracle(scheduled, tables, block_size, buckets):
     num_tokens = sum(n for _, n in scheduled)
     context_lens = [seq.num_computed_tokens + n for seq, n in scheduled]
     blocks = [-(-length // block_size) for length in context_lens]
-    padded_tokens = next_power_of_two(num_tokens, buckets.min_num_tokens)
-    padded_seqs = next_power_of_two(len(scheduled), buckets.min_num_seqs)
-    padded_blocks = next_power_of_two(max(blocks, default=0), buckets.min_blocks_per_seq)
+    padded_tokens = padded_size(num_tokens, buckets.min_num_tokens, buckets.linear_step)
+    padded_seqs = padded_size(len(scheduled), buckets.min_num_seqs, buckets.linear_step)
+    padded_blocks = padded_size(max(blocks, default=0), buckets.min_blocks_per_seq)
     out = {
         "input_ids": [0] * padded_tokens,
         "positions": [0] * padded_tokens,
@@ -82,7 +84,8 @@ def schedules(draw):
         spare = draw(st.integers(0, 2))  # tables may hold blocks beyond this step's context
         tables[seq_id] = [next(free_blocks) for _ in range(-(-len(seq) // block_size) + spare)]
         scheduled.append((seq, num_new))
-    buckets = BucketSizes(*draw(st.tuples(*[st.integers(1, 20)] * 3)))
+    buckets = BucketSizes(*draw(st.tuples(*[st.integers(1, 20)] * 3)),
+                          linear_step=draw(st.sampled_from([0, 4, 8, 16])))
     return scheduled, FixedTables(block_size, tables), buckets
 
 

@@ -263,6 +263,19 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert state.host.num_free == np.count_nonzero(host_used == 0)
 
     @invariant()
+    def decode_slot_claims_hold(self):
+        """has_decode_slot promises a private, existing slot for the next token."""
+        if not hasattr(self, "bm"):
+            return
+        holders = np.bincount(sum(self.device_tables(), []), minlength=self.num_blocks)
+        for _, seq in self.live(RUNNING):
+            table = self.bm.block_table(seq).tolist()
+            index = seq.num_computed_tokens // self.bs
+            owned = index < len(table) and holders[table[index]] == 1
+            if self.bm.has_decode_slot(seq):
+                assert owned, "a decode slot claimed that is missing or shared"
+
+    @invariant()
     def refcounts_count_table_entries(self):
         if not hasattr(self, "bm"):
             return
@@ -367,6 +380,23 @@ def test_can_append_slots_lets_the_last_writer_keep_a_shared_block():
     manager.fork(parent, third)
     group.seqs.append(third)
     assert not manager.can_append_slots(group, 1)  # three writers need two copies
+
+
+def test_decode_slot_is_recognised_until_the_block_fills_or_is_shared():
+    manager = make_manager()
+    group = running_group(manager, 0, list(range(5)))
+    seq = group.seqs[0]
+    manager.append_slots(seq, 5)
+    manager.end_step()
+    seq.num_computed_tokens = 5
+    seq.append_token(1)
+    assert manager.has_decode_slot(seq)  # position 5 lies in the second, private block
+    seq.num_computed_tokens = len(manager.block_table(seq)) * manager.block_size
+    assert not manager.has_decode_slot(seq)  # the next token starts a new block
+    seq.num_computed_tokens = 5
+    child = Sequence(1, list(seq.prompt_token_ids), list(seq.output_token_ids), RUNNING, 5)
+    manager.fork(seq, child)
+    assert not manager.has_decode_slot(seq) and not manager.has_decode_slot(child)
 
 
 def test_swap_moves_shared_blocks_once_and_back():
