@@ -193,6 +193,8 @@ class LLMEngine:
             num_host_blocks=config.num_host_blocks, kv_dtype=dtype,
             attention_backend=config.attention_backend, interpret=config.interpret,
         )
+        eos, tokenizer_eos = self.model_config.eos_token_ids, self.tokenizer.eos_token_id
+        self.eos_token_ids = eos if tokenizer_eos in (None, *eos) else (*eos, tokenizer_eos)
         self.stats = EngineStats()
         self._requests: dict[str, _Request] = {}
         self._request_of_seq: dict[int, _Request] = {}
@@ -327,12 +329,6 @@ class LLMEngine:
             self.scheduler.finish_seq(seq, SequenceStatus.FINISHED_STOPPED)
         elif len(seq.output_token_ids) >= params.max_tokens or len(seq) >= self.max_model_len:
             self.scheduler.finish_seq(seq, SequenceStatus.FINISHED_LENGTH)
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        eos = self.model_config.eos_token_ids
-        tokenizer_eos = self.tokenizer.eos_token_id
-        return eos if tokenizer_eos is None or tokenizer_eos in eos else (*eos, tokenizer_eos)
 
     def _output(self, request: _Request) -> RequestOutput:
         completions = [

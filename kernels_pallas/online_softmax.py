@@ -102,6 +102,17 @@ def attend_chunk(
     return max_next, sum_next, correction * acc_prev + pv
 
 
+def store(out_refs, state: AttentionState) -> None:
+    """Write a kernel instance's result: the normalized [rows, D] output into its one
+    output ref, or, with key splits, the raw state into three refs for combine_splits."""
+    if len(out_refs) == 1:
+        (out_ref,) = out_refs
+        out_ref[...] = normalize(state, out_ref.dtype)
+    else:
+        for ref, value in zip(out_refs, state, strict=True):
+            ref[...] = value
+
+
 def normalize(state: AttentionState, dtype: jnp.dtype) -> jax.Array:
     """acc / row_sum as [rows, D] in dtype; rows that saw no key give 0."""
     _, row_sum, acc = state

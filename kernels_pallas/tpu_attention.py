@@ -124,12 +124,7 @@ def _kernel(
         for_each_page(first, 0, "start")
 
     state = lax.fori_loop(first, last, visit_chunk, online_softmax.initial_state(rows, head_dim))
-    if num_splits == 1:
-        (out_ref,) = out_refs
-        out_ref[...] = online_softmax.normalize(state, out_ref.dtype)
-    else:
-        for ref, value in zip(out_refs, state, strict=True):
-            ref[...] = value
+    online_softmax.store(out_refs, state)
 
 
 def tile_attention(
