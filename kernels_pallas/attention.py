@@ -29,6 +29,10 @@ Implementation = Literal["tpu", "triton", "xla", "reference"]
 IMPLEMENTATIONS = ("tpu", "triton", "xla", "reference")
 # Keys per loop step of the XLA implementation: few steps, little masked work.
 XLA_CHUNK_TOKENS = 128
+# What one query tile costs the XLA implementation beyond its rows' arithmetic
+# (its page gathers and per-tile matmul calls), in query rows: measured on CPU,
+# a tile of r rows costs about as much as r + 16 rows of a large tile.
+XLA_TILE_COST_ROWS = 16
 # Kernel programs a decode step should have before key splitting stops paying:
 # a few per streaming multiprocessor of a large GPU.
 TRITON_TARGET_PROGRAMS = 512
@@ -151,7 +155,7 @@ def _attend_tiles(
     """
     num_kv_heads = k_cache.shape[0]
     group = q.shape[1] // num_kv_heads
-    rows = tiles.tile_rows(group, block_q, _min_rows(implementation))
+    rows = _tile_rows(implementation, group, block_q)
     q_tiles = tiles.gather_query_tiles(q, query_tiles, num_kv_heads, block_q, rows)
     # Whole chunks of table entries: the kernels read block_tables a chunk at a time.
     max_blocks = block_tables.shape[1]
@@ -174,10 +178,13 @@ def _attend_tiles(
     return tiles.scatter_output_tiles(out_tiles, query_tiles, q.shape[0], group, block_q)
 
 
-def _min_rows(implementation: str) -> int:
+def _tile_rows(implementation: str, group: int, block_q: int) -> int:
+    """Query rows of a tile: the kernels want a power of two of at least their
+    minimum; XLA loops take any count, so padding would only add work."""
     if implementation == "xla":
-        return 1
-    return tpu_attention.MIN_ROWS if implementation == "tpu" else triton_attention.MIN_ROWS
+        return group * block_q
+    min_rows = tpu_attention.MIN_ROWS if implementation == "tpu" else triton_attention.MIN_ROWS
+    return tiles.tile_rows(group, block_q, min_rows)
 
 
 @functools.partial(
@@ -254,11 +261,23 @@ def paged_decode_attention(
     )
 
 
-def _default_block_q(implementation: str, group: int, num_tokens: int) -> int:
-    """Tokens per tile: fill about one MXU pass (TPU) or a 64-row tile (GPU)."""
+def _default_block_q(implementation: str, group: int, num_tokens: int, num_seqs: int) -> int:
+    """Tokens per tile: fill about one MXU pass (TPU) or a 64-row tile (GPU).
+
+    On CPU (XLA) a large tile is wasted on a sequence with one new token, and a
+    mixed step has many: take the size that minimizes the static tile count
+    times each tile's cost, so decode-heavy steps get small tiles and
+    prefill-heavy ones large tiles.
+    """
     target_rows = 128 if implementation == "tpu" else 64
-    block_q = max(1, target_rows // pl.next_power_of_2(group))
-    return min(block_q, pl.next_power_of_2(num_tokens))
+    largest = min(max(1, target_rows // pl.next_power_of_2(group)), pl.next_power_of_2(num_tokens))
+    if implementation != "xla":
+        return largest
+    return min(
+        (2**i for i in range(largest.bit_length())),
+        key=lambda block_q: tiles.num_ragged_tiles(num_tokens, num_seqs, block_q)
+        * (XLA_TILE_COST_ROWS + group * block_q),
+    )
 
 
 @functools.partial(
@@ -333,7 +352,9 @@ def ragged_paged_attention(
     num_tokens, num_q_heads, _ = q.shape
     num_kv_heads, _, block_size, head_dim = k_cache.shape
     group = num_q_heads // num_kv_heads
-    block_q = block_q or _default_block_q(implementation, group, num_tokens)
+    block_q = block_q or _default_block_q(
+        implementation, group, num_tokens, context_lens.shape[0]
+    )
     pages_per_chunk = pages_per_chunk or _default_pages_per_chunk(
         implementation, q.dtype, block_size, head_dim, block_tables.shape[1]
     )

@@ -62,6 +62,12 @@ def decode_tiles(context_lens: jax.Array) -> QueryTiles:
     )
 
 
+def num_ragged_tiles(num_tokens: int, num_seqs: int, block_q: int) -> int:
+    """Static tile count of a ragged run: sum_i ceil(q_len_i / block_q) <= T // block_q + B,
+    and never more than T since every real tile holds a token."""
+    return max(1, min(num_tokens, num_tokens // block_q + num_seqs))
+
+
 def ragged_tiles(
     context_lens: jax.Array, query_start_loc: jax.Array, num_tokens: int, block_q: int
 ) -> QueryTiles:
@@ -70,11 +76,10 @@ def ragged_tiles(
     context_lens:    int32 [B]
     query_start_loc: int32 [B + 1]
     num_tokens:      T, the (padded) length of the flat token run.
-    The tile count is static: sum_i ceil(q_len_i / block_q) <= T // block_q + B,
-    and never more than T since every real tile holds a token.
+    The tile count is static: num_ragged_tiles(T, B, block_q).
     """
     batch = context_lens.shape[0]
-    num_tiles = max(1, min(num_tokens, num_tokens // block_q + batch))
+    num_tiles = num_ragged_tiles(num_tokens, batch, block_q)
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
     tiles_per_seq = (q_lens + block_q - 1) // block_q
     tiles_end = jnp.cumsum(tiles_per_seq)

@@ -63,13 +63,14 @@ def tile_attention(
     # several times faster than [Hkv, block_size, D] slices of the 4-D cache.
     num_blocks = k_cache.shape[1]
     k_rows, v_rows = (c.reshape(num_kv_heads * num_blocks, -1) for c in (k_cache, v_cache))
-    head_offsets = jnp.arange(num_kv_heads, dtype=jnp.int32)[:, None, None] * num_blocks
+    head_offsets = jnp.arange(num_kv_heads, dtype=jnp.int32)[None, :, None] * num_blocks
 
     def body(index, state):
         pages = lax.dynamic_slice_in_dim(tables, index * pages_per_chunk, pages_per_chunk, 1)
-        row_ids = (head_offsets + pages[None]).reshape(-1)
+        # Tile-major row ids, so the gathered chunk needs no transpose.
+        row_ids = (pages[:, None] + head_offsets).reshape(-1)
         k, v = (
-            rows[row_ids].reshape(num_kv_heads, num_tiles, chunk, head_dim).swapaxes(0, 1)
+            rows[row_ids].reshape(num_tiles, num_kv_heads, chunk, head_dim)
             for rows in (k_rows, v_rows)
         )
         return attend(state, q_tiles, k, v, index * chunk, kv_len, row_pos, row_valid)

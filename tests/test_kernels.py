@@ -212,6 +212,8 @@ RAGGED_CASES = [
     ("xla", F32, 16, 8, 1, 64, 16, 1),
     ("xla", BF16, 32, 1, 2, 128, 2, 1),
     ("xla", F32, 128, 3, 2, 64, None, 1),
+    ("xla", F32, 16, 3, 1, 64, 1, 1),
+    ("xla", F32, 8, 3, 2, 64, 8, 1),
 ]
 
 
@@ -359,6 +361,17 @@ def test_ragged_tiles_cover_every_token_once(block_q):
         int(starts[s] + i): (s, int(prefixes[s] + i)) for s in range(9) for i in range(q_lens[s])
     }
     assert covered == expected
+
+
+def test_xla_tile_size_follows_the_mix():
+    """On CPU, decode-heavy steps get small query tiles, prefill-heavy ones the largest."""
+    from kernels_pallas.attention import _default_block_q
+
+    # 64 sequences in 80 tokens: mostly decodes, a 64-row tile each would be wasted.
+    assert _default_block_q("xla", 3, 80, 64) <= 2
+    # One long prompt: the largest tile, as the GPU kernel takes.
+    assert _default_block_q("xla", 3, 256, 1) == _default_block_q("triton", 3, 256, 1) == 16
+    assert _default_block_q("triton", 3, 80, 64) == 16
 
 
 def test_default_implementation_on_cpu():
