@@ -68,9 +68,7 @@ class EngineConfig:
     preemption_mode: Literal["recompute", "swap"] = "recompute"
     attention_backend: AttentionBackend | None = None
     interpret: bool = False
-    buckets: BucketSizes = BucketSizes(
-        min_num_tokens=1, min_num_seqs=1, min_blocks_per_seq=8, linear_step=16
-    )
+    buckets: BucketSizes | None = None
     persistent_compilation_cache: bool = True
     seed: int = 0
 
@@ -149,6 +147,17 @@ def kv_cache_num_blocks(
     return num_blocks
 
 
+def default_buckets(attention_backend: AttentionBackend, max_blocks_per_seq: int) -> BucketSizes:
+    """Padded step shapes: token and sequence counts by powers of two, then multiples
+    of 16. The XLA loops stop at the longest real context, so their block tables
+    can always have full width: one width instead of several, a fraction of the
+    compiles. The reference gathers the whole table and the TPU kernel prefetches
+    it into scalar memory, so other backends get power-of-two widths from 8."""
+    min_blocks = max_blocks_per_seq if attention_backend == "xla" else 8
+    return BucketSizes(min_num_tokens=1, min_num_seqs=1, min_blocks_per_seq=min_blocks,
+                       linear_step=16)
+
+
 class LLMEngine:
     """add_request / step / abort / has_unfinished_requests over a loaded model."""
 
@@ -192,6 +201,9 @@ class LLMEngine:
             num_blocks=num_blocks, block_size=config.block_size,
             num_host_blocks=config.num_host_blocks, kv_dtype=dtype,
             attention_backend=config.attention_backend, interpret=config.interpret,
+        )
+        self.buckets = config.buckets or default_buckets(
+            self.runner.attention_backend, -(-self.max_model_len // config.block_size)
         )
         eos, tokenizer_eos = self.model_config.eos_token_ids, self.tokenizer.eos_token_id
         self.eos_token_ids = eos if tokenizer_eos in (None, *eos) else (*eos, tokenizer_eos)
@@ -301,7 +313,7 @@ class LLMEngine:
         seqs = [seq for seq, _ in plan.scheduled]
         requests = [self._request_of_seq[seq.seq_id] for seq in seqs]
         self.runner.apply_block_ops(plan.block_ops)
-        model_input = build_model_input(plan.scheduled, self.block_manager, self.config.buckets)
+        model_input = build_model_input(plan.scheduled, self.block_manager, self.buckets)
         decode_only = model_input.num_tokens == model_input.num_seqs
         logits = self.runner.execute(model_input.input_ids, model_input.metadata,
                                      decode_only=decode_only)
@@ -358,7 +370,7 @@ class LLMEngine:
         returns the number of (token, sequence, block) bucket shapes run.
         """
         shapes = step_shapes(
-            self.config.buckets, self.config.max_num_batched_tokens, self.config.max_num_seqs,
+            self.buckets, self.config.max_num_batched_tokens, self.config.max_num_seqs,
             -(-self.max_model_len // self.config.block_size),
         )
         for num_tokens, num_seqs, num_blocks, decode_only in shapes:

@@ -27,8 +27,9 @@ from kernels_pallas import reference, tiles, tpu_attention, triton_attention, xl
 
 Implementation = Literal["tpu", "triton", "xla", "reference"]
 IMPLEMENTATIONS = ("tpu", "triton", "xla", "reference")
-# Keys per loop step of the XLA implementation: few steps, little masked work.
-XLA_CHUNK_TOKENS = 128
+# Keys per loop step of the XLA implementation: on CPU, 64 beat 32 and 128 for
+# mixed steps and came within noise of 32 for decode.
+XLA_CHUNK_TOKENS = 64
 # What one query tile costs the XLA implementation beyond its rows' arithmetic
 # (its page gathers and per-tile matmul calls), in query rows: measured on CPU,
 # a tile of r rows costs about as much as r + 16 rows of a large tile.
