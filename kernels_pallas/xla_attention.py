@@ -1,18 +1,18 @@
 """Paged attention over query tiles in plain XLA, for CPUs.
 
 The same work split as the Pallas kernels (tiles.py) and the same online
-softmax (online_softmax.py), written as loops over key chunks that XLA
-compiles for the host. It exists because the reference gathers every key of
-the longest sequence once per query token, and XLA's CPU gather is slow: here
-a prefill chunk of block_q tokens shares one gather.
+softmax (online_softmax.py), as one loop that XLA compiles for the host. It
+exists because the reference gathers every key of the longest sequence once
+per query token, and XLA's CPU gather is slow: here a prefill chunk of
+block_q tokens shares one gather.
 
-A kernel instance on a GPU or TPU stops at its own tile's last page; one XLA
-loop over all tiles would run every tile, padding included, to the longest
-context of the batch. So the tiles are sorted longest first and the loop runs
-in levels: all tiles up to the median tile's length, then the longer half up
-to its median, and so on, the last level to the longest. With lengths spread
-evenly that does about 2/3 of the single loop's work; with equal lengths, the
-same work.
+A GPU or TPU kernel instance stops at its own tile's last page, but one XLA
+loop step over all tiles would run every tile, padding included, to the
+longest context in the batch. So the tiles are sorted longest first and cut
+into small groups, and the loop walks a work list of (group, key chunk)
+items: each group runs to the length of its own longest tile, and every
+tile's softmax state is carried through the loop in place. The work follows
+the pages in use, whatever the spread of lengths in the batch.
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ from jax import lax
 from kernels_pallas import online_softmax
 from kernels_pallas.tiles import QueryTiles
 
-# Loop levels: all tiles, the longer half, the longest quarter.
-NUM_LEVELS = 3
+# Tiles per loop step. On CPU, decode and mixed steps ran fastest with 2:
+# 1 pays more loop steps, 4 and 8 more keys of shorter tiles in a group.
+TILES_PER_GROUP = 2
 
 
 def tile_attention(
@@ -56,16 +57,26 @@ def tile_attention(
     """
     num_tiles, num_kv_heads, rows, head_dim = q_tiles.shape
     chunk = pages_per_chunk * k_cache.shape[2]
-    kv_len = tiles.first_pos + tiles.num_tokens
-    order = jnp.argsort(-kv_len)
-    kv_len = kv_len[order]
-    num_chunks = online_softmax.ceil_div(kv_len, chunk)
+    size = min(TILES_PER_GROUP, num_tiles)
+    num_groups = -(-num_tiles // size)
+
+    # Longest first, padded with empty tiles to whole groups.
+    order = jnp.argsort(-(tiles.first_pos + tiles.num_tokens))
+
+    def sort(x):
+        return jnp.pad(x[order], [(0, num_groups * size - num_tiles)] + [(0, 0)] * (x.ndim - 1))
+
+    first_pos, num_tokens = sort(tiles.first_pos), sort(tiles.num_tokens)
+    kv_len = first_pos + num_tokens
     row_pos, row_valid = jax.vmap(
         lambda first, count: online_softmax.row_positions(first, count, rows, group, block_q)
-    )(tiles.first_pos[order], tiles.num_tokens[order])
-    tables, q_sorted = block_tables[tiles.seq[order]], q_tiles[order]
+    )(first_pos, num_tokens)
+    tables, q_sorted = sort(block_tables[tiles.seq]), sort(q_tiles)
+    # A group's first tile is its longest.
+    group_chunks = online_softmax.ceil_div(kv_len[::size], chunk)
+    group_ends = jnp.cumsum(group_chunks)
 
-    # Fold one chunk of every tile's keys, for every KV head of the tile.
+    # Fold one chunk of keys into each tile of a group, for every KV head of the tile.
     attend_one = functools.partial(online_softmax.attend_chunk, scale=scale, soft_cap=soft_cap)
     attend = jax.vmap(
         jax.vmap(attend_one, in_axes=(0, 0, 0, 0, None, None, None, None)),
@@ -78,43 +89,31 @@ def tile_attention(
     k_rows, v_rows = (c.reshape(num_kv_heads * num_blocks, -1) for c in (k_cache, v_cache))
     head_offsets = jnp.arange(num_kv_heads, dtype=jnp.int32)[None, :, None] * num_blocks
 
-    def level_body(size):
-        """One chunk for the `size` longest tiles."""
+    def body(item, state):
+        group_id = jnp.searchsorted(group_ends, item, side="right").astype(jnp.int32)
+        index = item - (group_ends[group_id] - group_chunks[group_id])
 
-        def body(index, state):
-            pages = lax.dynamic_slice_in_dim(
-                tables[:size], index * pages_per_chunk, pages_per_chunk, 1
-            )
-            # Tile-major row ids, so the gathered chunk needs no transpose.
-            row_ids = (pages[:, None] + head_offsets).reshape(-1)
-            k, v = (
-                rows_[row_ids].reshape(size, num_kv_heads, chunk, head_dim)
-                for rows_ in (k_rows, v_rows)
-            )
-            return attend(state, q_sorted[:size], k, v, index * chunk, kv_len[:size],
-                          row_pos[:size], row_valid[:size])
+        def mine(x):
+            return lax.dynamic_slice_in_dim(x, group_id * size, size)
 
-        return body
+        pages = lax.dynamic_slice_in_dim(mine(tables), index * pages_per_chunk, pages_per_chunk, 1)
+        # Tile-major row ids, so the gathered chunk needs no transpose.
+        row_ids = (pages[:, None] + head_offsets).reshape(-1)
+        k, v = (
+            rows_[row_ids].reshape(size, num_kv_heads, chunk, head_dim)
+            for rows_ in (k_rows, v_rows)
+        )
+        folded = attend(jax.tree.map(mine, state), mine(q_sorted), k, v, index * chunk,
+                        mine(kv_len), mine(row_pos), mine(row_valid))
+        return jax.tree.map(
+            lambda all_, new: lax.dynamic_update_slice_in_dim(all_, new, group_id * size, 0),
+            state, folded,
+        )
 
     state = jax.tree.map(
-        lambda x: jnp.broadcast_to(x, (num_tiles, num_kv_heads, *x.shape)),
+        lambda x: jnp.broadcast_to(x, (num_groups * size, num_kv_heads, *x.shape)),
         online_softmax.initial_state(rows, head_dim),
     )
-    sizes = level_sizes(num_tiles)
-    done = jnp.int32(0)
-    for level, size in enumerate(sizes):
-        # Tiles past the next level's size have no chunks left after this level.
-        until = num_chunks[sizes[level + 1]] if level + 1 < len(sizes) else num_chunks[0]
-        part = lax.fori_loop(done, until, level_body(size), jax.tree.map(lambda x: x[:size], state))
-        state = jax.tree.map(lambda x, p: x.at[:size].set(p), state, part)
-        done = jnp.maximum(done, until)
+    state = lax.fori_loop(0, group_ends[-1], body, state)
     out = jax.vmap(jax.vmap(lambda s: online_softmax.normalize(s, q_tiles.dtype)))(state)
     return out[jnp.argsort(order)]
-
-
-def level_sizes(num_tiles: int) -> list[int]:
-    """Tiles each loop level runs: NT, then halving, NUM_LEVELS at most, never below 1."""
-    sizes = [num_tiles]
-    while len(sizes) < NUM_LEVELS and sizes[-1] > 1:
-        sizes.append(-(-sizes[-1] // 2))
-    return sizes

@@ -363,10 +363,10 @@ def test_ragged_tiles_cover_every_token_once(block_q):
     assert covered == expected
 
 
-def test_xla_loop_levels_match_reference():
+def test_xla_work_list_matches_reference():
     """Many tiles of skewed lengths, padding among them, one page per loop step: the
-    XLA loop's sorted levels (all tiles, the longer half, the longest quarter) each
-    run several steps, and every tile still sees exactly its own keys."""
+    XLA loop's groups of sorted tiles each run to their own longest tile, over
+    several steps, and every tile still sees exactly its own keys."""
     rng = np.random.default_rng(5)
     prefixes = np.minimum(rng.lognormal(3.0, 1.0, 37).astype(int), 300)
     new = rng.integers(1, 4, 37)
