@@ -149,10 +149,11 @@ def kv_cache_num_blocks(
 
 def default_buckets(attention_backend: AttentionBackend, max_blocks_per_seq: int) -> BucketSizes:
     """Padded step shapes: token and sequence counts by powers of two, then multiples
-    of 16. The XLA loops stop at the longest real context, so their block tables
-    can always have full width: one width instead of several, a fraction of the
-    compiles. The reference gathers the whole table and the TPU kernel prefetches
-    it into scalar memory, so other backends get power-of-two widths from 8."""
+    of 16. The XLA loop stops each tile at its own context, so there the block
+    table can always have full width: one width instead of several, a fraction of
+    the compiles. The reference gathers the whole table and the TPU kernel
+    prefetches it into scalar memory, so other backends get power-of-two widths
+    from 8."""
     min_blocks = max_blocks_per_seq if attention_backend == "xla" else 8
     return BucketSizes(min_num_tokens=1, min_num_seqs=1, min_blocks_per_seq=min_blocks,
                        linear_step=16)

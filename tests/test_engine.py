@@ -14,6 +14,7 @@ import torch
 import transformers
 
 from jpaged.batch_builder import BucketSizes
+from jpaged.engine import default_buckets, step_shapes
 from jpaged.llm import LLM
 from jpaged.loader import load_model
 from jpaged.sampling_params import SamplingParams
@@ -120,6 +121,17 @@ def test_other_attention_backends(loaded, prompts, expected, backend):
     picked = [0, 3, 6]
     outputs = llm.generate([prompts[i] for i in picked], GREEDY)
     assert _tokens(outputs) == [expected[i] for i in picked]
+
+
+def test_default_buckets_pad_xla_tables_to_one_width(loaded, prompts, expected):
+    # The XLA loop stops each tile at its own length: full-width tables cost nothing.
+    llm = _llm(loaded, buckets=None)
+    engine = llm.engine
+    shapes = step_shapes(engine.buckets, 64, 8, 128 // 8)
+    assert {width for _, _, width, _ in shapes} == {16}
+    reference_buckets = default_buckets("reference", 16)
+    assert {width for _, _, width, _ in step_shapes(reference_buckets, 64, 8, 16)} == {8, 16}
+    assert _tokens(llm.generate(prompts, GREEDY)) == expected
 
 
 def test_no_recompilation_after_warmup(loaded):
