@@ -50,7 +50,8 @@ class EngineConfig:
 
     The KV pool is `num_blocks` blocks if given, else `kv_cache_memory` bytes if
     given, else `kv_cache_fraction` of the device memory free after loading the
-    model; never more than max_num_seqs full-length sequences can use.
+    model; never more than max_num_seqs full-length sequences can use. Step
+    shapes pad to `buckets`, by default `default_buckets` of the attention backend.
     """
 
     model: str = "smollm2"

@@ -126,8 +126,7 @@ def test_other_attention_backends(loaded, prompts, expected, backend):
 def test_default_buckets_pad_xla_tables_to_one_width(loaded, prompts, expected):
     # The XLA loop stops each tile at its own length: full-width tables cost nothing.
     llm = _llm(loaded, buckets=None)
-    engine = llm.engine
-    shapes = step_shapes(engine.buckets, 64, 8, 128 // 8)
+    shapes = step_shapes(llm.engine.buckets, 64, 8, 128 // 8)
     assert {width for _, _, width, _ in shapes} == {16}
     reference_buckets = default_buckets("reference", 16)
     assert {width for _, _, width, _ in step_shapes(reference_buckets, 64, 8, 16)} == {8, 16}

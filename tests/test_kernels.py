@@ -20,6 +20,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 import kernels_pallas as kp
 from kernels_pallas import tiles
+from kernels_pallas.attention import _default_block_q
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 
@@ -389,8 +390,6 @@ def test_xla_work_list_matches_reference():
 
 def test_xla_tile_size_follows_the_mix():
     """On CPU, decode-heavy steps get small query tiles, prefill-heavy ones the largest."""
-    from kernels_pallas.attention import _default_block_q
-
     # 64 sequences in 80 tokens: mostly decodes, a 64-row tile each would be wasted.
     assert _default_block_q("xla", 3, 80, 64) <= 2
     # One long prompt: the largest tile, as the GPU kernel takes.
