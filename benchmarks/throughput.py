@@ -30,6 +30,7 @@ import time
 import numpy as np
 
 from experiments.workloads import sample_lengths
+from jpaged.stats import percentiles
 
 MAX_TOTAL_LEN = 512
 
@@ -53,12 +54,6 @@ def mixed_workload(num_requests: int, scale: float, vocab_size: int, seed: int, 
 
 def _progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
-
-
-def _percentiles(values) -> dict:
-    array = np.asarray(values, float)
-    return {"p50": float(np.percentile(array, 50)), "p99": float(np.percentile(array, 99)),
-            "mean": float(array.mean())}
 
 
 def run_jpaged(args) -> dict:
@@ -91,8 +86,8 @@ def run_jpaged(args) -> dict:
         "elapsed_s": elapsed,
         "output_tokens": num_tokens,
         "output_tokens_per_s": num_tokens / elapsed,
-        "ttft_s": _percentiles([o.metrics.ttft for o in outputs]),
-        "tpot_s": _percentiles([o.metrics.tpot(len(o.outputs[0].token_ids)) for o in outputs
+        "ttft_s": percentiles([o.metrics.ttft for o in outputs]),
+        "tpot_s": percentiles([o.metrics.tpot(len(o.outputs[0].token_ids)) for o in outputs
                                 if len(o.outputs[0].token_ids) > 1]),
         "kv_utilization_mean": summary["kv_utilization_mean"],
         "running_mean": summary["running_mean"],
@@ -171,7 +166,7 @@ def run_transformers(args) -> dict:
     num_tokens = sum(o for _, o in workload)
     mixed = {"elapsed_s": elapsed, "output_tokens": num_tokens,
              "output_tokens_per_s": num_tokens / elapsed,
-             "ttft_s": _percentiles(ttft), "tpot_s": _percentiles(tpot)}
+             "ttft_s": percentiles(ttft), "tpot_s": percentiles(tpot)}
 
     prompt, warmup = np.random.default_rng(args.seed + 1).integers(0, vocab, (2, 64)).tolist()
     _hf_generate(model, torch, [warmup], 128, pad_id)

@@ -37,7 +37,8 @@ def num_compilations() -> int:
     return _compilations
 
 
-def _percentiles(values: list[float]) -> dict[str, float | None]:
+def percentiles(values: list[float]) -> dict[str, float | None]:
+    """mean, p50 and p99 of the values (None for no values)."""
     if not values:
         return {"mean": None, "p50": None, "p99": None}
     array = np.asarray(values)
@@ -105,6 +106,6 @@ class EngineStats:
             "waiting_peak": int(np.max(self.num_waiting or [0])),
             "preemptions": self.num_preemptions,
             "prefix_cache_hit_rate": self.prefix_cache_hit_rate,
-            "ttft_s": _percentiles(self.ttft),
-            "tpot_s": _percentiles(self.tpot),
+            "ttft_s": percentiles(self.ttft),
+            "tpot_s": percentiles(self.tpot),
         }

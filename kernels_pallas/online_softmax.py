@@ -19,6 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 
 from kernels_pallas.reference import DEFAULT_MASK_VALUE
 
@@ -111,6 +112,34 @@ def store(out_refs, state: AttentionState) -> None:
     else:
         for ref, value in zip(out_refs, state, strict=True):
             ref[...] = value
+
+
+def tile_spec(rows: int, head_dim: int) -> pl.BlockSpec:
+    """The [rows, D] block of one tile and KV head on a (tile, head, split) grid; extra
+    index-map arguments (scalar-prefetched refs) are ignored."""
+    return pl.BlockSpec((None, None, rows, head_dim), lambda t, h, s, *_: (t, h, 0, 0))
+
+
+def kernel_outputs(q_tiles: jax.Array, num_splits: int):
+    """(out_shape, out_specs) of a kernel over a (tile, head, split) grid, matching
+    `store`: the normalized output like q_tiles, or with key splits the raw state
+    of every split, f32 [S, NT, Hkv, rows, 1 | 1 | D], for `finish`."""
+    num_tiles, num_kv_heads, rows, head_dim = q_tiles.shape
+    if num_splits == 1:
+        return jax.ShapeDtypeStruct(q_tiles.shape, q_tiles.dtype), tile_spec(rows, head_dim)
+    split_shape = (num_splits, num_tiles, num_kv_heads, rows)
+    widths = (1, 1, head_dim)
+    out_shape = [jax.ShapeDtypeStruct((*split_shape, w), jnp.float32) for w in widths]
+    out_specs = [
+        pl.BlockSpec((None, None, None, rows, w), lambda t, h, s, *_: (s, t, h, 0, 0))
+        for w in widths
+    ]
+    return out_shape, out_specs
+
+
+def finish(out, num_splits: int, dtype: jnp.dtype) -> jax.Array:
+    """A kernel's result from `kernel_outputs`' buffers: [NT, Hkv, rows, D] in dtype."""
+    return out if num_splits == 1 else combine_splits(tuple(out), dtype)
 
 
 def normalize(state: AttentionState, dtype: jnp.dtype) -> jax.Array:

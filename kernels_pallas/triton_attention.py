@@ -138,21 +138,8 @@ def tile_attention(
         soft_cap=soft_cap,
     )
     whole = pl.BlockSpec()
-    q_spec = pl.BlockSpec((None, None, rows, head_dim), lambda t, h, s: (t, h, 0, 0))
-    if num_splits == 1:
-        out_shape = jax.ShapeDtypeStruct(q_tiles.shape, q_tiles.dtype)
-        out_specs = q_spec
-    else:
-        split_shape = (num_splits, num_tiles, num_kv_heads, rows)
-        out_shape = [
-            jax.ShapeDtypeStruct((*split_shape, 1), jnp.float32),
-            jax.ShapeDtypeStruct((*split_shape, 1), jnp.float32),
-            jax.ShapeDtypeStruct((*split_shape, head_dim), jnp.float32),
-        ]
-        out_specs = [
-            pl.BlockSpec((None, None, None, rows, width), lambda t, h, s: (s, t, h, 0, 0))
-            for width in (1, 1, head_dim)
-        ]
+    q_spec = online_softmax.tile_spec(rows, head_dim)
+    out_shape, out_specs = online_softmax.kernel_outputs(q_tiles, num_splits)
     out = pl.pallas_call(
         kernel,
         grid=(num_tiles, num_kv_heads, num_splits),
@@ -163,6 +150,4 @@ def tile_attention(
         interpret=interpret,
         name="paged_attention_triton",
     )(tiles.seq, tiles.first_pos, tiles.num_tokens, block_tables, q_tiles, k_cache, v_cache)
-    if num_splits == 1:
-        return out
-    return online_softmax.combine_splits(tuple(out), q_tiles.dtype)
+    return online_softmax.finish(out, num_splits, q_tiles.dtype)
