@@ -53,8 +53,11 @@ def _sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 
 def _generate(llm: LLM, args: argparse.Namespace) -> None:
-    prompts = args.prompts if args.raw else [[{"role": "user", "content": p}] for p in args.prompts]
-    outputs = llm.generate(prompts, _sampling_params(args))
+    if args.raw:
+        outputs = llm.generate(args.prompts, _sampling_params(args))
+    else:
+        conversations = [[{"role": "user", "content": p}] for p in args.prompts]
+        outputs = llm.chat(conversations, _sampling_params(args))
     for prompt, output in zip(args.prompts, outputs, strict=True):
         if len(outputs) > 1:
             print(f"### {prompt}")

@@ -21,10 +21,15 @@ The device applies a step's `BlockOps` before the step's attention, in this
 order: swap_out (device -> host), swap_in (host -> device), copies
 (copy-on-write, all sources read before any destination is written). Blocks
 freed during a step may be reused in the same step, which that order makes
-safe, except for blocks a later phase still reads (copy sources on the device,
-swap-in sources on the host): those are pinned and join the free queue only at
-commit. The one order a step cannot express is swapping out a device block
-that its own swap-in or copies write, so `swap_out` refuses that.
+safe, except for blocks the step's ops still touch: blocks a later phase reads
+(copy sources on the device, swap-in sources on the host) and blocks an op
+writes (swap-out destinations on the host, swap-in and copy destinations on the
+device; reused, one would take a second write from a later phase or the same
+scatter). Those are pinned and join the free queue only at commit, so no step
+writes a block twice. Because copies read before they write, a copy from a
+block that this step's copies fill reads that block's own source instead. The
+one order a step cannot express is swapping out a device block that its own
+swap-in or copies write, so `swap_out` refuses that.
 """
 
 from __future__ import annotations
@@ -174,6 +179,10 @@ class BlockOps:
     swap_in:  int32 [K, 2]  (host block, device block), applied second.
     copies:   int32 [K, 2]  (source, destination) device blocks, applied last,
               all sources read before any destination is written.
+
+    No block is written twice: the destinations of swap_in and copies are
+    distinct device blocks, those of swap_out distinct host blocks, so every
+    phase may scatter its writes in any order.
     """
 
     swap_out: np.ndarray
@@ -250,7 +259,7 @@ class _PoolEdit:
             self._push_tail(block)
 
     def pin(self, block: int) -> None:
-        """Keep `block` out of the free queue until commit: this step's ops still read it."""
+        """Keep `block` out of the free queue until commit: this step's ops read or write it."""
         self._pinned.add(block)
 
     def commit(self) -> PoolState:
@@ -282,6 +291,7 @@ class Transaction:
         self._swap_out: list[tuple[int, int]] = []
         self._swap_in: list[tuple[int, int]] = []
         self._copies: list[tuple[int, int]] = []
+        self._copied_from: dict[int, int] = {}  # copy destination -> its source
         self._written: set[int] = set()
 
     @property
@@ -366,13 +376,17 @@ class Transaction:
         """Give the caller a private block in place of a shared one.
 
         A new block replaces one holder of `block`; if `copy_content`, the step
-        copies `block` into it (the caller wrote some of its slots before).
+        copies `block` into it (the caller wrote some of its slots before): from
+        `block` itself, or from its source if this step's copies fill `block`.
         """
         assert self._device.refcount(block) > 1, block
         (private,) = self.allocate(1)
         if copy_content:
-            self._device.pin(block)
-            self._copies.append((block, private))
+            source = self._copied_from.get(block, block)
+            self._device.pin(source)
+            self._device.pin(private)
+            self._copies.append((source, private))
+            self._copied_from[private] = source
             self._written.add(private)
         self._device.decref(block)
         return private
@@ -389,6 +403,8 @@ class Transaction:
             )
         host_of = {block: self._host.pop_head() for block in distinct}
         self._swap_out.extend(host_of.items())
+        for block in host_of.values():
+            self._host.pin(block)
         host_tables = [[host_of[block] for block in table] for table in tables]
         for table in host_tables:
             for block in table:
@@ -405,6 +421,8 @@ class Transaction:
         device_of = {block: self._take_head() for block in distinct}
         self._swap_in.extend(device_of.items())
         self._written.update(device_of.values())
+        for block in device_of.values():
+            self._device.pin(block)
         tables = [[device_of[block] for block in table] for table in host_tables]
         for table in tables:
             for block in table:

@@ -71,16 +71,27 @@ def bucket(n: int, minimum: int, linear_step: int = 0) -> int:
     return 1 << (size - 1).bit_length()
 
 
+def padded_sizes(num_tokens: int, num_rows: int, buckets: BucketSizes) -> tuple[int, int]:
+    """(padded tokens, padded sequence rows) of a step. Token rows are never fewer
+    than sequence rows, so every step shape is one that warm-up compiles."""
+    padded_rows = bucket(num_rows, buckets.min_num_seqs, buckets.linear_step)
+    return bucket(max(num_tokens, padded_rows), buckets.min_num_tokens,
+                  buckets.linear_step), padded_rows
+
+
 def build_model_input(
     scheduled: SequenceOf[tuple[Sequence, int]],
     block_tables: BlockTables,
     buckets: BucketSizes = BucketSizes(),
+    min_rows: int = 0,
 ) -> ModelInput:
     """Padded device inputs for one step.
 
     scheduled: (seq, num_new_tokens) pairs; seq feeds its tokens
                seq.num_computed_tokens .. + num_new_tokens - 1, and its block
                table already holds slots for them (BlockManager.append_slots).
+    min_rows:  sequence rows to pad to at least: the step's draws when parallel
+               samples draw several tokens from one sequence's logits.
     """
     block_size = block_tables.block_size
     num_seqs = len(scheduled)
@@ -92,8 +103,7 @@ def build_model_input(
     num_blocks = -(-context_lens // block_size)
     num_tokens = int(q_lens.sum())
 
-    padded_tokens = bucket(num_tokens, buckets.min_num_tokens, buckets.linear_step)
-    padded_seqs = bucket(num_seqs, buckets.min_num_seqs, buckets.linear_step)
+    padded_tokens, padded_seqs = padded_sizes(num_tokens, max(num_seqs, min_rows), buckets)
     padded_blocks = bucket(int(num_blocks.max(initial=0)), buckets.min_blocks_per_seq)
 
     tables = np.zeros((padded_seqs, padded_blocks), np.int32)

@@ -7,7 +7,8 @@ swaps and frees; every call of one step goes into a single allocator
 A sequence's table maps logical block i (positions i*block_size ..
 (i+1)*block_size - 1) to a physical block of the device pool, or of the host
 pool while the sequence is swapped out. Sequences of a group share blocks
-after a fork; requests share full blocks through the prefix cache.
+after a fork (and copy them at their next write, with `share_blocks` off);
+requests share full blocks through the prefix cache.
 
 What the manager remembers of a sequence (its table, its hash chain) lives
 here, keyed by seq_id, until `free(seq)`; that includes a WAITING sequence
@@ -115,11 +116,14 @@ class _SeqBlocks:
 
     table:        physical blocks, logical order (host blocks while on_host).
     block_hashes: hash chain of the sequence's leading full blocks, computed once.
-    num_cached:   leading table entries known to the prefix cache.
+    num_cached:   leading table entries whose hashes the prefix cache knows (a
+                  copying fork's child inherits its parent's count).
     num_shared:   leading table entries another table may also hold. Entries past
                   it are this sequence's alone: only a fork, a prefix hit or a
                   swap-in shares a block, and a prefix hit takes only registered
                   blocks, which lie before the sequence's next write.
+    owes_copies:  forked without `share_blocks`: the next append copies every
+                  shared entry, written or not.
     """
 
     cache_salt: str | None
@@ -128,10 +132,19 @@ class _SeqBlocks:
     num_cached: int = 0
     num_shared: int = 0
     on_host: bool = False
+    owes_copies: bool = False
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _copied_range(record: _SeqBlocks, first: int, end: int) -> tuple[int, int]:
+    """Table entries [start, stop) that a write into entries first .. end - 1 must copy
+    where shared: the written ones, or every shared one for a sequence owing copies."""
+    if record.owes_copies:
+        return 0, record.num_shared
+    return first, min(end, record.num_shared)
 
 
 class BlockManager:
@@ -142,6 +155,7 @@ class BlockManager:
         self.num_device_blocks = cache_config.num_blocks - 1
         self.num_host_blocks = cache_config.num_host_blocks
         self.enable_prefix_caching = cache_config.enable_prefix_caching
+        self.share_blocks = cache_config.share_blocks
         self.watermark_blocks = int(cache_config.watermark * self.num_device_blocks)
         self.prefix_cache_stats = PrefixCacheStats()
         self._state = AllocatorState.create(cache_config.num_blocks, cache_config.num_host_blocks)
@@ -212,11 +226,12 @@ class BlockManager:
             hashes.append(hash_block(parent, tokens, record.cache_salt))
         return hashes
 
-    def _prefix_hits(self, seq: Sequence, cache_salt: str | None) -> list[int]:
-        """Cached blocks holding seq's longest cached prefix, never its last token."""
-        if not self.enable_prefix_caching:
+    def _prefix_hits(self, seq: Sequence, group: SequenceGroup) -> list[int]:
+        """Cached blocks holding seq's longest cached prefix, never its last token (none
+        for a group that must compute every token)."""
+        if not self.enable_prefix_caching or not group.use_prefix_cache:
             return []
-        record = self._record(seq, cache_salt)
+        record = self._record(seq, group.cache_salt)
         num_eligible = (len(seq) - 1) // self.block_size
         hits = []
         for block_hash in self._hashes(seq, record, num_eligible)[:num_eligible]:
@@ -244,7 +259,7 @@ class BlockManager:
         required = sum(_cdiv(len(seq), self.block_size) for seq in seqs)
         if required > self.num_device_blocks - self.watermark_blocks:
             return AllocStatus.NEVER
-        hits = [self._prefix_hits(seq, group.cache_salt) for seq in seqs]
+        hits = [self._prefix_hits(seq, group) for seq in seqs]
         if self.num_free_blocks - self._admission_cost(seqs, hits) >= self.watermark_blocks:
             return AllocStatus.OK
         return AllocStatus.LATER
@@ -261,7 +276,7 @@ class BlockManager:
             record = self._seqs.get(seq.seq_id)
             if record is not None and record.table:
                 raise ValueError(f"sequence {seq.seq_id} already has a block table")
-        hits = [self._prefix_hits(seq, group.cache_salt) for seq in seqs]
+        hits = [self._prefix_hits(seq, group) for seq in seqs]
         cost = self._admission_cost(seqs, hits)
         if cost > self.num_free_blocks:
             raise ValueError(
@@ -278,7 +293,8 @@ class BlockManager:
             record.num_cached = record.num_shared = len(seq_hits)
             self._logical_blocks += len(record.table)
             seq.num_computed_tokens = len(seq_hits) * self.block_size
-            self._count_query(seq, len(seq_hits))
+            if group.use_prefix_cache:
+                self._count_query(seq, len(seq_hits))
 
     def _count_query(self, seq: Sequence, num_hit_blocks: int) -> None:
         if not self.enable_prefix_caching:
@@ -310,9 +326,9 @@ class BlockManager:
             num_blocks = len(record.table)
             if end > num_blocks:
                 needed += end - num_blocks
-            first = start // self.block_size
-            if first < record.num_shared:
-                shared_writes += record.table[first : min(end, record.num_shared)]
+            first, last = _copied_range(record, start // self.block_size, end)
+            if first < last:
+                shared_writes += record.table[first:last]
         if shared_writes:
             needed += self._num_copies(shared_writes)
         return needed <= self._step.num_free
@@ -351,7 +367,7 @@ class BlockManager:
             return  # the common decode step: the slots exist and are private
         step = self._step
         shared = [
-            i for i in range(first, min(end, record.num_shared))
+            i for i in range(*_copied_range(record, first, end))
             if step.refcount(table.block(i)) > 1
         ]
         num_new_blocks = max(0, num_new_blocks)
@@ -365,9 +381,18 @@ class BlockManager:
             table.replace(i, step.copy_on_write(table.block(i), copy_content=written))
         table.extend(step.allocate(num_new_blocks))
         self._logical_blocks += num_new_blocks
+        if record.owes_copies:
+            record.owes_copies, record.num_shared = False, 0
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """`child` shares every block of `parent` (refcount + 1 each)."""
+        """`child` shares every block of `parent` (refcount + 1 each).
+
+        Without `share_blocks` the child owes a copy of every block it shares:
+        its next `append_slots` copies them all, not only the ones it writes.
+        The copies land in that step's ops, before the child's first write, as
+        an eager copy at the fork would; going through the scheduler's
+        `can_append_slots` lets a pool too full for them preempt instead of fail.
+        """
         if child.seq_id in self._seqs:
             raise ValueError(f"child sequence {child.seq_id} already has a block table")
         source = self._seqs[parent.seq_id]
@@ -381,6 +406,7 @@ class BlockManager:
             list(source.block_hashes),
             num_cached=source.num_cached,
             num_shared=len(table),
+            owes_copies=not self.share_blocks,
         )
         self._logical_blocks += len(table)
 

@@ -13,6 +13,11 @@ class CacheConfig:
     Block 0 of the device pool is the reserved null block: padding entries in
     block tables and slot mappings point there, so `num_blocks` counts it and
     `num_blocks - 1` blocks hold real KV.
+
+    share_blocks: whether a forked sequence (a parallel sample, a beam) shares
+    its parent's blocks, copy-on-write, or copies all of them before its first
+    write. False is the no-sharing baseline of the paper's memory comparison;
+    the prefix cache shares blocks across requests either way.
     """
 
     block_size: int = 16
@@ -20,6 +25,7 @@ class CacheConfig:
     num_host_blocks: int = 0
     enable_prefix_caching: bool = True
     watermark: float = 0.01
+    share_blocks: bool = True
 
     def __post_init__(self):
         if self.block_size < 1:

@@ -7,14 +7,15 @@ Each `step()` is one iteration of the serving loop:
     runner.apply_block_ops()    device: block copies and swaps
     build_model_input()         host: padded int32 gather indices
     runner.execute()            device: the jit-compiled model step
-    sample()                    device: one token per sequence
     scheduler.update_after_step host: computed tokens, prefix-cache registration
-    append / stop checks        host: finished sequences free their blocks at once
+    fork parallel samples       host: a computed prompt's n samples share its blocks
+    runner.sample()             device: a token and log-probabilities per sequence
+    append / beam selection     host: stop checks, beams forked and dropped;
+                                finished sequences free their blocks at once
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import os
@@ -26,22 +27,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jpaged.batch_builder import BucketSizes, bucket, build_model_input
+from jpaged.batch_builder import BucketSizes, bucket, build_model_input, padded_sizes
+from jpaged.beam_search import Beam, BeamSearch
 from jpaged.block_manager import BlockManager
 from jpaged.config import CacheConfig, SchedulerConfig
+from jpaged.detokenizer import IncrementalDetokenizer
+from jpaged.inputs import PromptType, parse_prompt
 from jpaged.loader import cache_directory, load_model
 from jpaged.model import LlamaConfig
-from jpaged.outputs import FINISH_REASONS, CompletionOutput, RequestMetrics, RequestOutput
+from jpaged.outputs import Logprob, RequestMetrics, RequestOutput
+from jpaged.request import Request, Sample
 from jpaged.runner import AttentionBackend, ModelRunner
-from jpaged.sampler import sample, sampling_arrays
-from jpaged.sampling_params import SamplingParams
+from jpaged.sampler import SamplerOutput, SamplingRow, sampling_tensors
+from jpaged.sampling_params import BeamSearchParams, SamplingParams
 from jpaged.scheduler import Scheduler, SchedulerOutput
 from jpaged.sequence import Sequence, SequenceGroup, SequenceStatus
 from jpaged.stats import EngineStats
 
 logger = logging.getLogger("jpaged")
-
-Prompt = str | list[int] | list[dict[str, str]]
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,10 @@ class EngineConfig:
     given, else `kv_cache_fraction` of the device memory free after loading the
     model; never more than max_num_seqs full-length sequences can use. Step
     shapes pad to `buckets`, by default `default_buckets` of the attention backend.
+    max_logprobs caps `logprobs` and `prompt_logprobs` (the sampler returns that
+    many top tokens per row) and so the beam-search candidates per beam.
+    share_blocks=False makes forked samples and beams copy their parent's
+    blocks at once instead of sharing them: the no-sharing baseline.
     """
 
     model: str = "smollm2"
@@ -72,12 +79,16 @@ class EngineConfig:
     buckets: BucketSizes | None = None
     persistent_compilation_cache: bool = True
     seed: int = 0
+    max_logprobs: int = 20
+    share_blocks: bool = True
 
     def __post_init__(self):
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
         if not 0.0 < self.kv_cache_fraction <= 1.0:
             raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
+        if self.max_logprobs < 1:
+            raise ValueError(f"max_logprobs must be >= 1, got {self.max_logprobs}")
 
 
 @dataclass(frozen=True)
@@ -102,15 +113,6 @@ class KVCacheInfo:
             f"{self.num_tokens} tokens, {self.num_bytes / 2**20:.1f} MiB "
             f"({self.bytes_per_token} bytes per token)"
         )
-
-
-@dataclass
-class _Request:
-    group: SequenceGroup
-    params: SamplingParams
-    prompt: str | None
-    seed: int
-    metrics: RequestMetrics
 
 
 def use_persistent_compilation_cache() -> None:
@@ -187,6 +189,7 @@ class LLMEngine:
             num_blocks=num_blocks,
             num_host_blocks=config.num_host_blocks,
             enable_prefix_caching=config.enable_prefix_caching,
+            share_blocks=config.share_blocks,
         ))
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -210,35 +213,62 @@ class LLMEngine:
         eos, tokenizer_eos = self.model_config.eos_token_ids, self.tokenizer.eos_token_id
         self.eos_token_ids = eos if tokenizer_eos in (None, *eos) else (*eos, tokenizer_eos)
         self.stats = EngineStats()
-        self._requests: dict[str, _Request] = {}
-        self._request_of_seq: dict[int, _Request] = {}
+        self._requests: dict[str, Request] = {}
+        self._request_of_seq: dict[int, Request] = {}
         self._seq_ids = itertools.count()
         self._seeds = np.random.default_rng(config.seed)
+        self._token_texts: dict[int, str] = {}
 
     # Requests.
 
     def add_request(
         self,
         request_id: str,
-        prompt: Prompt,
-        params: SamplingParams | None = None,
+        prompt: PromptType,
+        params: SamplingParams | BeamSearchParams | None = None,
         *,
         cache_salt: str | None = None,
     ) -> None:
-        """Queue a request. Raises ValueError/TypeError, changing nothing, on bad input."""
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        """Queue a request. Raises ValueError/TypeError, changing nothing, on bad input.
+
+        prompt: text, token ids, or a vLLM prompt dict (jpaged.inputs); a
+        "cache_salt" in the dict counts as the cache_salt argument.
+        """
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams | BeamSearchParams):
+            raise TypeError(
+                f"params must be SamplingParams or BeamSearchParams, got {type(params).__name__}"
+            )
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        token_ids = self.tokenize(prompt)
-        seq = Sequence(next(self._seq_ids), token_ids)
+        parsed = parse_prompt(prompt)
+        token_ids = self._prompt_token_ids(parsed.text, parsed.token_ids)
+        self._check_params(params, len(token_ids))
         now = time.perf_counter()
-        group = SequenceGroup(request_id, [seq], arrival_time=now, cache_salt=cache_salt)
+        sampling = isinstance(params, SamplingParams)
+        group = SequenceGroup(
+            request_id, [Sequence(next(self._seq_ids), token_ids)], arrival_time=now,
+            cache_salt=cache_salt if cache_salt is not None else parsed.cache_salt,
+            num_samples=params.n if sampling else params.beam_width,
+            use_prefix_cache=not sampling or params.prompt_logprobs is None,
+        )
         self.scheduler.add_request(group)
-        seed = params.seed if params.seed is not None else int(self._seeds.integers(2**32))
-        text = prompt if isinstance(prompt, str) else None
-        request = _Request(group, params, text, seed, RequestMetrics(now))
+        seed = params.seed if sampling and params.seed is not None else int(
+            self._seeds.integers(2**32))
+        request = Request(group, params, parsed.text, seed, RequestMetrics(now))
+        seq = group.seqs[0]
+        if sampling:
+            detokenizer = IncrementalDetokenizer(
+                self.tokenizer, token_ids, skip_special_tokens=params.skip_special_tokens
+            )
+            logprobs = None if params.logprobs is None else []
+            request.samples[seq.seq_id] = Sample(0, detokenizer, logprobs)
+            if params.prompt_logprobs is not None:
+                request.prompt_logprobs = [None]
+        else:
+            max_tokens = min(params.max_tokens, self.max_model_len - len(token_ids))
+            request.search = BeamSearch(params, len(token_ids), self.eos_token_ids, max_tokens)
+            request.beams[seq.seq_id] = Beam()
         self._requests[request_id] = request
         self._request_of_seq[seq.seq_id] = request
 
@@ -252,30 +282,31 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests
 
-    def tokenize(self, prompt: Prompt) -> list[int]:
-        """A prompt (text, chat messages or token ids) as validated token ids."""
-        if isinstance(prompt, str):
-            token_ids = self.tokenizer(prompt).input_ids
-        elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
-            text = self.tokenizer.apply_chat_template(
-                prompt, tokenize=False, add_generation_prompt=True
-            )
-            token_ids = self.tokenizer(text, add_special_tokens=False).input_ids
-        elif isinstance(prompt, list) and all(
-            isinstance(t, int | np.integer) and not isinstance(t, bool) for t in prompt
-        ):
-            token_ids = [int(t) for t in prompt]
+    def tokenize(self, prompt: PromptType) -> list[int]:
+        """A prompt (text, token ids or a prompt dict) as validated token ids."""
+        parsed = parse_prompt(prompt)
+        return self._prompt_token_ids(parsed.text, parsed.token_ids)
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        """Chat messages through the model's chat template, as validated token ids."""
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise TypeError("a conversation must be a list of message dicts ({'role', 'content'})")
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+        return self._prompt_token_ids(None, self.tokenizer(text, add_special_tokens=False)
+                                      .input_ids)
+
+    def _prompt_token_ids(self, text: str | None, token_ids: list[int] | None) -> list[int]:
+        if token_ids is None:
+            token_ids = self.tokenizer(text).input_ids
+        else:
             bad = [t for t in token_ids if not 0 <= t < self.model_config.vocab_size]
             if bad:
                 raise ValueError(
                     f"token ids {bad[:5]} are outside the vocabulary [0, "
                     f"{self.model_config.vocab_size})"
                 )
-        else:
-            raise TypeError(
-                "a prompt must be a str, a list of token ids or a list of chat messages "
-                f"(dicts), got {type(prompt).__name__}"
-            )
         if not token_ids:
             raise ValueError("the prompt is empty: it must have at least one token")
         if len(token_ids) > self.max_model_len:
@@ -285,89 +316,263 @@ class LLMEngine:
             )
         return token_ids
 
+    def _check_params(self, params: SamplingParams | BeamSearchParams, prompt_len: int) -> None:
+        """The limits that depend on the engine's configuration."""
+        limit = min(self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        max_logprobs = self.config.max_logprobs
+        if isinstance(params, SamplingParams):
+            if params.n > limit:
+                raise ValueError(
+                    f"n={params.n} is more than min(max_num_seqs, max_num_batched_tokens)={limit}"
+                )
+            for name in ("logprobs", "prompt_logprobs"):
+                value = getattr(params, name)
+                if value is not None and value > max_logprobs:
+                    raise ValueError(f"{name}={value} is more than max_logprobs={max_logprobs}")
+            return
+        if params.beam_width > limit:
+            raise ValueError(
+                f"beam_width={params.beam_width} is more than "
+                f"min(max_num_seqs, max_num_batched_tokens)={limit}"
+            )
+        candidates = BeamSearch(params, prompt_len, self.eos_token_ids, 1).num_candidates
+        if candidates > max_logprobs:
+            raise ValueError(
+                f"beam_width={params.beam_width} with {params.scoring!r} scoring needs "
+                f"{candidates} candidates per beam, more than max_logprobs={max_logprobs}"
+            )
+        if prompt_len >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {prompt_len} tokens: beam search needs room for output "
+                f"within max_model_len={self.max_model_len}"
+            )
+
     # One iteration.
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run and sample once; outputs of the requests that made progress."""
+        """Schedule, run and sample once; the outputs of the requests that made progress
+        (as each request's output_kind says)."""
         started = time.perf_counter()
         plan = self.scheduler.schedule()
-        finished = [self._requests[g.request_id] for g in plan.ignored]
-        sampled: list[_Request] = []
+        touched = [self._requests[g.request_id] for g in plan.ignored]
         if not plan.is_empty:
-            sampled = self._run(plan)
+            self._account_blocks()
+            touched += self._run(plan)
         self.stats.record_step(self, plan, started, time.perf_counter())
-        done = finished + [r for r in sampled if r.group.is_finished]
-        for request in done:
-            request.metrics.finished_time = time.perf_counter()
-            self.stats.record_finished(request.metrics, len(request.group.seqs[0].output_token_ids))
-        outputs = [self._output(r) for r in finished + sampled]
-        for request in done:
-            del self._requests[request.group.request_id]
-            self._forget(request)
+        outputs = []
+        for request in touched:
+            finished = request.group.is_finished
+            if finished:
+                request.metrics.finished_time = time.perf_counter()
+                self.stats.record_finished(request.metrics, request.output_lengths())
+            output = request.output(self._decode)
+            if output is not None:
+                outputs.append(output)
+            if finished:
+                del self._requests[request.request_id]
+                self._forget(request)
         return outputs
 
-    def _forget(self, request: _Request) -> None:
+    def _forget(self, request: Request) -> None:
         for seq in request.group.seqs:
             self._request_of_seq.pop(seq.seq_id, None)
 
-    def _run(self, plan: SchedulerOutput) -> list[_Request]:
-        """Execute a non-empty plan on the device; the requests that got a token."""
-        seqs = [seq for seq, _ in plan.scheduled]
-        requests = [self._request_of_seq[seq.seq_id] for seq in seqs]
+    def _account_blocks(self) -> None:
+        """Add this step's logical and physical blocks to each running request's metrics."""
+        table = self.block_manager.block_table
+        for group in self.scheduler.running:
+            seqs = group.seqs_with(SequenceStatus.RUNNING)
+            if not seqs:
+                continue
+            tables = [table(seq).array for seq in seqs]
+            logical = sum(len(t) for t in tables)
+            physical = logical if len(tables) == 1 else len(np.unique(np.concatenate(tables)))
+            metrics = self._requests[group.request_id].metrics
+            metrics.logical_block_steps += logical
+            metrics.physical_block_steps += physical
+
+    def _run(self, plan: SchedulerOutput) -> list[Request]:
+        """Execute a non-empty plan on the device; the requests that got tokens."""
+        scheduled = plan.scheduled
         self.runner.apply_block_ops(plan.block_ops)
-        model_input = build_model_input(plan.scheduled, self.block_manager, self.buckets)
+        num_draws = sum(self._num_draws(seq, n) for seq, n in scheduled)
+        model_input = build_model_input(scheduled, self.block_manager, self.buckets, num_draws)
         decode_only = model_input.num_tokens == model_input.num_seqs
-        logits = self.runner.execute(model_input.input_ids, model_input.metadata,
-                                     decode_only=decode_only)
-        arrays = sampling_arrays(
-            [r.params for r in requests], [r.seed for r in requests],
-            [len(seq.output_token_ids) for seq in seqs], logits.shape[0],
-        )
-        tokens = np.asarray(sample(logits, *arrays))
-        row_of = {seq.seq_id: row for row, seq in enumerate(seqs)}
-        sampled = []
-        for group in self.scheduler.update_after_step(plan):
-            request = self._requests[group.request_id]
-            for seq in group.unfinished_seqs():
-                self._append_token(request, seq, int(tokens[row_of[seq.seq_id]]))
-            sampled.append(request)
-        return sampled
+        logits, hidden = self.runner.execute(model_input.input_ids, model_input.metadata,
+                                             decode_only=decode_only)
+        self._record_prompt_logprobs(scheduled, model_input.metadata.query_start_loc, hidden)
+        ready = self.scheduler.update_after_step(plan)
+        row_of = {seq.seq_id: row for row, (seq, _) in enumerate(scheduled)}
+        draws = [(self._requests[g.request_id], self._draw_seqs(g, row_of)) for g in ready]
+        rows = [row_of[seq.seq_id] for _, seqs in draws for seq in seqs]
+        sampled = self._sample(logits, rows, [(r, s) for r, seqs in draws for s in seqs])
+        first = 0
+        for request, seqs in draws:
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = time.perf_counter()
+            indices = range(first, first + len(seqs))
+            if request.is_beam_search:
+                self._beam_step(request, seqs, sampled, indices)
+            else:
+                for seq, i in zip(seqs, indices, strict=True):
+                    self._append_token(request, seq, sampled, i)
+            first += len(seqs)
+        return [request for request, _ in draws]
 
-    def _append_token(self, request: _Request, seq: Sequence, token: int) -> None:
-        seq.append_token(token)
-        if request.metrics.first_token_time is None:
-            request.metrics.first_token_time = time.perf_counter()
+    def _num_draws(self, seq: Sequence, num_new_tokens: int) -> int:
+        """Tokens drawn from `seq`'s logits this step: none before its last token is
+        computed; n for a sampling prompt's first draw; else one."""
+        if seq.num_computed_tokens + num_new_tokens < len(seq):
+            return 0
+        request = self._request_of_seq[seq.seq_id]
+        if request.is_beam_search or len(request.group.seqs) > 1:
+            return 1
+        return request.group.num_samples
+
+    def _draw_seqs(self, group: SequenceGroup, row_of: dict[int, int]) -> list[Sequence]:
+        """The sequences of a ready group that draw a token now. A prompt with n > 1
+        forks its samples first: they share its blocks and draw from its logits."""
+        request = self._requests[group.request_id]
+        if not request.is_beam_search and len(group.seqs) == 1 and group.num_samples > 1:
+            parent = group.seqs[0]
+            for index in range(1, group.num_samples):
+                child = self.scheduler.fork(group, parent, next(self._seq_ids))
+                request.samples[child.seq_id] = request.samples[parent.seq_id].fork(index)
+                self._request_of_seq[child.seq_id] = request
+                row_of[child.seq_id] = row_of[parent.seq_id]
+        return group.unfinished_seqs()
+
+    def _sample(self, logits, rows: list[int], draws: list[tuple[Request, Sequence]]
+                ) -> SamplerOutput:
+        num_rows = logits.shape[0]
+        row_array = np.zeros(num_rows, np.int32)
+        row_array[: len(rows)] = rows
+        sampling_rows = [self._sampling_row(request, seq) for request, seq in draws]
+        tensors = sampling_tensors(sampling_rows, num_rows, self.model_config.vocab_size)
+        return self.runner.sample(logits, row_array, tensors, self.config.max_logprobs)
+
+    def _sampling_row(self, request: Request, seq: Sequence) -> SamplingRow:
         params = request.params
-        stop_ids = params.stop_token_ids + (() if params.ignore_eos else self.eos_token_ids)
-        if token in stop_ids:
-            self.scheduler.finish_seq(seq, SequenceStatus.FINISHED_STOPPED)
-        elif len(seq.output_token_ids) >= params.max_tokens or len(seq) >= self.max_model_len:
-            self.scheduler.finish_seq(seq, SequenceStatus.FINISHED_LENGTH)
-
-    def _output(self, request: _Request) -> RequestOutput:
-        completions = [
-            CompletionOutput(
-                index=i,
-                text=self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True),
-                token_ids=list(seq.output_token_ids),
-                finish_reason=FINISH_REASONS.get(seq.status),
-            )
-            for i, seq in enumerate(request.group.seqs)
-        ]
-        group = request.group
-        return RequestOutput(
-            request_id=group.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=list(group.prompt_token_ids),
-            outputs=completions,
-            finished=group.is_finished,
-            metrics=dataclasses.replace(request.metrics),
+        if request.is_beam_search:
+            # Beams are chosen on the host from the candidates' log-probabilities.
+            temperature = params.temperature if params.temperature > 0 else 1.0
+            return SamplingRow.greedy(position=len(seq), logprob_temperature=temperature)
+        suppressed = ()
+        if len(seq.output_token_ids) < params.min_tokens:
+            suppressed = params.stop_token_ids + (() if params.ignore_eos else self.eos_token_ids)
+        return SamplingRow.of(
+            params, seed=request.seed, sample_index=request.samples[seq.seq_id].index,
+            position=len(seq), prompt_token_ids=seq.prompt_token_ids,
+            output_token_ids=seq.output_token_ids, suppressed_token_ids=suppressed,
         )
+
+    def _append_token(self, request: Request, seq: Sequence, sampled: SamplerOutput,
+                      i: int) -> None:
+        token, params = int(sampled.tokens[i]), request.params
+        entry = None
+        if params.logprobs is not None:
+            entry = self._logprob_entry(token, sampled.logprobs[i], sampled.ranks[i],
+                                        sampled.top_ids[i, : params.logprobs],
+                                        sampled.top_logprobs[i, : params.logprobs])
+        status = request.append_token(seq, token, float(sampled.logprobs[i]), entry,
+                                      self.eos_token_ids, self.max_model_len)
+        if status is not None:
+            self.scheduler.finish_seq(seq, status)
+
+    def _beam_step(self, request: Request, seqs: list[Sequence], sampled: SamplerOutput,
+                   indices: range) -> None:
+        """Select the next beams; fork, extend and drop the group's sequences to match."""
+        search, group = request.search, request.group
+        k = search.num_candidates
+        top_ids, top_logprobs = sampled.top_ids[indices, :k], sampled.top_logprobs[indices, :k]
+        step_logprobs = [self._candidates_entry(ids, lps)
+                         for ids, lps in zip(top_ids, top_logprobs, strict=True)]
+        parents = [request.beams[seq.seq_id] for seq in seqs]
+        result = search.step(parents, top_ids, top_logprobs, step_logprobs)
+        if result.done:
+            final = [search.extend(parents[e.parent], e, step_logprobs[e.parent])
+                     for e in result.extensions]
+            request.beam_results = search.results(final)
+            for seq in seqs:
+                self.scheduler.finish_seq(seq, SequenceStatus.FINISHED_LENGTH)
+            return
+        extensions_of = {p: [e for e in result.extensions if e.parent == p]
+                         for p in range(len(seqs))}
+        # Drop first: with share_blocks=False their blocks pay for the forks' copies.
+        for p, seq in enumerate(seqs):
+            if not extensions_of[p]:
+                self.scheduler.remove_seq(group, seq)
+                del request.beams[seq.seq_id]
+                del self._request_of_seq[seq.seq_id]
+        for p, extensions in extensions_of.items():
+            if not extensions:
+                continue
+            parent = seqs[p]
+            # Fork before appending: every child starts from the parent's tokens.
+            targets = [parent] + [self.scheduler.fork(group, parent, next(self._seq_ids))
+                                  for _ in extensions[1:]]
+            for seq, extension in zip(targets, extensions, strict=True):
+                seq.append_token(extension.token)
+                request.beams[seq.seq_id] = search.extend(parents[p], extension,
+                                                          step_logprobs[p])
+                self._request_of_seq[seq.seq_id] = request
+
+    def _record_prompt_logprobs(self, scheduled, query_start_loc: np.ndarray,
+                                hidden: jax.Array) -> None:
+        """Log-probabilities of the prompt tokens this step's hidden states predict, for
+        the requests that asked (each prompt position once, even after preemption)."""
+        targets = np.zeros(hidden.shape[0], np.int32)
+        wanted: list[tuple[Request, int, int]] = []  # (request, token row, target)
+        for i, (seq, num_new_tokens) in enumerate(scheduled):
+            request = self._request_of_seq[seq.seq_id]
+            if not request.wants_prompt_logprobs or any(r is request for r, _, _ in wanted):
+                continue
+            start = seq.num_computed_tokens
+            # Position p predicts prompt token p + 1.
+            first = max(start, len(request.prompt_logprobs) - 1)
+            end = min(start + num_new_tokens, seq.num_prompt_tokens - 1)
+            for position in range(first, end):
+                row = int(query_start_loc[i]) + position - start
+                targets[row] = seq.prompt_token_ids[position + 1]
+                wanted.append((request, row, int(targets[row])))
+        if not wanted:
+            return
+        logprobs, ranks, top_ids, top_logprobs = self.runner.token_logprobs(
+            hidden, targets, self.config.max_logprobs)
+        for request, row, target in wanted:
+            k = request.params.prompt_logprobs
+            request.prompt_logprobs.append(self._logprob_entry(
+                target, logprobs[row], ranks[row], top_ids[row, :k], top_logprobs[row, :k]))
+
+    # Token texts.
+
+    def _decode(self, token_ids: list[int], skip_special_tokens: bool) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def _token_text(self, token_id: int) -> str:
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+    def _logprob_entry(self, token: int, logprob, rank, top_ids, top_logprobs) -> dict:
+        """{token: Logprob} for the chosen token, then the top ones by rank."""
+        entry = {token: Logprob(float(logprob), int(rank), self._token_text(token))}
+        entry.update(self._candidates_entry(top_ids, top_logprobs))
+        return entry
+
+    def _candidates_entry(self, top_ids, top_logprobs) -> dict:
+        return {
+            int(t): Logprob(float(lp), rank, self._token_text(int(t)))
+            for rank, (t, lp) in enumerate(zip(top_ids, top_logprobs, strict=True), start=1)
+        }
 
     # Compilation.
 
     def warmup(self) -> int:
-        """Compile every step shape the limits allow, so serving never compiles.
+        """Compile every step shape the limits allow, so serving never compiles:
+        the model steps, the sampler (with and without penalties) for every row
+        count, and the prompt log-probabilities for every token count.
 
         returns the number of (token, sequence, block) bucket shapes run.
         """
@@ -377,9 +582,18 @@ class LLMEngine:
         )
         for num_tokens, num_seqs, num_blocks, decode_only in shapes:
             self.runner.run_padding_step(num_tokens, num_seqs, num_blocks, decode_only)
-        for num_seqs in sorted({s for _, s, _, _ in shapes}):
-            zeros = np.zeros((num_seqs, self.model_config.vocab_size), np.float32)
-            sample(zeros, *sampling_arrays([], [], [], num_seqs)).block_until_ready()
+        vocab, hidden_size = self.model_config.vocab_size, self.model_config.hidden_size
+        penalised = SamplingRow.greedy(position=0, repetition_penalty=1.5)
+        for num_rows in sorted({s for _, s, _, _ in shapes}):
+            logits = jnp.zeros((num_rows, vocab), jnp.float32)
+            rows = np.zeros(num_rows, np.int32)
+            for sampling_rows in ([], [penalised]):
+                tensors = sampling_tensors(sampling_rows, num_rows, vocab)
+                self.runner.sample(logits, rows, tensors, self.config.max_logprobs)
+        for num_tokens in sorted({t for t, _, _, _ in shapes}):
+            hidden = jnp.zeros((num_tokens, hidden_size), self.runner.kv_caches[0][0].dtype)
+            self.runner.token_logprobs(hidden, np.zeros(num_tokens, np.int32),
+                                       self.config.max_logprobs)
         return len(shapes)
 
 
@@ -389,14 +603,25 @@ def step_shapes(
     """Every padded (tokens, sequences, blocks per sequence, decode_only) a step can take.
 
     A step runs 1..max_seqs sequences with at least one new token each, and at
-    most max_tokens tokens; decode-only steps have one token per sequence.
+    most max_tokens tokens; decode-only steps have one token per sequence. Its
+    sequence rows may be more than its sequences, up to max_seqs: the draws of
+    parallel samples (`build_model_input`'s min_rows).
     """
-    token_seq_pairs = {
-        (bucket(num_tokens, buckets.min_num_tokens, buckets.linear_step),
-         bucket(num_seqs, buckets.min_num_seqs, buckets.linear_step), num_tokens == num_seqs)
-        for num_seqs in range(1, min(max_seqs, max_tokens) + 1)
-        for num_tokens in range(num_seqs, max_tokens + 1)
+    row_buckets = sorted({bucket(n, buckets.min_num_seqs, buckets.linear_step)
+                          for n in range(1, max_seqs + 1)})
+    # A mixed step of t tokens may hold 1..t-1 sequences, and any rows up to max_seqs.
+    mixed = {
+        (*padded_sizes(num_tokens, num_rows, buckets), False)
+        for num_tokens in range(2, max_tokens + 1)
+        for num_rows in row_buckets
     }
+    decode = {
+        (*padded_sizes(num_seqs, num_rows, buckets), True)
+        for num_seqs in range(1, min(max_seqs, max_tokens) + 1)
+        for num_rows in row_buckets
+        if num_rows >= num_seqs
+    }
+    token_seq_pairs = mixed | decode
     block_sizes = {bucket(n, buckets.min_blocks_per_seq) for n in range(1, max_blocks + 1)}
     return sorted(
         (num_tokens, num_seqs, num_blocks, decode_only)

@@ -7,30 +7,26 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from tqdm import tqdm
 
-from jpaged.engine import EngineConfig, LLMEngine, Prompt
-from jpaged.outputs import RequestOutput
-from jpaged.sampling_params import SamplingParams
+from jpaged.engine import EngineConfig, LLMEngine
+from jpaged.inputs import PromptType, as_prompt_list
+from jpaged.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from jpaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
-
-def _as_prompt_list(prompts: Prompt | list[Prompt]) -> list[Prompt]:
-    """One prompt (text, token ids, chat messages) or a list of them -> a list."""
-    if isinstance(prompts, str):
-        return [prompts]
-    if isinstance(prompts, list) and prompts and not isinstance(prompts[0], str | list):
-        return [prompts]
-    return list(prompts)
+Conversation = list[dict[str, str]]
 
 
 class LLM:
     """Loads a model and serves batches of prompts with continuous batching.
 
     Keyword arguments are EngineConfig fields (block_size, num_blocks,
-    kv_cache_memory, max_num_seqs, enable_prefix_caching, ...).
+    kv_cache_memory, max_num_seqs, enable_prefix_caching, share_blocks, ...).
     """
 
     def __init__(self, model: str = "smollm2", *, loaded: tuple | None = None, **kwargs: Any):
@@ -42,42 +38,118 @@ class LLM:
 
     def generate(
         self,
-        prompts: Prompt | list[Prompt],
-        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs in prompt order.
+        """Run every prompt to completion; one finished output per prompt, in order.
 
-        Every prompt is checked before any is queued, so a bad one raises
-        ValueError/TypeError and nothing runs.
+        prompts: a prompt (str, token ids, {"prompt": ...}, {"prompt_token_ids": ...})
+        or a list of them. Every prompt is checked before any is queued, so a bad
+        one raises ValueError/TypeError and nothing runs. As in vLLM, outputs are
+        collected when final whatever each request's output_kind (use `stream`
+        for deltas).
         """
-        prompt_list = _as_prompt_list(prompts)
-        if isinstance(sampling_params, list):
-            if len(sampling_params) != len(prompt_list):
-                raise ValueError(
-                    f"got {len(sampling_params)} sampling params for {len(prompt_list)} prompts"
-                )
-            params_list = sampling_params
-        else:
-            params_list = [sampling_params or SamplingParams()] * len(prompt_list)
-        for prompt in prompt_list:
-            self.engine.tokenize(prompt)
-        request_ids = [f"generate-{next(self._request_ids)}" for _ in prompt_list]
-        for request_id, prompt, params in zip(request_ids, prompt_list, params_list, strict=True):
-            self.engine.add_request(request_id, prompt, params)
-        return self._run_to_completion(request_ids, use_tqdm)
+        prompt_list = as_prompt_list(prompts)
+        params_list = self._params_per_prompt(sampling_params, len(prompt_list))
+        final = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
+                 for p in params_list]
+        return self._run(prompt_list, final, use_tqdm)
 
     def chat(
         self,
-        messages: list[dict[str, str]] | list[list[dict[str, str]]],
-        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        messages: Conversation | list[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        """generate() for one conversation or a list of them (the model's chat template)."""
+        """generate() for one conversation or a list of them, through the model's chat
+        template (each message a {"role": ..., "content": ...} dict)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        return self.generate(conversations, sampling_params, use_tqdm=use_tqdm)
+        prompts = [{"prompt_token_ids": self.engine.apply_chat_template(c)} for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """Beam search for every prompt, inside the engine: each prompt's beams run as
+        one sequence group and share the KV blocks of their common prefix."""
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
+        prompt_list = as_prompt_list(prompts)
+        outputs = self._run(prompt_list, [params] * len(prompt_list), use_tqdm)
+        return [
+            BeamSearchOutput([
+                BeamSearchSequence(
+                    tokens=output.prompt_token_ids + beam.token_ids, logprobs=beam.logprobs,
+                    cum_logprob=beam.cumulative_logprob, text=beam.text,
+                    finish_reason=beam.finish_reason, stop_reason=beam.stop_reason,
+                )
+                for beam in output.outputs
+            ])
+            for output in outputs
+        ]
+
+    def stream(
+        self, prompt: PromptType, sampling_params: SamplingParams | None = None
+    ) -> Iterator[RequestOutput]:
+        """Run one prompt, yielding its deltas as they come (output_kind DELTA): each
+        holds, per sample, the tokens, text and logprobs new since the last one.
+        Other requests queued in the engine run alongside."""
+        params = dataclasses.replace(sampling_params or SamplingParams(),
+                                     output_kind=RequestOutputKind.DELTA)
+        request_id = f"stream-{next(self._request_ids)}"
+        self.engine.add_request(request_id, prompt, params)
+        try:
+            while True:
+                for output in self.engine.step():
+                    if output.request_id == request_id:
+                        yield output
+                        if output.finished:
+                            return
+        finally:
+            self.engine.abort(request_id)  # a no-op once finished
+
+    def _params_per_prompt(self, sampling_params, num_prompts: int) -> list[SamplingParams]:
+        if isinstance(sampling_params, list | tuple):
+            if len(sampling_params) != num_prompts:
+                raise ValueError(
+                    f"got {len(sampling_params)} sampling params for {num_prompts} prompts"
+                )
+            return list(sampling_params)
+        params = SamplingParams() if sampling_params is None else sampling_params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(
+                f"sampling_params must be SamplingParams, got {type(params).__name__}"
+            )
+        return [params] * num_prompts
+
+    def _run(self, prompts: list[PromptType], params: list, use_tqdm: bool
+             ) -> list[RequestOutput]:
+        """Queue every prompt (after checking all of them), then step until each is done."""
+        for prompt, request_params in zip(prompts, params, strict=True):
+            self.engine.tokenize(prompt)
+            if not isinstance(request_params, SamplingParams | BeamSearchParams):
+                raise TypeError(
+                    f"sampling_params must be SamplingParams, got {type(request_params).__name__}"
+                )
+        request_ids = [f"generate-{next(self._request_ids)}" for _ in prompts]
+        added = []
+        try:
+            for request_id, prompt, request_params in zip(request_ids, prompts, params,
+                                                          strict=True):
+                self.engine.add_request(request_id, prompt, request_params)
+                added.append(request_id)
+        except (ValueError, TypeError):
+            for request_id in added:
+                self.engine.abort(request_id)
+            raise
+        return self._run_to_completion(request_ids, use_tqdm)
 
     def _run_to_completion(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

@@ -318,6 +318,23 @@ class LlamaForCausalLM(nnx.Module):
         attention_fn: AttentionFn = ragged_paged_attention_reference,
         write_kv_fn: WriteKVFn = write_kv_reference,
     ) -> tuple[jax.Array, list[KVCache]]:
+        """One step: (logits f32 [B, vocab] at metadata.logits_indices, updated kv_caches).
+
+        Arguments as in `hidden_states`.
+        """
+        hidden, new_caches = self.hidden_states(
+            input_ids, kv_caches, metadata, attention_fn, write_kv_fn
+        )
+        return self.compute_logits(hidden[metadata.logits_indices]), new_caches
+
+    def hidden_states(
+        self,
+        input_ids: jax.Array,
+        kv_caches: list[KVCache],
+        metadata: AttentionMetadata,
+        attention_fn: AttentionFn = ragged_paged_attention_reference,
+        write_kv_fn: WriteKVFn = write_kv_reference,
+    ) -> tuple[jax.Array, list[KVCache]]:
         """One step over a flat run of new tokens (T padded tokens, B padded sequences).
 
         input_ids: int32 [T]
@@ -327,7 +344,7 @@ class LlamaForCausalLM(nnx.Module):
         attention_fn(q [T, Hq, D], k_cache, v_cache, block_tables, context_lens,
                      query_start_loc, *, scale) -> [T, Hq, D]
         write_kv_fn(k_cache, v_cache, k [T, Hkv, D], v, slot_mapping) -> (k_cache, v_cache)
-        returns    (logits f32 [B, vocab] at metadata.logits_indices, updated kv_caches).
+        returns    (final-normed hidden states [T, hidden_size], updated kv_caches).
         """
         rope = rotary_tables(metadata.positions, rope_inverse_frequencies(self.config))
         x = self.embed_tokens(input_ids)
@@ -335,12 +352,15 @@ class LlamaForCausalLM(nnx.Module):
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, kv_cache = layer(x, rope, kv_cache, metadata, attention_fn, write_kv_fn)
             new_caches.append(kv_cache)
-        last = self.norm(x[metadata.logits_indices])
+        return self.norm(x), new_caches
+
+    def compute_logits(self, hidden: jax.Array) -> jax.Array:
+        """Final-normed hidden states [N, hidden_size] -> logits f32 [N, vocab]."""
         if self.config.tie_word_embeddings:
-            logits = self.embed_tokens.attend(last)
+            logits = self.embed_tokens.attend(hidden)
         else:
-            logits = self.lm_head(last)
-        return logits.astype(jnp.float32), new_caches
+            logits = self.lm_head(hidden)
+        return logits.astype(jnp.float32)
 
 
 def forward(

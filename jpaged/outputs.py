@@ -1,4 +1,5 @@
-"""What a request gives back (vLLM's names): RequestOutput and CompletionOutput."""
+"""What a request gives back, with vLLM's names: RequestOutput, CompletionOutput,
+Logprob, and BeamSearchOutput for `LLM.beam_search`."""
 
 from __future__ import annotations
 
@@ -15,22 +16,59 @@ FINISH_REASONS = {
 
 
 @dataclass
+class Logprob:
+    """A token's log-probability (float32 log-softmax of the model's logits), its rank
+    (1 is the most likely token) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per position, token id -> Logprob: the chosen token and the top-k.
+SampleLogprobs = list[dict[int, Logprob]]
+# The same for prompt tokens; the first prompt token has nothing to condition on: None.
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
+@dataclass
 class CompletionOutput:
-    """One generated sequence. finish_reason: None while running, else stop / length / abort."""
+    """One generated sequence (a sample, or a beam).
+
+    cumulative_logprob: sum of the chosen tokens' log-probabilities.
+    logprobs:           per output token, when the request asked for them.
+    finish_reason:      None while running, else "stop", "length" or "abort".
+    stop_reason:        the stop string or stop token id that ended it, if any
+                        (None for EOS).
+    """
 
     index: int
     text: str
     token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: SampleLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclass
 class RequestMetrics:
-    """Wall-clock times (time.perf_counter seconds) of one request."""
+    """Wall-clock times (time.perf_counter seconds) and KV blocks of one request.
+
+    logical_block_steps / physical_block_steps: over the steps the request held
+    device blocks, the sum of its sequences' block-table lengths, and of the
+    distinct blocks among them. Their ratio is the memory its sequences saved by
+    sharing blocks (parallel samples, beams).
+    """
 
     arrival_time: float
     first_token_time: float | None = None
     finished_time: float | None = None
+    logical_block_steps: int = 0
+    physical_block_steps: int = 0
 
     @property
     def ttft(self) -> float | None:
@@ -45,12 +83,43 @@ class RequestMetrics:
             return None
         return (self.finished_time - self.first_token_time) / (num_output_tokens - 1)
 
+    @property
+    def kv_memory_saved(self) -> float:
+        """(logical - physical) / logical block-steps: what sharing saved; 0 without sharing."""
+        if self.logical_block_steps == 0:
+            return 0.0
+        return 1.0 - self.physical_block_steps / self.logical_block_steps
+
 
 @dataclass
 class RequestOutput:
+    """A request's outputs: all of them (cumulative), or what is new (delta)."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
+    prompt_logprobs: PromptLogprobs | None
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics = field(repr=False, default=None)
+
+
+@dataclass
+class BeamSearchSequence:
+    """One beam: `tokens` holds the prompt and the output, as in vLLM; `text` and
+    `logprobs` cover the output only (logprobs: per step, the candidates the beam's
+    scores came from)."""
+
+    tokens: list[int]
+    logprobs: SampleLogprobs
+    cum_logprob: float
+    text: str
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class BeamSearchOutput:
+    """The best beams of one prompt, best first (at most beam_width)."""
+
+    sequences: list[BeamSearchSequence]

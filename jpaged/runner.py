@@ -1,17 +1,20 @@
 """ModelRunner: the jit-compiled device step and the KV cache it owns.
 
-One step is `forward(params, kv_caches, input_ids, metadata) -> (logits, kv_caches)`
+One step is `step(params, kv_caches, input_ids, metadata) -> (logits, hidden, kv_caches)`
 with the cache donated, so XLA writes new K/V in place. Every array the step
-takes is padded to power-of-two buckets by the batch builder; the runner adds
-nothing but a switch between decode-only steps (one token per sequence: the
-paged decode kernel) and mixed steps (the ragged kernel). Block copies for
-copy-on-write and swaps to and from a host pool run as small separate jitted
-functions before the step, so they never multiply the step's shapes.
+takes is padded to buckets by the batch builder; the runner adds nothing but a
+switch between decode-only steps (one token per sequence: the paged decode
+kernel) and mixed steps (the ragged kernel). The step's final hidden states
+stay on the device; `token_logprobs` reads them when a request asks for prompt
+log-probabilities. Block copies for copy-on-write and swaps to and from a host
+pool, and token sampling, run as small separate jitted functions, so they never
+multiply the step's shapes.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from typing import Literal
 
 import jax
@@ -23,7 +26,8 @@ import kernels_pallas
 from jpaged.allocator import BlockOps
 from jpaged.attention_metadata import AttentionMetadata
 from jpaged.batch_builder import bucket
-from jpaged.model import LlamaConfig, LlamaForCausalLM, forward, init_kv_caches
+from jpaged.model import LlamaConfig, LlamaForCausalLM, init_kv_caches
+from jpaged.sampler import SamplerOutput, SamplingTensors, logprob_outputs, sample
 
 AttentionBackend = Literal["pallas", "xla", "reference"]
 KVCaches = list[tuple[jax.Array, jax.Array]]
@@ -68,6 +72,36 @@ def attention_functions(backend: AttentionBackend, interpret: bool = False):
     ragged = functools.partial(kernels_pallas.ragged_paged_attention, **knobs)
     decode = functools.partial(kernels_pallas.paged_decode_attention, **knobs)
     return ragged, _decode_as_ragged(decode)
+
+
+def _step(graphdef, params, input_ids, kv_caches, metadata, *, attention_fn):
+    """One model step as a pure function: (logits [B, vocab], hidden [T, hidden], kv_caches)."""
+    model = nnx.merge(graphdef, params)
+    hidden, kv_caches = model.hidden_states(
+        input_ids, kv_caches, metadata, attention_fn, kernels_pallas.write_kv
+    )
+    return model.compute_logits(hidden[metadata.logits_indices]), hidden, kv_caches
+
+
+@functools.partial(jax.jit, static_argnames=("num_top",))
+def _sample_rows(logits, rows, tensors, *, num_top):
+    return sample(logits[rows], tensors, num_top)
+
+
+# Rows of logits materialised at once by `_token_logprobs`: bounds its memory to
+# this many vocabulary-sized rows whatever the step's token count.
+_LOGPROB_ROWS = 16
+
+
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("num_top",))
+def _token_logprobs(graphdef, params, hidden, targets, *, num_top):
+    model = nnx.merge(graphdef, params)
+    rows = math.gcd(hidden.shape[0], _LOGPROB_ROWS)
+    chunks = (hidden.reshape(-1, rows, hidden.shape[-1]), targets.reshape(-1, rows))
+    outputs = jax.lax.map(
+        lambda chunk: logprob_outputs(model.compute_logits(chunk[0]), chunk[1], num_top), chunks
+    )
+    return jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), outputs)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -117,9 +151,7 @@ class ModelRunner:
         ragged, decode = attention_functions(self.attention_backend, interpret)
 
         def step(attention_fn):
-            fn = functools.partial(
-                forward, attention_fn=attention_fn, write_kv_fn=kernels_pallas.write_kv
-            )
+            fn = functools.partial(_step, attention_fn=attention_fn)
             return jax.jit(fn, static_argnums=0, donate_argnums=3)
 
         self._mixed_step = step(ragged)
@@ -136,13 +168,30 @@ class ModelRunner:
 
     def execute(
         self, input_ids: np.ndarray, metadata: AttentionMetadata, *, decode_only: bool
-    ) -> jax.Array:
-        """Run one step. input_ids int32 [T] -> logits f32 [B, vocab] (still on device)."""
+    ) -> tuple[jax.Array, jax.Array]:
+        """Run one step. input_ids int32 [T] -> (logits f32 [B, vocab] at each sequence's
+        last new token, final hidden states [T, hidden]), both still on the device."""
         step = self._decode_step if decode_only else self._mixed_step
-        logits, self.kv_caches = step(
+        logits, hidden, self.kv_caches = step(
             self.graphdef, self.params, input_ids, self.kv_caches, metadata
         )
-        return logits
+        return logits, hidden
+
+    def sample(
+        self, logits: jax.Array, rows: np.ndarray, tensors: SamplingTensors, num_top: int
+    ) -> SamplerOutput:
+        """Draw one token per entry of `rows` (int32 [B], rows of logits [B, vocab] to
+        draw from; a row may repeat: parallel samples of one prompt) -> numpy outputs."""
+        return jax.tree.map(np.asarray, _sample_rows(logits, rows, tensors, num_top=num_top))
+
+    def token_logprobs(
+        self, hidden: jax.Array, targets: np.ndarray, num_top: int
+    ) -> tuple[np.ndarray, ...]:
+        """Log-probabilities of `targets` (int32 [T]) under the logits of each token's
+        hidden state [T, hidden], with ranks and the top `num_top`:
+        (f32 [T], int32 [T], int32 [T, num_top], f32 [T, num_top])."""
+        outputs = _token_logprobs(self.graphdef, self.params, hidden, targets, num_top=num_top)
+        return tuple(np.asarray(x) for x in outputs)
 
     def run_padding_step(
         self, num_tokens: int, num_seqs: int, num_blocks: int, decode_only: bool
@@ -156,7 +205,8 @@ class ModelRunner:
             query_start_loc=np.zeros(num_seqs + 1, np.int32),
             logits_indices=np.zeros(num_seqs, np.int32),
         )
-        logits = self.execute(np.zeros(num_tokens, np.int32), metadata, decode_only=decode_only)
+        logits, _ = self.execute(np.zeros(num_tokens, np.int32), metadata,
+                                 decode_only=decode_only)
         logits.block_until_ready()
 
     @staticmethod

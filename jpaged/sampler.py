@@ -1,84 +1,406 @@
-"""Token selection on device: greedy, temperature, top-k and top-p, per row.
+"""Token selection and log-probabilities on device, with vLLM V1's sampler definitions.
 
-Each row draws from its own key, fold_in(PRNGKey(seed), step), where step is
-the number of tokens the sequence has generated so far: a seeded request gets
-the same tokens whatever else shares its batch.
+Per row, from the model's raw logits l (f32 [V]), `sample` applies in this order:
+
+1. min_tokens suppression: the row's suppressed tokens (EOS, stop tokens) get -inf.
+2. penalties (vLLM's `apply_penalties`): where a token occurs in the prompt or the
+   output so far, a positive logit is divided by repetition_penalty and a non-positive
+   one multiplied by it; then frequency_penalty * (occurrences in the output) and
+   presence_penalty * (occurs in the output) are subtracted.
+3. greedy rows (temperature 0) take the first argmax of these logits; nothing below
+   applies to them.
+4. l / temperature.
+5. min_p: tokens with probability below min_p times the largest probability get -inf.
+6. top_k: tokens below the k-th largest logit get -inf (ties at the boundary stay).
+7. top_p: over what 5 and 6 kept, renormalised and sorted descending, a token stays iff
+   the probability mass strictly before it is < top_p. The last token kept gives a
+   boundary logit, and every token at or above it stays (ties stay).
+8. a draw over the whole vocabulary, the token `jax.random.categorical` gives (argmax
+   of logits plus Gumbel noise) from the key
+   fold_in(fold_in(key(seed), sample_index), position): a seeded row gets the same
+   token whatever shares its batch.
+
+Log-probabilities come from the raw logits (before 1 and 2):
+log_softmax(l / logprob_temperature), with the sampled token's rank and the top ones.
+
+The fast path. A batch whose rows are all greedy skips 4 to 8, and one where no
+sampled row filters skips 5 to 7 (both with lax.cond). Sorting a 49152-token vocabulary
+costs about 9 ms a row on a CPU, and top-k / top-p need only its head.
+`filter_logits` reads each row's boundary from its CANDIDATES largest logits
+(`lax.top_k`), with the top-p normaliser taken over all survivors. A row that its
+candidates cannot answer (top_k > CANDIDATES, or their mass below top_p) retries alone
+with ESCALATION times as many, up to the whole sorted row.
+Real models need this often: on SmolLM2-135M at temperature 1 and top_p 0.9, one row
+in eight holds less than 0.9 in its top 128 tokens, so a batch of 32 nearly always has
+such a row; retrying that row alone costs a fraction of sorting the batch.
+Every head size gives the same cutoff, bit for bit, because each step is exact on a
+prefix: the k largest logits are the first k of the sort, the normaliser is a sum in a
+fixed order over the whole row, and Hillis-Steele prefix sums of a prefix do not
+depend on what follows it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
+
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jpaged.sampling_params import SamplingParams
 
-
-def _filter(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """Mask to -inf every logit outside each row's top-k and top-p sets. [B, V] -> [B, V]."""
-    sorted_logits = jnp.sort(scaled, axis=-1)[:, ::-1]
-    vocab = scaled.shape[-1]
-    kth = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab) - 1
-    kth_logit = jnp.take_along_axis(sorted_logits, kth[:, None], axis=-1)
-    # Nucleus: keep the smallest prefix of sorted tokens whose mass reaches top_p.
-    sorted_probs = jax.nn.softmax(sorted_logits, axis=-1)
-    mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
-    nucleus_size = jnp.sum(mass_before < top_p[:, None], axis=-1)
-    nucleus_logit = jnp.take_along_axis(sorted_logits, (nucleus_size - 1)[:, None], axis=-1)
-    return jnp.where(scaled >= jnp.maximum(kth_logit, nucleus_logit), scaled, -jnp.inf)
+# Head size of the fast path: lax.top_k costs 3.8 ms for 128 at batch 32 over 49152
+# tokens on a CPU (5.4 ms for 256, 2.5 ms for 32, against ~250 ms for the sort), and
+# 128 answers top_p 0.9 for 99% of rows at temperature 0.7 on a real model.
+CANDIDATES = 128
+# Each retry of an unanswered row takes this many times more candidates.
+ESCALATION = 8
+# (repetition, presence, frequency) that leave logits bit-identical.
+NEUTRAL_PENALTIES = (1.0, 0.0, 0.0)
 
 
-def _draw(logits, temperature, top_k, top_p, seeds, steps) -> jax.Array:
-    """A token per row from its temperature-scaled, filtered distribution. -> int32 [B]."""
-    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
-    # The vocabulary sort costs more than the rest of sampling: skip it when no row filters.
-    needs_filter = jnp.any((top_k > 0) | (top_p < 1.0))
-    filtered = jax.lax.cond(needs_filter, _filter, lambda s, k, p: s, scaled, top_k, top_p)
-    keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(seeds, steps)
-    return jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class SamplingTensors:
+    """Per-row sampling inputs; B = padded rows, V = vocabulary.
 
-
-@jax.jit
-def sample(
-    logits: jax.Array,
-    temperature: jax.Array,
-    top_k: jax.Array,
-    top_p: jax.Array,
-    seeds: jax.Array,
-    steps: jax.Array,
-) -> jax.Array:
-    """Pick one token per row.
-
-    logits:      f32 [B, V]
-    temperature: f32 [B]     0 means greedy
-    top_k:       int32 [B]   0 means no top-k filter
-    top_p:       f32 [B]     1 means no nucleus filter
-    seeds:       uint32 [B]
-    steps:       int32 [B]   tokens generated so far by each row
-    returns      int32 [B]
+    temperature:         f32 [B]     0 = greedy
+    top_k:               int32 [B]   0 = off
+    top_p:               f32 [B]     1 = off
+    min_p:               f32 [B]     0 = off
+    seeds:               uint32 [B]
+    sample_indices:      int32 [B]   which of the request's n samples
+    positions:           int32 [B]   position of the token being sampled
+    logprob_temperature: f32 [B]     > 0; 1 but for beam-search rows
+    The dense inputs are None unless some row has penalties or suppressed tokens (a
+    None changes the pytree, so jit compiles the dense variant only when it is used):
+    penalties:           f32 [B, 3]  (repetition, presence, frequency)
+    output_counts:       int32 [B, V] occurrences of each token in the output so far
+    prompt_mask:         bool [B, V]  token occurs in the prompt
+    suppress_mask:       bool [B, V]  token gets -inf (min_tokens not reached)
     """
-    greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    any_sampled = jnp.any(temperature > 0)
-    sampled = jax.lax.cond(
-        any_sampled,
-        _draw,
-        lambda *args: greedy_tokens,
-        logits, temperature, top_k, top_p, seeds, steps,
+
+    temperature: chex.Array
+    top_k: chex.Array
+    top_p: chex.Array
+    min_p: chex.Array
+    seeds: chex.Array
+    sample_indices: chex.Array
+    positions: chex.Array
+    logprob_temperature: chex.Array
+    penalties: chex.Array | None = None
+    output_counts: chex.Array | None = None
+    prompt_mask: chex.Array | None = None
+    suppress_mask: chex.Array | None = None
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class SamplerOutput:
+    """One token per row with log-probabilities from the raw logits; K = num_top.
+
+    tokens:       int32 [B]
+    logprobs:     f32 [B]     the token's log-probability
+    ranks:        int32 [B]   1 + the number of tokens with a larger log-probability
+    top_ids:      int32 [B, K] the K most likely tokens, descending
+    top_logprobs: f32 [B, K]
+    """
+
+    tokens: chex.Array
+    logprobs: chex.Array
+    ranks: chex.Array
+    top_ids: chex.Array
+    top_logprobs: chex.Array
+
+
+def process_logits(logits: chex.Array, tensors: SamplingTensors) -> chex.Array:
+    """Steps 1 and 2: min_tokens suppression, then vLLM's penalties. f32 [B, V] -> [B, V].
+
+    Neutral penalties (1, 0, 0) leave a row bit-identical, so rows without them need
+    no counts.
+    """
+    if tensors.penalties is None:
+        return logits
+    logits = jnp.where(tensors.suppress_mask, -jnp.inf, logits)
+    repetition, presence, frequency = (tensors.penalties[:, i, None] for i in range(3))
+    counts = tensors.output_counts
+    factor = jnp.where(tensors.prompt_mask | (counts > 0), repetition, 1.0)
+    logits = jnp.where(logits > 0, logits / factor, logits * factor)
+    logits = logits - frequency * counts
+    return logits - presence * (counts > 0)
+
+
+def _pairwise_sum(x: chex.Array) -> chex.Array:
+    """Sum over the last axis by repeated halving. [..., N] -> [...].
+
+    XLA may order a reduction differently for a [1, V] row than for a [B, V] batch;
+    elementwise halving fixes the order, so a row retried alone sums as in the batch.
+    """
+    width = 1 << (x.shape[-1] - 1).bit_length()
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])])
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        x = x[..., :half] + x[..., half:]
+    return x[..., 0]
+
+
+def _prefix_sums(x: chex.Array) -> chex.Array:
+    """Inclusive prefix sums over the last axis, Hillis-Steele. [..., N] -> [..., N].
+
+    Entry j only ever adds entries before it (and exact zeros), so the sums of a
+    head of the sorted row equal the first sums of the whole sorted row.
+    """
+    shift = 1
+    while shift < x.shape[-1]:
+        x = x + jnp.pad(x[..., :-shift], [(0, 0)] * (x.ndim - 1) + [(shift, 0)])
+        shift *= 2
+    return x
+
+
+def _logsumexp(x: chex.Array) -> chex.Array:
+    """Log of the sum of exp over the last axis, in a fixed order. [B, V] -> [B]."""
+    row_max = jnp.max(x, axis=-1, keepdims=True)
+    return jnp.log(_pairwise_sum(jnp.exp(x - row_max))) + row_max[:, 0]
+
+
+def nucleus_cutoffs(
+    masked: chex.Array, top_k: chex.Array, top_p: chex.Array, size: int
+) -> tuple[chex.Array, chex.Array]:
+    """The lowest logit each row keeps under top_k and top_p, read from its `size` largest.
+
+    masked: f32 [B, V] (min_p applied); top_k int32 [B] (0 off); top_p f32 [B] (1 off);
+    size: static, <= V. Returns cutoff f32 [B] (-inf keeps all) and answered bool [B]:
+    where True, the cutoff is that of every larger size, the whole sorted row included.
+    """
+    rows = jnp.arange(masked.shape[0])
+    head = jax.lax.top_k(masked, size)[0]  # [B, size], descending
+    kth = head[rows, jnp.clip(top_k, 1, size) - 1]
+    kth = jnp.where(top_k > 0, kth, -jnp.inf)
+    # top_p renormalises over every survivor of min_p and top_k, beyond the head too.
+    lse = _logsumexp(jnp.where(masked >= kth[:, None], masked, -jnp.inf))
+    probs = jnp.exp(jnp.where(head >= kth[:, None], head, -jnp.inf) - lse[:, None])
+    # Mass strictly before each head entry; the last column is the head's whole mass.
+    before = jnp.pad(_prefix_sums(probs), ((0, 0), (1, 0)))
+    reached = before >= top_p[:, None]
+    # The first entry whose mass before reaches top_p ends the nucleus (not a count:
+    # float prefix sums need not be monotone, and the first index is a prefix property).
+    found = reached.any(axis=-1)
+    nucleus = jnp.maximum(jnp.where(found, jnp.argmax(reached, axis=-1), size), 1)
+    nucleus_logit = jnp.where(top_p < 1.0, head[rows, nucleus - 1], -jnp.inf)
+    answered = (top_k <= size) & ((top_p >= 1.0) | found)
+    return jnp.maximum(kth, nucleus_logit), answered
+
+
+def _head_sizes(vocab: int) -> tuple[int, ...]:
+    """CANDIDATES, then ESCALATION times more at each retry, up to the whole row."""
+    sizes = [min(CANDIDATES, vocab)]
+    while sizes[-1] < vocab:
+        sizes.append(min(sizes[-1] * ESCALATION, vocab))
+    return tuple(sizes)
+
+
+def _retry(row: chex.Array, top_k: chex.Array, top_p: chex.Array,
+           sizes: tuple[int, ...]) -> chex.Array:
+    """Cutoff of one row ([1, V], [1], [1]) from ever larger heads. -> f32 [1]."""
+    cutoff, answered = nucleus_cutoffs(row, top_k, top_p, sizes[0])
+    if len(sizes) == 1:
+        return cutoff
+    return jax.lax.cond(answered[0], lambda: cutoff,
+                        lambda: _retry(row, top_k, top_p, sizes[1:]))
+
+
+def _min_p(scaled: chex.Array, min_p: chex.Array) -> chex.Array:
+    """Step 5. p < min_p * max(p) iff exp(l - max l) < min_p: the normaliser cancels."""
+    row_max = jnp.max(scaled, axis=-1, keepdims=True)
+    return jnp.where(jnp.exp(scaled - row_max) < min_p[:, None], -jnp.inf, scaled)
+
+
+def filter_logits(
+    scaled: chex.Array, top_k: chex.Array, top_p: chex.Array, min_p: chex.Array
+) -> chex.Array:
+    """Steps 5 to 7: -inf outside each row's min_p, top_k and top_p sets.
+
+    scaled: f32 [B, V] (temperature applied); top_k int32 [B]; top_p f32 [B];
+    min_p f32 [B]. Returns f32 [B, V].
+    """
+    masked = _min_p(scaled, min_p)
+    sizes = _head_sizes(masked.shape[-1])
+    cutoff, answered = nucleus_cutoffs(masked, top_k, top_p, sizes[0])
+    if len(sizes) > 1:
+        def row_cutoff(args):
+            row, k, p, c, ok = args
+            return jax.lax.cond(ok, lambda: c,
+                                lambda: _retry(row[None], k[None], p[None], sizes[1:])[0])
+
+        cutoff = jax.lax.cond(
+            answered.all(), lambda: cutoff,
+            lambda: jax.lax.map(row_cutoff, (masked, top_k, top_p, cutoff, answered)))
+    return jnp.where(masked >= cutoff[:, None], masked, -jnp.inf)
+
+
+def _first_argmax(x: chex.Array) -> chex.Array:
+    """jnp.argmax over the last axis (the first maximum), for rows without NaN. -> int32.
+
+    Two plain reductions: about 6x faster on a CPU than XLA's (value, index) reduction.
+    """
+    is_max = x == jnp.max(x, axis=-1, keepdims=True)
+    return jnp.min(jnp.where(is_max, jnp.arange(x.shape[-1], dtype=jnp.int32), x.shape[-1]),
+                   axis=-1)
+
+
+def _categorical(seed: chex.Array, sample_index: chex.Array, position: chex.Array,
+                 logits: chex.Array) -> chex.Array:
+    """jax.random.categorical(key, logits) for one row ([V] -> int32 []): its definition,
+    the argmax of logits plus Gumbel noise, with the faster argmax."""
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), sample_index), position)
+    return _first_argmax(logits + jax.random.gumbel(key, logits.shape))
+
+
+def _draw(processed: chex.Array, tensors: SamplingTensors) -> chex.Array:
+    """Steps 4 to 8 for every row (greedy rows' draws are discarded). -> int32 [B]."""
+    sampled = tensors.temperature > 0
+    scaled = processed / jnp.where(sampled, tensors.temperature, 1.0)[:, None]
+    # Greedy rows ignore the filters; off, they cannot send the batch down a slow path.
+    top_k = jnp.where(sampled, tensors.top_k, 0)
+    top_p = jnp.where(sampled, tensors.top_p, 1.0)
+    min_p = jnp.where(sampled, tensors.min_p, 0.0)
+    filters = (top_k > 0) | (top_p < 1.0) | (min_p > 0.0)
+    masked = jax.lax.cond(filters.any(), filter_logits, lambda s, *_: s,
+                          scaled, top_k, top_p, min_p)
+    return jax.vmap(_categorical)(tensors.seeds, tensors.sample_indices, tensors.positions,
+                                  masked)
+
+
+def logprob_outputs(
+    logits: chex.Array, targets: chex.Array, num_top: int
+) -> tuple[chex.Array, chex.Array, chex.Array, chex.Array]:
+    """log_softmax(logits) in f32, read at each row's target token.
+
+    logits: [R, V]; targets: int32 [R]; num_top: static, <= V.
+    Returns the targets' log-probabilities f32 [R], their ranks int32 [R] (1 + the
+    number of larger log-probabilities), and the top num_top ids int32 [R, K] and
+    log-probabilities f32 [R, K], descending.
+    """
+    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    target_lp = jnp.take_along_axis(lp, targets[:, None], axis=-1)[:, 0]
+    ranks = 1 + jnp.sum(lp > target_lp[:, None], axis=-1, dtype=jnp.int32)
+    top_logprobs, top_ids = jax.lax.top_k(lp, num_top)
+    return target_lp, ranks, top_ids.astype(jnp.int32), top_logprobs
+
+
+@partial(jax.jit, static_argnames="num_top")
+def sample(logits: chex.Array, tensors: SamplingTensors, num_top: int) -> SamplerOutput:
+    """One token per row, and log-probabilities of the raw logits.
+
+    logits: [B, V] (any float dtype; computed in f32); num_top: static, <= V.
+    """
+    raw = logits.astype(jnp.float32)
+    processed = process_logits(raw, tensors)
+    greedy = _first_argmax(processed)
+    sampled = tensors.temperature > 0
+    # Filters and the categorical draw cost more than the rest: skip them for all-greedy.
+    drawn = jax.lax.cond(sampled.any(), _draw, lambda *_: greedy, processed, tensors)
+    tokens = jnp.where(sampled, drawn, greedy)
+    scaled = raw / tensors.logprob_temperature[:, None]
+    return SamplerOutput(tokens, *logprob_outputs(scaled, tokens, num_top))
+
+
+@dataclass(frozen=True)
+class SamplingRow:
+    """What the host knows of one row to sample (vLLM's conventions already mapped:
+    temperature 0 is greedy, top_k 0 is off)."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+    seed: int
+    sample_index: int
+    position: int
+    logprob_temperature: float = 1.0
+    prompt_token_ids: Sequence[int] = ()
+    output_token_ids: Sequence[int] = ()
+    suppressed_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, params: SamplingParams, *, seed: int, sample_index: int, position: int,
+           prompt_token_ids: Sequence[int], output_token_ids: Sequence[int],
+           suppressed_token_ids: tuple[int, ...] = ()) -> SamplingRow:
+        """A row of a request: temperature < 1e-5 becomes 0 (greedy), top_k -1 becomes 0."""
+        return cls(
+            temperature=0.0 if params.greedy else params.temperature,
+            top_k=max(params.top_k, 0), top_p=params.top_p, min_p=params.min_p,
+            repetition_penalty=params.repetition_penalty,
+            presence_penalty=params.presence_penalty,
+            frequency_penalty=params.frequency_penalty,
+            seed=seed, sample_index=sample_index, position=position,
+            prompt_token_ids=prompt_token_ids, output_token_ids=output_token_ids,
+            suppressed_token_ids=tuple(suppressed_token_ids),
+        )
+
+    @classmethod
+    def greedy(cls, *, position: int, **fields) -> SamplingRow:
+        """A greedy row with every filter and penalty off (beam search, warm-up), but for
+        `fields`."""
+        return cls(**(dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0,
+                           repetition_penalty=1.0, presence_penalty=0.0,
+                           frequency_penalty=0.0, seed=0, sample_index=0, position=position)
+                      | fields))
+
+    @property
+    def penalties(self) -> tuple[float, float, float]:
+        return (self.repetition_penalty, self.presence_penalty, self.frequency_penalty)
+
+
+def _dense(rows: Sequence[SamplingRow], num_rows: int, vocab_size: int) -> dict:
+    """penalties f32 [B, 3], output_counts int32 [B, V], prompt_mask and suppress_mask
+    bool [B, V]; counts and prompts are filled only for rows with penalties, the only
+    rows that read them."""
+    penalties = np.tile(np.array(NEUTRAL_PENALTIES, np.float32), (num_rows, 1))
+    counts = np.zeros((num_rows, vocab_size), np.int32)
+    prompt_mask = np.zeros((num_rows, vocab_size), bool)
+    suppress_mask = np.zeros((num_rows, vocab_size), bool)
+    for i, row in enumerate(rows):
+        suppress_mask[i, list(row.suppressed_token_ids)] = True
+        if row.penalties != NEUTRAL_PENALTIES:
+            penalties[i] = row.penalties
+            counts[i] = np.bincount(np.asarray(row.output_token_ids, np.int64),
+                                    minlength=vocab_size)
+            prompt_mask[i, list(row.prompt_token_ids)] = True
+    return dict(penalties=penalties, output_counts=counts, prompt_mask=prompt_mask,
+                suppress_mask=suppress_mask)
+
+
+def sampling_tensors(
+    rows: Sequence[SamplingRow], num_rows: int, vocab_size: int
+) -> SamplingTensors:
+    """Host numpy inputs of `sample`, padded to num_rows with greedy, neutral rows.
+
+    The dense [B, V] arrays are built only when some row has penalties or suppressed
+    tokens.
+    """
+    pad = num_rows - len(rows)
+    if pad < 0:
+        raise ValueError(f"{len(rows)} rows do not fit in {num_rows}")
+
+    def column(name: str, fill, dtype) -> np.ndarray:
+        return np.array([getattr(r, name) for r in rows] + [fill] * pad, dtype)
+
+    dense = any(r.penalties != NEUTRAL_PENALTIES or r.suppressed_token_ids for r in rows)
+    return SamplingTensors(
+        temperature=column("temperature", 0.0, np.float32),
+        top_k=column("top_k", 0, np.int32),
+        top_p=column("top_p", 1.0, np.float32),
+        min_p=column("min_p", 0.0, np.float32),
+        seeds=column("seed", 0, np.uint32),
+        sample_indices=column("sample_index", 0, np.int32),
+        positions=column("position", 0, np.int32),
+        logprob_temperature=column("logprob_temperature", 1.0, np.float32),
+        **(_dense(rows, num_rows, vocab_size) if dense else {}),
     )
-    return jnp.where(temperature > 0, sampled, greedy_tokens)
-
-
-def sampling_arrays(
-    params: list[SamplingParams], seeds: list[int], steps: list[int], num_rows: int
-) -> tuple[np.ndarray, ...]:
-    """Host-side per-row arrays for `sample`, padded to num_rows (padding rows are greedy).
-
-    returns temperature f32 [R], top_k int32 [R], top_p f32 [R], seeds uint32 [R], steps int32 [R].
-    """
-    pad = num_rows - len(params)
-    temperature = np.array([p.temperature for p in params] + [0.0] * pad, np.float32)
-    top_k = np.array([p.top_k for p in params] + [0] * pad, np.int32)
-    top_p = np.array([p.top_p for p in params] + [1.0] * pad, np.float32)
-    seed_arr = np.array(list(seeds) + [0] * pad, np.uint32)
-    step_arr = np.array(list(steps) + [0] * pad, np.int32)
-    return temperature, top_k, top_p, seed_arr, step_arr

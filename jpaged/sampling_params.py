@@ -1,43 +1,201 @@
-"""SamplingParams: how one request picks its tokens (vLLM's names)."""
+"""How a request picks its tokens, with vLLM's names and meanings.
+
+`SamplingParams` drives sampling (n parallel samples, filters, penalties, stop
+conditions, log-probabilities, output kind); `BeamSearchParams` drives
+`LLM.beam_search`. Both check every field when built and raise a ValueError
+or TypeError that names the field and its limit.
+"""
 
 from __future__ import annotations
 
+import enum
+import math
 from dataclasses import dataclass, field
+from typing import Literal
+
+# Below this temperature a request is greedy, as in vLLM.
+GREEDY_TEMPERATURE = 1e-5
+
+
+class RequestOutputKind(enum.Enum):
+    """What `LLMEngine.step()` returns for a request (vLLM's names).
+
+    CUMULATIVE: everything generated so far, every step.
+    DELTA:      only what is new since the last output (tokens, text, logprobs).
+    FINAL_ONLY: nothing until the request finishes, then everything.
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
+def _check_int(name: str, value, low: int | None = None, high: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if low is not None and value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+    if high is not None and value > high:
+        raise ValueError(f"{name} must be <= {high}, got {value}")
+
+
+def _check_float(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return float(value)
+
+
+def _stop_strings(stop: str | list[str] | tuple[str, ...] | None) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    strings = (stop,) if isinstance(stop, str) else tuple(stop)
+    for s in strings:
+        if not isinstance(s, str):
+            raise TypeError(f"stop must be a string or a list of strings, got {type(s).__name__}")
+        if not s:
+            raise ValueError("stop strings must not be empty")
+    return strings
+
+
+def _token_ids(name: str, ids) -> tuple[int, ...]:
+    ids = tuple(ids or ())
+    for t in ids:
+        _check_int(f"every entry of {name}", t, low=0)
+    return ids
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature == 0 is greedy; top_k == 0 and top_p == 1 disable those filters.
+    """Sampling parameters of one request.
 
-    A request with a seed gives the same tokens whatever else is in the batch.
+    n:                   independent samples of the prompt; its KV is computed once
+                         and shared by all samples (copy-on-write).
+    temperature:         below 1e-5 the request is greedy (and ignores the filters).
+    top_p, top_k, min_p: filters, applied after temperature in the order
+                         min_p, top_k, top_p; top_p renormalises over what min_p
+                         and top_k kept. top_k 0 or -1, top_p 1, min_p 0 disable them.
+    repetition_penalty:  > 1 discourages tokens of the prompt and output (a
+                         positive logit is divided by it, a negative one multiplied).
+    presence_penalty, frequency_penalty:
+                         subtracted from a token's logit once if it occurs in the
+                         output, and once per occurrence; in [-2, 2].
+    seed:                a seeded request samples the same tokens whatever else
+                         runs beside it (per sample: seed, sample index, position).
+    stop:                strings that end a sample; the text that could still
+                         become one is held back until it cannot.
+    stop_token_ids:      tokens that end a sample (EOS does too unless ignore_eos).
+    max_tokens:          output tokens per sample (None: up to max_model_len).
+    min_tokens:          EOS and stop_token_ids are suppressed before this many.
+    logprobs:            per output token, the sampled token's log-probability and
+                         the top `logprobs` (None: none; 0: only the sampled one).
+    prompt_logprobs:     the same for every prompt token after the first.
+    output_kind:         cumulative outputs, deltas, or only the final output.
     """
 
     n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
-    max_tokens: int = 16
-    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    stop: str | list[str] | tuple[str, ...] | None = None
+    stop_token_ids: tuple[int, ...] | list[int] | None = field(default_factory=tuple)
     ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self):
-        if self.n != 1:
-            raise ValueError(f"n must be 1 (parallel sampling is not supported yet), got {self.n}")
-        if self.temperature < 0:
+        _check_int("n", self.n, low=1)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _check_float(name, getattr(self, name))
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        if _check_float("repetition_penalty", self.repetition_penalty) <= 0.0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if _check_float("temperature", self.temperature) < 0.0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
+        if not 0.0 < _check_float("top_p", self.top_p) <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
-            raise TypeError(f"max_tokens must be an int, got {type(self.max_tokens).__name__}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.seed is not None and not 0 <= self.seed < 2**32:
-            raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        _check_int("top_k", self.top_k, low=-1)
+        if not 0.0 <= _check_float("min_p", self.min_p) <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.seed is not None:
+            _check_int("seed", self.seed, low=0, high=2**32 - 1)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, low=1)
+        _check_int("min_tokens", self.min_tokens, low=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), low=0)
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise TypeError(
+                f"output_kind must be a RequestOutputKind, got {type(self.output_kind).__name__}"
+            )
+        object.__setattr__(self, "stop", _stop_strings(self.stop))
+        object.__setattr__(self, "stop_token_ids", _token_ids("stop_token_ids",
+                                                              self.stop_token_ids))
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+
+BeamScoring = Literal["vllm", "transformers"]
+
+
+@dataclass(frozen=True)
+class BeamSearchParams:
+    """Beam search over `beam_width` beams that share their common prefix's KV blocks.
+
+    scoring "vllm" (the default, vLLM's `LLM.beam_search`):
+        score = cumulative logprob / length ** length_penalty, where length counts
+        the prompt and the output (a final EOS excluded); every candidate that
+        ends in EOS is kept as a finished hypothesis; the search runs max_tokens
+        steps and returns the best beam_width of finished and live beams.
+    scoring "transformers" (`generate(num_beams=beam_width)`):
+        length counts generated tokens only; an EOS candidate is accepted only
+        from within the best beam_width candidates of its step; the search ends
+        by transformers' `early_stopping` rule (True, False or "never").
+    temperature: 0 scores with the model's log-probabilities; above 0, with the
+        log-softmax of logits / temperature.
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    scoring: BeamScoring = "vllm"
+    early_stopping: bool | Literal["never"] = False
+
+    def __post_init__(self):
+        _check_int("beam_width", self.beam_width, low=1)
+        _check_int("max_tokens", self.max_tokens, low=1)
+        if _check_float("temperature", self.temperature) < 0.0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        _check_float("length_penalty", self.length_penalty)
+        if self.scoring not in ("vllm", "transformers"):
+            raise ValueError(f"scoring must be 'vllm' or 'transformers', got {self.scoring!r}")
+        if self.early_stopping not in (True, False, "never"):
+            raise ValueError(
+                f"early_stopping must be True, False or 'never', got {self.early_stopping!r}"
+            )

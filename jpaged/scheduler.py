@@ -98,12 +98,17 @@ class SchedulerOutput:
 class _Chunk:
     """Sequences of one group that advance in a step, each by num_new_tokens tokens.
 
+    num_rows: sequence slots the chunk takes from the step's max_num_seqs: one
+    per sequence, or the group's num_samples when it completes an unforked
+    prompt (each sample draws its first token in this step).
+
     A slotted dataclass: the scheduler makes one per group per step, and a
     NamedTuple costs twice as much to build.
     """
 
     seqs: list[Sequence]
     num_new_tokens: int
+    num_rows: int
 
 
 @dataclass
@@ -275,10 +280,12 @@ class Scheduler:
             seqs = group.seqs_with(_RUNNING)
             if not seqs:
                 continue  # finished since the last step
-            if len(seqs) == 1 and self._schedule_decode(seqs[0], plan):
+            if len(group.seqs) == 1 and group.num_samples == 1 and self._schedule_decode(
+                seqs[0], plan
+            ):
                 self.running.append(group)
                 continue
-            chunk = self._next_chunk(seqs, plan)
+            chunk = self._next_chunk(group, seqs, plan)
             if chunk is None:
                 self.running.append(group)
                 self.running.extend(queue)
@@ -331,7 +338,7 @@ class Scheduler:
         while self.swapped:
             group = self.swapped[0]
             seqs = group.seqs_with(_SWAPPED)
-            chunk = self._next_chunk(seqs, plan)
+            chunk = self._next_chunk(group, seqs, plan)
             if chunk is None or self.block_manager.can_swap_in(group) is not AllocStatus.OK:
                 return
             self.swapped.popleft()
@@ -347,7 +354,7 @@ class Scheduler:
         while self.waiting:
             group = self.waiting[0]
             seqs = group.seqs_with(_WAITING)
-            if self._next_chunk(seqs, plan) is None:
+            if self._next_chunk(group, seqs, plan) is None:
                 return
             status = self.block_manager.can_allocate(group)
             if status is AllocStatus.LATER:
@@ -360,13 +367,16 @@ class Scheduler:
             _set_status(seqs, _RUNNING)
             self.running.append(group)
             # Prefix-cache hits computed some tokens: the chunk may have shrunk.
-            chunk = self._next_chunk(seqs, plan)
+            chunk = self._next_chunk(group, seqs, plan)
             if chunk is None:
                 return
             self._schedule_chunk(chunk, plan)
 
-    def _next_chunk(self, seqs: list[Sequence], plan: _StepPlan) -> _Chunk | None:
-        """Which of a group's sequences advance in this step, by how many tokens each.
+    def _next_chunk(
+        self, group: SequenceGroup, seqs: list[Sequence], plan: _StepPlan
+    ) -> _Chunk | None:
+        """Which of a group's sequences (`seqs`, all in one state) advance in this step,
+        by how many tokens each.
 
         The sequences of a multi-sequence group sample in lockstep. Once each has
         only its last token uncomputed (decode) they take it together. Before
@@ -375,22 +385,33 @@ class Scheduler:
         None if the plan has no room for the chunk.
         """
         if len(seqs) == 1:
-            return self._fit(seqs, seqs[0].num_uncomputed_tokens, plan)
+            fanout = group.num_samples if len(group.seqs) == 1 else 1
+            return self._fit(seqs, seqs[0].num_uncomputed_tokens, plan, fanout)
         lagging = next((seq for seq in seqs if seq.num_uncomputed_tokens > 1), None)
         if lagging is not None:
             return self._fit([lagging], lagging.num_uncomputed_tokens - 1, plan)
         if len(seqs) <= min(plan.seqs_left, plan.tokens_left):
-            return _Chunk(seqs, 1)
+            return _Chunk(seqs, 1, len(seqs))
         return None
 
-    def _fit(self, seqs: list[Sequence], num_tokens: int, plan: _StepPlan) -> _Chunk | None:
-        """`num_tokens` for one sequence, cut to the budget if prefills may be chunked."""
+    def _fit(
+        self, seqs: list[Sequence], num_tokens: int, plan: _StepPlan, fanout: int = 1
+    ) -> _Chunk | None:
+        """`num_tokens` for one sequence, cut to the budget if prefills may be chunked.
+
+        A chunk that completes the sequence takes `fanout` sequence slots.
+        """
         if plan.seqs_left < 1 or plan.tokens_left < 1:
             return None
         if num_tokens <= plan.tokens_left:
-            return _Chunk(seqs, num_tokens)
+            if fanout <= plan.seqs_left:
+                return _Chunk(seqs, num_tokens, fanout)
+            num_tokens -= 1  # all but the last token; it samples when the slots are free
+            if num_tokens == 0 or not self.config.enable_chunked_prefill:
+                return None
+            return _Chunk(seqs, num_tokens, 1)
         if self.config.enable_chunked_prefill:
-            return _Chunk(seqs, plan.tokens_left)
+            return _Chunk(seqs, plan.tokens_left, 1)
         return None
 
     def _schedule_chunk(self, chunk: _Chunk, plan: _StepPlan) -> None:
@@ -399,7 +420,7 @@ class Scheduler:
             self.block_manager.append_slots(seq, num_new_tokens)
             plan.scheduled.append((seq, num_new_tokens))
         plan.tokens_left -= num_new_tokens * len(seqs)
-        plan.seqs_left -= len(seqs)
+        plan.seqs_left -= chunk.num_rows
 
     def _preempt(self, group: SequenceGroup, plan: _StepPlan) -> None:
         seqs = group.unfinished_seqs()

@@ -81,12 +81,22 @@ class Sequence:
 
 @dataclass(eq=False)
 class SequenceGroup:
-    """All sequences of one request. `cache_salt` isolates prefix-cache tenants."""
+    """All sequences of one request.
+
+    cache_salt:       isolates prefix-cache tenants.
+    num_samples:      sequences the prompt's one sequence turns into in the step
+                      that computes its last prompt token (parallel sampling's n):
+                      that step draws a token for each, from the same logits.
+    use_prefix_cache: False for a request that needs the logits of every prompt
+                      token (prompt logprobs): cached blocks would skip them.
+    """
 
     request_id: str
     seqs: list[Sequence]
     arrival_time: float = 0.0
     cache_salt: str | None = None
+    num_samples: int = 1
+    use_prefix_cache: bool = True
 
     def seqs_with(self, status: SequenceStatus) -> list[Sequence]:
         return [s for s in self.seqs if s.status is status]

@@ -1,8 +1,8 @@
 """Per-run statistics a researcher wants from a serving run.
 
-Step-level: KV utilization, running / waiting sequences, preemptions,
-prefix-cache hit rate, compilations. Request-level: output tokens/s, TTFT and
-TPOT percentiles.
+Step-level: KV utilization, logical beside physical KV blocks (what sharing
+saves), running / waiting sequences, preemptions, prefix-cache hit rate,
+compilations. Request-level: output tokens/s, TTFT and TPOT percentiles.
 """
 
 from __future__ import annotations
@@ -67,6 +67,8 @@ class EngineStats:
     tpot: list[float] = field(default_factory=list)
     num_preemptions: int = 0
     prefix_cache_hit_rate: float = 0.0
+    logical_block_steps: int = 0
+    physical_block_steps: int = 0
 
     def record_step(
         self, engine: LLMEngine, plan: SchedulerOutput, started: float, ended: float
@@ -78,19 +80,31 @@ class EngineStats:
         self.first_step_time = self.first_step_time or started
         self.last_step_time = ended
         self.kv_utilization.append(manager.physical_blocks_used / manager.num_device_blocks)
+        self.logical_block_steps += manager.logical_blocks_used
+        self.physical_block_steps += manager.physical_blocks_used
         self.num_running.append(engine.scheduler.num_running)
         self.num_waiting.append(engine.scheduler.num_waiting)
         self.num_preemptions = engine.scheduler.num_preemptions
         self.prefix_cache_hit_rate = manager.prefix_cache_stats.hit_rate
 
-    def record_finished(self, metrics: RequestMetrics, num_output_tokens: int) -> None:
+    def record_finished(self, metrics: RequestMetrics, output_lengths: list[int]) -> None:
+        """output_lengths: output tokens of each of the request's samples or beams;
+        TPOT follows the longest."""
         self.num_finished += 1
-        self.num_output_tokens += num_output_tokens
+        self.num_output_tokens += sum(output_lengths)
         if metrics.ttft is not None:
             self.ttft.append(metrics.ttft)
-        tpot = metrics.tpot(num_output_tokens)
+        tpot = metrics.tpot(max(output_lengths, default=0))
         if tpot is not None:
             self.tpot.append(tpot)
+
+    @property
+    def kv_memory_saved(self) -> float:
+        """(logical - physical) / logical blocks over all steps: what block sharing
+        (forks, beams, prefix-cache hits) saved against private copies."""
+        if self.logical_block_steps == 0:
+            return 0.0
+        return 1.0 - self.physical_block_steps / self.logical_block_steps
 
     def summary(self) -> dict:
         elapsed = (self.last_step_time or 0.0) - (self.first_step_time or 0.0)
@@ -106,6 +120,9 @@ class EngineStats:
             "waiting_peak": int(np.max(self.num_waiting or [0])),
             "preemptions": self.num_preemptions,
             "prefix_cache_hit_rate": self.prefix_cache_hit_rate,
+            "kv_blocks_logical_mean": self.logical_block_steps / max(self.num_steps, 1),
+            "kv_blocks_physical_mean": self.physical_block_steps / max(self.num_steps, 1),
+            "kv_memory_saved": self.kv_memory_saved,
             "ttft_s": percentiles(self.ttft),
             "tpot_s": percentiles(self.tpot),
         }

@@ -16,6 +16,7 @@ import transformers
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from jpaged.attention_metadata import AttentionMetadata
+from jpaged.loader import default_model_directory, load_model
 
 TINY_MERGES = [("t", "h"), ("th", "e"), ("Ġ", "th"), ("i", "n"), ("e", "r"), ("Ġ", "a")]
 END_OF_TEXT = "<|endoftext|>"
@@ -148,3 +149,16 @@ class PagedCacheBook:
 @pytest.fixture
 def paged_cache_book():
     return PagedCacheBook
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The default model (SmolLM2-135M-Instruct), as jpaged loads it: (model, config, tokenizer)."""
+    return load_model("smollm2")
+
+
+@pytest.fixture(scope="session")
+def smollm2_oracle():
+    """The default model in transformers, from the same converted float32 weights."""
+    directory = default_model_directory()
+    return transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()

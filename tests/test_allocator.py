@@ -37,6 +37,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.host_deferred: list[int] = []
         self.ops = {"swap_out": [], "swap_in": [], "copies": []}
         self.written: set[int] = set()  # device blocks this step's swap-in or copies write
+        self.copied_from: dict[int, int] = {}  # this step's copy destination -> source
 
     @staticmethod
     def snapshot(state):
@@ -120,8 +121,11 @@ class AllocatorMachine(RuleBasedStateMachine):
         private = self.model_take_head()
         assert self.txn.copy_on_write(block, copy_content) == private
         if copy_content:
-            self.pinned.add(block)
-            self.ops["copies"].append((block, private))
+            # Copies read before any writes: a filled block reads as its own source.
+            source = self.copied_from.get(block, block)
+            self.pinned |= {source, private}
+            self.ops["copies"].append((source, private))
+            self.copied_from[private] = source
             self.written.add(private)
         self.model_release(block)
         self.held.append(private)
@@ -145,6 +149,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         host_of = {block: self.host_free.pop(0) for block in distinct}
         assert self.txn.swap_out(tables) == [[host_of[b] for b in table] for table in tables]
         self.ops["swap_out"] += host_of.items()
+        self.host_pinned |= set(host_of.values())
         self.host_held += [host_of[b] for b in wanted]
         for table in tables:
             for block in reversed(table):
@@ -166,6 +171,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert self.txn.swap_in(tables) == [[device_of[b] for b in table] for table in tables]
         self.ops["swap_in"] += device_of.items()
         self.written |= set(device_of.values())
+        self.pinned |= set(device_of.values())
         self.held += [device_of[b] for b in wanted]
         self.host_pinned |= set(distinct)
         for block in wanted:
@@ -175,6 +181,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     def commit(self):
         self.state, ops = self.txn.commit()
         self.txn = Transaction(self.state)
+        self.check_no_block_written_twice(ops)
         for name, pairs in self.ops.items():
             np.testing.assert_array_equal(getattr(ops, name), np.array(pairs).reshape(-1, 2))
             pairs.clear()
@@ -182,8 +189,17 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.host_free += self.host_deferred
         self.deferred, self.host_deferred = [], []
         self.pinned, self.host_pinned, self.written = set(), set(), set()
+        self.copied_from = {}
         self.check_committed_state()
         self.snapshots.append(self.snapshot(self.state))
+
+    @staticmethod
+    def check_no_block_written_twice(ops):
+        """Each phase scatters its writes, whose order is undefined for a repeated index."""
+        device_writes = ops.swap_in[:, 1].tolist() + ops.copies[:, 1].tolist()
+        assert len(set(device_writes)) == len(device_writes), "a device block written twice"
+        host_writes = ops.swap_out[:, 1].tolist()
+        assert len(set(host_writes)) == len(host_writes), "a host block written twice"
 
     def check_committed_state(self):
         device, host = self.state.device, self.state.host
@@ -294,3 +310,33 @@ def test_one_state_starts_independent_transactions():
     assert state.device.free_queue() == [1, 2, 3]
     assert state_a.device.free_queue() == [3]
     assert state_b.device.free_queue() == [2, 3]
+
+
+def test_a_freed_copy_destination_is_not_reused_by_the_same_steps_swap_in():
+    txn = Transaction(AllocatorState.create(num_blocks=3, num_host_blocks=1))
+    txn.swap_out([txn.allocate(1)])  # host block 0 now holds KV to swap back in
+    state, _ = txn.commit()
+    txn = Transaction(state)
+    (shared,) = txn.allocate(1)
+    txn.share(shared)
+    private = txn.copy_on_write(shared, copy_content=True)
+    txn.free(private)  # its holder ends before the step runs, but the copy still writes it
+    # Swap-in runs before copies: reused now, the block would get the copy, not host block 0.
+    assert txn.num_free == 0
+    with pytest.raises(ValueError, match="need 1 free device blocks, only 0"):
+        txn.swap_in([[0]])
+    state, ops = txn.commit()
+    assert ops.copies.tolist() == [[shared, private]]
+    assert state.device.free_queue() == [private]
+
+
+def test_a_copy_from_a_block_the_same_step_fills_reads_that_blocks_source():
+    txn = Transaction(AllocatorState.create(num_blocks=4, num_host_blocks=0))
+    (first,) = txn.allocate(1)
+    txn.share(first)
+    second = txn.copy_on_write(first, copy_content=True)
+    txn.share(second)
+    third = txn.copy_on_write(second, copy_content=True)
+    _, ops = txn.commit()
+    # All copies read before any writes, so `second` does not yet hold first's KV.
+    assert ops.copies.tolist() == [[first, second], [first, third]]

@@ -28,13 +28,16 @@ def padded_size(n, minimum, linear_step=0):
     return size
 
 
-def oracle(scheduled, tables, block_size, buckets):
+def oracle(scheduled, tables, block_size, buckets, min_rows=0):
     """Every array built entry by entry, padding per jpaged.attention_metadata."""
     num_tokens = sum(n for _, n in scheduled)
     context_lens = [seq.num_computed_tokens + n for seq, n in scheduled]
     blocks = [-(-length // block_size) for length in context_lens]
-    padded_tokens = padded_size(num_tokens, buckets.min_num_tokens, buckets.linear_step)
-    padded_seqs = padded_size(len(scheduled), buckets.min_num_seqs, buckets.linear_step)
+    # Rows cover the draws; token rows are never fewer than sequence rows.
+    rows = max(len(scheduled), min_rows)
+    padded_seqs = padded_size(rows, buckets.min_num_seqs, buckets.linear_step)
+    padded_tokens = padded_size(max(num_tokens, padded_seqs), buckets.min_num_tokens,
+                                buckets.linear_step)
     padded_blocks = padded_size(max(blocks, default=0), buckets.min_blocks_per_seq)
     out = {
         "input_ids": [0] * padded_tokens,
@@ -86,15 +89,16 @@ def schedules(draw):
         scheduled.append((seq, num_new))
     buckets = BucketSizes(*draw(st.tuples(*[st.integers(1, 20)] * 3)),
                           linear_step=draw(st.sampled_from([0, 4, 8, 16])))
-    return scheduled, FixedTables(block_size, tables), buckets
+    min_rows = draw(st.integers(0, 12))  # parallel samples draw more rows than sequences
+    return scheduled, FixedTables(block_size, tables), buckets, min_rows
 
 
 @settings(max_examples=150, deadline=None)
 @given(schedules())
 def test_matches_brute_force_oracle(schedule):
-    scheduled, tables, buckets = schedule
-    model_input = build_model_input(scheduled, tables, buckets)
-    expected = oracle(scheduled, tables, tables.block_size, buckets)
+    scheduled, tables, buckets, min_rows = schedule
+    model_input = build_model_input(scheduled, tables, buckets, min_rows)
+    expected = oracle(scheduled, tables, tables.block_size, buckets, min_rows)
     metadata = model_input.metadata
     arrays = {"input_ids": model_input.input_ids, **vars(metadata)}
     for name, want in expected.items():

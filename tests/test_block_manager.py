@@ -1,15 +1,16 @@
 """BlockManager against brute-force models of its tables and of the KV it addresses.
 
-The state machine drives admissions, chunked prefills and decodes, forks,
-frees, swaps and recompute preemptions in any order, and checks them against
-two oracles: a recount of every block table (refcounts, free + used = total,
-no leak) and a model of the KV memory itself. Each step the model applies the
-step's BlockOps in the documented order, then writes every scheduled token's
-"K/V" (the salt and the whole token prefix up to it, which is what real K/V
-depend on and what the prefix cache may share) into its slot. Every computed
-position of every live sequence must then read back its own prefix: that
-checks copy-on-write copies, swaps, prefix hits, evictions and same-step block
-reuse at once.
+The state machine drives admissions, chunked prefills and decodes, forks
+(shared or copied), beam-search steps, frees, aborts (also of sequences with
+slots in the open step), swaps and recompute preemptions in any order, and
+checks them against two oracles: a recount of every block table (refcounts,
+free + used = total, no leak) and a model of the KV memory itself. Each step
+the model applies the step's BlockOps in the documented order, then writes
+every scheduled token's "K/V" (the salt and the whole token prefix up to it,
+which is what real K/V depend on and what the prefix cache may share) into its
+slot. Every computed position of every live sequence must then read back its
+own prefix: that checks copy-on-write copies, fork copies, swaps, prefix hits,
+evictions and same-step block reuse at once.
 """
 
 import numpy as np
@@ -37,17 +38,22 @@ class BlockManagerMachine(RuleBasedStateMachine):
         num_host_blocks=st.integers(0, 12),
         caching=st.booleans(),
         watermark=st.sampled_from([0.0, 0.1]),
+        share_blocks=st.booleans(),
     )
-    def setup(self, block_size, num_blocks, num_host_blocks, caching, watermark):
-        config = CacheConfig(block_size, num_blocks, num_host_blocks, caching, watermark)
+    def setup(self, block_size, num_blocks, num_host_blocks, caching, watermark, share_blocks):
+        config = CacheConfig(
+            block_size, num_blocks, num_host_blocks, caching, watermark, share_blocks
+        )
         self.bm = BlockManager(config)
+        self.share_blocks = share_blocks
         self.bs, self.num_blocks, self.num_host_blocks = block_size, num_blocks, num_host_blocks
         self.groups: list[SequenceGroup] = []
         self.next_id = 0
         self.device_kv: dict[int, tuple] = {}
         self.host_kv: dict[int, tuple] = {}
         self.pending: list[tuple[Sequence, int]] = []
-        self.swapped_in_now: set[int] = set()  # device blocks this step's swap-in writes
+        self.written_now: set[int] = set()  # device blocks this step's swap-in or copies write
+        self.owing: set[int] = set()  # children forked without sharing, not yet appended
 
     # Helpers ---------------------------------------------------------------------
 
@@ -63,6 +69,53 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def groups_with(self, status, idle=True):
         return [g for g in self.groups if g.seqs_with(status) and not (idle and self.busy(g))]
 
+    def beam_groups(self):
+        """Idle groups with at least two running sequences: room for a beam-search step."""
+        return [g for g in self.groups_with(RUNNING) if len(g.seqs_with(RUNNING)) > 1]
+
+    def beams_beside_pending(self):
+        """Running sequences whose group has another sequence with slots in the open step."""
+        pending = {seq for seq, _ in self.pending}
+        return [
+            (g, s)
+            for g, s in self.live(RUNNING)
+            if any(other in pending and other is not s for other in g.seqs)
+        ]
+
+    def note_copies(self, seq, table_before):
+        """Add the blocks of seq's table that this step's copies fill to `written_now`.
+
+        An entry that differs from `table_before` under a computed token is a
+        copy: the manager copies blocks with KV, never empty ones.
+        """
+        after = self.bm.block_table(seq).tolist()
+        for i, (before, now) in enumerate(zip(table_before, after, strict=False)):
+            if before != now and i * self.bs < seq.num_computed_tokens:
+                self.written_now.add(now)
+
+    def fork_seq(self, group, parent):
+        """Fork `parent` as the engine does: the child shares every block; without
+        sharing it owes their copies to its next append."""
+        child = Sequence(
+            self.next_id,
+            list(parent.prompt_token_ids),
+            list(parent.output_token_ids),
+            RUNNING,
+            parent.num_computed_tokens,
+        )
+        self.next_id += 1
+        self.bm.fork(parent, child)
+        group.seqs.append(child)
+        assert self.bm.block_table(child).tolist() == self.bm.block_table(parent).tolist()
+        if not self.share_blocks:
+            self.owing.add(child.seq_id)
+
+    def drop(self, group, seq):
+        """Free a pruned beam at once: it leaves its group and the open step."""
+        self.bm.free(seq)
+        group.seqs.remove(seq)
+        self.pending = [(s, n) for s, n in self.pending if s is not seq]
+
     def device_tables(self):
         return [self.bm.block_table(s).tolist() for _, s in self.live(RUNNING)]
 
@@ -77,7 +130,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
             first = seq.num_computed_tokens // self.bs
             last = (seq.num_computed_tokens + n - 1) // self.bs
             needed += max(0, last + 1 - len(table))
-            for block in table[first : last + 1]:
+            copied = table[:] if seq.seq_id in self.owing else table[first : last + 1]
+            for block in copied:
                 count = refcounts.setdefault(block, self.bm.step.refcount(block))
                 if count > 1:
                     needed += 1
@@ -125,7 +179,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if not fits:
             return
         for seq, n in zip(seqs, num_new, strict=True):
+            table_before = self.bm.block_table(seq).tolist()
             self.bm.append_slots(seq, n)
+            self.owing.discard(seq.seq_id)
+            self.note_copies(seq, table_before)
             table = self.bm.block_table(seq)
             start = seq.num_computed_tokens
             written = {table[p // self.bs] for p in range(start, start + n)}
@@ -136,17 +193,38 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def fork(self, data):
         group = data.draw(st.sampled_from(self.groups_with(RUNNING)))
-        parent = data.draw(st.sampled_from(group.seqs_with(RUNNING)))
-        child = Sequence(
-            self.next_id,
-            list(parent.prompt_token_ids),
-            list(parent.output_token_ids),
-            RUNNING,
-            parent.num_computed_tokens,
-        )
-        self.next_id += 1
-        self.bm.fork(parent, child)
-        group.seqs.append(child)
+        self.fork_seq(group, data.draw(st.sampled_from(group.seqs_with(RUNNING))))
+
+    @precondition(lambda self: self.beam_groups())
+    @rule(data=st.data())
+    def drop_beam(self, data):
+        """One beam-search step between device steps: prune beams, fork survivors in their place."""
+        group = data.draw(st.sampled_from(self.beam_groups()))
+        beams = group.seqs_with(RUNNING)
+        num_dropped = data.draw(st.integers(1, len(beams) - 1))
+        dropped = data.draw(st.permutations(beams))[:num_dropped]
+        for beam in dropped:
+            self.drop(group, beam)
+        survivors = [beam for beam in beams if beam not in dropped]
+        for _ in dropped:
+            self.fork_seq(group, data.draw(st.sampled_from(survivors)))
+
+    @precondition(lambda self: self.beams_beside_pending())
+    @rule(data=st.data())
+    def drop_beam_mid_step(self, data):
+        """Prune a beam while others of its group have slots in the open step."""
+        group, beam = data.draw(st.sampled_from(self.beams_beside_pending()))
+        self.drop(group, beam)
+
+    @precondition(lambda self: self.groups)
+    @rule(data=st.data())
+    def abort_mid_step(self, data):
+        """Abort a request in any state: waiting, swapped, or with slots in the open step."""
+        group = data.draw(st.sampled_from(self.groups))
+        for seq in group.seqs:
+            self.bm.free(seq)
+        self.pending = [(s, n) for s, n in self.pending if s not in group.seqs]
+        self.groups.remove(group)
 
     @precondition(lambda self: self.groups_with(RUNNING) or self.groups_with(SWAPPED))
     @rule(data=st.data())
@@ -166,8 +244,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         seqs = group.seqs_with(RUNNING)
         distinct = {block for seq in seqs for block in self.bm.block_table(seq)}
         fits = len(distinct) <= self.bm.num_free_host_blocks
-        # The step's swap-in writes those blocks, after its swap-outs.
-        clash = not distinct.isdisjoint(self.swapped_in_now)
+        # The step's swap-in or copies write those blocks, after its swap-outs.
+        clash = not distinct.isdisjoint(self.written_now)
         assert self.bm.can_swap_out(group) == (fits and not clash)
         if fits and clash:
             with pytest.raises(ValueError, match="written by this step"):
@@ -189,7 +267,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if status is AllocStatus.OK:
             assert self.bm.num_free_blocks - required >= self.bm.watermark_blocks
             self.bm.swap_in(group)
-            self.swapped_in_now.update(b for seq in seqs for b in self.bm.block_table(seq))
+            self.written_now.update(b for seq in seqs for b in self.bm.block_table(seq))
             for seq in seqs:
                 seq.status = RUNNING
 
@@ -199,6 +277,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         group = data.draw(st.sampled_from(self.groups_with(RUNNING)))
         for seq in group.unfinished_seqs():
             self.bm.free(seq)
+            self.owing.discard(seq.seq_id)
             seq.num_computed_tokens = 0
             seq.status = WAITING
 
@@ -218,11 +297,17 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 seq.append_token(data.draw(st.integers(0, 2)))
             self.bm.cache_computed_blocks(seq)
         self.pending.clear()
-        self.swapped_in_now.clear()
+        self.written_now.clear()
         self.check_kv_contents()
         self.check_committed_state()
 
     def apply_block_ops(self, ops):
+        # A phase is one scatter on the device, which leaves a repeated destination's
+        # value undefined; across phases a second write would clobber the first.
+        device_writes = ops.swap_in[:, 1].tolist() + ops.copies[:, 1].tolist()
+        assert len(set(device_writes)) == len(device_writes), "a device block written twice"
+        host_writes = ops.swap_out[:, 1].tolist()
+        assert len(set(host_writes)) == len(host_writes), "a host block written twice"
         bs = self.bs
         for device, host in ops.swap_out.tolist():
             for offset in range(bs):
@@ -306,8 +391,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert self.bm.logical_blocks_used == 0
 
 
+# Long runs reach what short ones rarely do: a beam forked, scheduled and pruned
+# in one step while another request swaps in through a nearly full pool.
 BlockManagerMachine.TestCase.settings = settings(
-    max_examples=200, stateful_step_count=50, deadline=None
+    max_examples=250, stateful_step_count=200, deadline=None
 )
 TestBlockManager = BlockManagerMachine.TestCase
 
@@ -440,3 +527,86 @@ def test_free_unknown_sequence_is_a_no_op():
     manager = make_manager()
     manager.free(Sequence(5, [1, 2, 3]))
     assert manager.num_free_blocks == 8
+
+
+def forked_pair(manager, num_tokens):
+    """A computed parent of `num_tokens` prompt tokens and a child forked from it."""
+    group = running_group(manager, 0, list(range(num_tokens)))
+    parent = group.seqs[0]
+    manager.append_slots(parent, num_tokens)
+    manager.end_step()
+    parent.num_computed_tokens = num_tokens
+    child = Sequence(1, list(parent.prompt_token_ids), [], RUNNING, num_tokens)
+    manager.fork(parent, child)
+    group.seqs.append(child)
+    return group
+
+
+def test_fork_without_sharing_copies_every_block_before_the_first_write():
+    manager = make_manager(num_blocks=12, share_blocks=False)
+    parent, child = forked_pair(manager, 14).seqs  # 3 full blocks and 2 tokens
+    assert manager.end_step().copies.size == 0  # shared until the child runs
+    assert not manager.has_decode_slot(child)
+    assert manager.can_append_slots(SequenceGroup("c", [child]), 1)
+    parent_table = manager.block_table(parent).tolist()
+    manager.append_slots(child, 1)
+    ops = manager.end_step()
+    child_table = manager.block_table(child).tolist()
+    assert set(child_table).isdisjoint(parent_table)
+    assert ops.copies.tolist() == [[p, c] for p, c in zip(parent_table, child_table, strict=True)]
+    assert manager.physical_blocks_used == manager.logical_blocks_used == 8
+    child.num_computed_tokens += 1
+    assert manager.has_decode_slot(child)  # private from now on
+
+
+def test_fork_with_sharing_takes_no_blocks():
+    manager = make_manager(num_blocks=12)
+    parent, child = forked_pair(manager, 14).seqs
+    assert manager.end_step().copies.size == 0
+    assert manager.block_table(child) == manager.block_table(parent)
+    assert manager.physical_blocks_used == 4 < manager.logical_blocks_used == 8
+
+
+def test_copies_owed_without_sharing_count_against_the_pool():
+    manager = make_manager(num_blocks=7, share_blocks=False)  # 6 usable blocks
+    group = forked_pair(manager, 12)  # 3 blocks, both sequences computed
+    # Each writes a fourth block; the child also copies the three it shares: 5 > 3 free.
+    assert manager.num_free_blocks == 3
+    assert not manager.can_append_slots(group, 1)
+    parent, child = group.seqs
+    manager.free(parent)  # the parent gone, the child holds the blocks alone
+    assert manager.can_append_slots(SequenceGroup("c", [child]), 1)
+    manager.append_slots(child, 1)
+    assert manager.end_step().copies.size == 0
+
+
+def test_a_fork_of_a_fork_in_one_step_copies_from_the_first_parent():
+    manager = make_manager(share_blocks=False)
+    parent, child = forked_pair(manager, 6).seqs
+    manager.end_step()
+    manager.append_slots(child, 1)  # the child copies the parent's two blocks
+    grandchild = Sequence(2, list(child.prompt_token_ids), [], RUNNING, 6)
+    manager.fork(child, grandchild)
+    manager.append_slots(grandchild, 1)  # and its child copies those copies
+    ops = manager.end_step()
+    # All copies read before any is written: the second generation reads the originals.
+    assert ops.copies[:, 0].tolist() == manager.block_table(parent).tolist() * 2
+
+
+def test_a_beam_pruned_mid_step_keeps_its_copy_destination_from_the_steps_swap_in():
+    manager = make_manager(num_blocks=4, num_host_blocks=1)  # 3 usable blocks
+    swapped = running_group(manager, 5, [7, 7, 7, 7])
+    manager.swap_out(swapped)
+    swapped.seqs[0].status = SWAPPED
+    manager.end_step()
+    parent, child = forked_pair(manager, 6).seqs  # blocks 2, 3; block 1 is free
+    manager.append_slots(parent, 1)  # copy-on-write of the shared last block into block 1
+    manager.append_slots(child, 1)
+    manager.free(parent)  # pruned before the step runs; the copy into block 1 still runs
+    if manager.can_swap_in(swapped) is AllocStatus.OK:
+        manager.swap_in(swapped)
+    ops = manager.end_step()
+    assert len(ops.copies) == 1
+    # Swap-in runs before copies: a shared destination would end up with the copy's KV.
+    assert set(ops.swap_in[:, 1].tolist()).isdisjoint(ops.copies[:, 1].tolist())
+    assert manager.can_swap_in(swapped) is AllocStatus.OK  # block 1 is free after the step

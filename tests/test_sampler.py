@@ -1,90 +1,365 @@
-"""The device sampler against numpy definitions of greedy, top-k, top-p and temperature."""
+"""The device sampler against numpy definitions (float64) of vLLM's sampling steps.
 
+Every expected value comes from an oracle written here from the definitions in
+jpaged/sampler.py's docstring, never from the sampler's own output; the fast path is
+also held to the full sort bit for bit.
+"""
+
+from __future__ import annotations
+
+import chex
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jpaged.sampler import sample
+from jpaged.sampler import (
+    CANDIDATES,
+    SamplerOutput,
+    SamplingRow,
+    filter_logits,
+    logprob_outputs,
+    nucleus_cutoffs,
+    process_logits,
+    sample,
+    sampling_tensors,
+)
 from jpaged.sampling_params import SamplingParams
 
-VOCAB = 12
+VOCAB = 16
+ROWS = 8  # most tests pad to this many rows, so they share compilations
+NUM_TOP = 3
 
 
-def _logits(rows, seed=0):
-    return np.random.default_rng(seed).normal(size=(rows, VOCAB)).astype(np.float32) * 2
+def row(**fields) -> SamplingRow:
+    """A row at temperature 1 with every filter and penalty off, but for `fields`."""
+    return SamplingRow.greedy(**(dict(temperature=1.0, position=0) | fields))
 
 
-def _draw(logits_row, temperature, top_k, top_p, num_draws):
-    """num_draws samples of one row, each from its own seed."""
-    rows = np.repeat(logits_row[None], num_draws, axis=0)
-    out = sample(
-        jnp.asarray(rows),
-        jnp.full(num_draws, temperature, jnp.float32),
-        jnp.full(num_draws, top_k, jnp.int32),
-        jnp.full(num_draws, top_p, jnp.float32),
-        jnp.arange(num_draws, dtype=jnp.uint32),
-        jnp.zeros(num_draws, jnp.int32),
-    )
-    return np.asarray(out)
+def normal_logits(rows: int, vocab: int = VOCAB, scale: float = 2.0, seed: int = 0):
+    return (np.random.default_rng(seed).standard_normal((rows, vocab)) * scale).astype(np.float32)
 
 
-def _numpy_probs(logits_row, temperature, top_k, top_p):
-    """The filtered distribution, written from the definitions."""
-    z = logits_row.astype(np.float64) / temperature
-    probs = np.exp(z - z.max())
-    probs /= probs.sum()
-    order = np.argsort(-probs)
-    keep = np.zeros(VOCAB, bool)
-    mass = 0.0
-    for rank, token in enumerate(order):
-        if (top_k and rank >= top_k) or mass >= top_p:
-            break
-        keep[token] = True
-        mass += probs[token]
-    probs = np.where(keep, probs, 0.0)
-    return probs / probs.sum()
+def run(logits: np.ndarray, rows: list[SamplingRow], num_rows: int = ROWS) -> SamplerOutput:
+    """`sample` on the rows, padded to num_rows; logits get zero padding rows."""
+    padded = np.zeros((num_rows, logits.shape[1]), np.float32)
+    padded[: len(logits)] = logits
+    tensors = sampling_tensors(rows, num_rows, logits.shape[1])
+    return jax.tree.map(np.asarray, sample(jnp.asarray(padded), tensors, num_top=NUM_TOP))
 
 
-def test_greedy_rows_take_the_argmax():
-    logits = _logits(5)
-    zeros = jnp.zeros(5)
-    out = sample(jnp.asarray(logits), zeros, zeros.astype(jnp.int32), jnp.ones(5),
-                 jnp.arange(5, dtype=jnp.uint32), zeros.astype(jnp.int32))
-    np.testing.assert_array_equal(np.asarray(out), logits.argmax(-1))
+# ---- numpy oracles ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 3, 1.0), (1.3, 0, 0.6), (1.0, 5, 0.8)]
-)
-def test_sampled_frequencies_match_the_filtered_distribution(temperature, top_k, top_p):
-    logits_row = _logits(1, seed=3)[0]
+def np_softmax(z: np.ndarray) -> np.ndarray:
+    e = np.exp(z - z.max())
+    return e / e.sum()
+
+
+def np_log_softmax(z: np.ndarray) -> np.ndarray:
+    z = z - z.max()
+    return z - np.log(np.exp(z).sum())
+
+
+def np_process(logits: np.ndarray, r: SamplingRow) -> np.ndarray:
+    """min_tokens suppression, then vLLM's apply_penalties, for one row."""
+    z = logits.astype(np.float64).copy()
+    z[list(r.suppressed_token_ids)] = -np.inf
+    counts = np.bincount(np.asarray(r.output_token_ids, int), minlength=len(z))
+    seen = counts > 0
+    seen[list(r.prompt_token_ids)] = True
+    for t in np.flatnonzero(seen):
+        z[t] = z[t] / r.repetition_penalty if z[t] > 0 else z[t] * r.repetition_penalty
+    return z - r.frequency_penalty * counts - r.presence_penalty * (counts > 0)
+
+
+def np_keep(scaled: np.ndarray, top_k: int, top_p: float, min_p: float) -> np.ndarray:
+    """Which tokens min_p, then top_k, then top_p keep, from temperature-scaled logits."""
+    z = scaled.astype(np.float64)
+    probs = np_softmax(z)
+    keep = probs >= min_p * probs.max()
+    if top_k:
+        kth = np.sort(z[keep])[::-1][min(top_k, keep.sum()) - 1]
+        keep &= z >= kth
+    if top_p < 1.0:
+        survivors = np_softmax(np.where(keep, z, -np.inf))
+        order = np.argsort(-np.where(keep, z, -np.inf), kind="stable")
+        before = np.concatenate([[0.0], np.cumsum(survivors[order])[:-1]])
+        boundary = z[order[np.flatnonzero(before < top_p)[-1]]]
+        keep &= z >= boundary
+    return keep
+
+
+def np_filtered_probs(logits, temperature, top_k=0, top_p=1.0, min_p=0.0) -> np.ndarray:
+    scaled = logits.astype(np.float64) / temperature
+    keep = np_keep(scaled, top_k, top_p, min_p)
+    return np_softmax(np.where(keep, scaled, -np.inf))
+
+
+def chi_square_critical(df: int, z: float = 3.72) -> float:
+    """Wilson-Hilferty upper quantile of chi-square(df); z = 3.72 is p = 1e-4."""
+    a = 2.0 / (9.0 * df)
+    return df * (1.0 - a + z * np.sqrt(a)) ** 3
+
+
+# ---- greedy, penalties, suppression --------------------------------------------------
+
+
+def test_greedy_rows_take_the_first_argmax():
+    logits = normal_logits(ROWS)
+    logits[1, [3, 9]] = logits[1].max() + 1.0  # a tie: the first index wins
+    # Filters do not apply to greedy rows (top_k 1 or min_p 1 would still keep the argmax).
+    rows = [row(temperature=0.0, top_k=2, top_p=0.5, seed=i) for i in range(ROWS)]
+    out = run(logits, rows)
+    chex.assert_shape([out.tokens, out.logprobs, out.ranks], (ROWS,))
+    chex.assert_shape([out.top_ids, out.top_logprobs], (ROWS, NUM_TOP))
+    np.testing.assert_array_equal(out.tokens, logits.argmax(-1))
+    assert out.tokens[1] == 3
+    np.testing.assert_array_equal(out.ranks, 1)
+
+
+def test_penalties_match_numpy():
+    logits = normal_logits(6, seed=1)
+    rows = [
+        row(repetition_penalty=1.3, prompt_token_ids=[0, 1, 2], output_token_ids=[2, 5, 5]),
+        row(repetition_penalty=0.7, output_token_ids=[4, 7]),
+        row(presence_penalty=0.5, output_token_ids=[1, 1, 1, 9]),
+        row(frequency_penalty=-0.4, output_token_ids=[3, 3, 8], prompt_token_ids=[8, 10]),
+        row(repetition_penalty=1.2, presence_penalty=-1.5, frequency_penalty=2.0,
+            prompt_token_ids=[11, 12], output_token_ids=[12, 13, 13, 13],
+            suppressed_token_ids=(15,)),
+        row(prompt_token_ids=[1, 2], output_token_ids=[2]),  # neutral: left as is
+    ]
+    tensors = sampling_tensors(rows, 6, VOCAB)
+    got = np.asarray(process_logits(jnp.asarray(logits), tensors))
+    expected = np.stack([np_process(logits[i], r) for i, r in enumerate(rows)])
+    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(got[5], logits[5])
+
+
+def test_a_penalty_changes_the_greedy_choice():
+    positive = np.full(VOCAB, -3.0, np.float32)
+    positive[[3, 5]] = [2.0, 1.5]
+    negative = np.full(VOCAB, -5.0, np.float32)
+    negative[[3, 5]] = [-1.0, -1.2]
+    logits = np.stack([positive] * 5 + [negative])
+    said = dict(output_token_ids=[3, 3])
+    rows = [
+        row(temperature=0.0, **said),  # no penalty: token 3
+        row(temperature=0.0, repetition_penalty=1.5, **said),  # 2 / 1.5 < 1.5
+        row(temperature=0.0, frequency_penalty=0.3, **said),  # 2 - 0.6 < 1.5
+        row(temperature=0.0, presence_penalty=0.6, **said),  # 2 - 0.6 < 1.5
+        row(temperature=0.0, repetition_penalty=1.5, prompt_token_ids=[3]),  # prompt counts
+        row(temperature=0.0, repetition_penalty=1.5, **said),  # -1 * 1.5 < -1.2
+    ]
+    out = run(logits, rows)
+    np.testing.assert_array_equal(out.tokens[:6], [3, 5, 5, 5, 5, 5])
+    expected = [np.argmax(np_process(logits[i], r)) for i, r in enumerate(rows)]
+    np.testing.assert_array_equal(out.tokens[:6], expected)
+
+
+def test_suppressed_tokens_are_never_chosen_but_keep_raw_logprobs():
+    num_draws = 2000
+    logits = np.tile(normal_logits(1, seed=2), (num_draws, 1))
+    eos = int(logits[0].argmax())
+    rows = [row(temperature=0.0 if i == 0 else 1.5, seed=i, suppressed_token_ids=(eos,))
+            for i in range(num_draws)]
+    out = run(logits, rows, num_rows=num_draws)
+    assert out.tokens[0] == np.argsort(-logits[0])[1]
+    assert not np.any(out.tokens == eos)
+    # Log-probabilities come from the raw logits, before suppression.
+    np.testing.assert_array_equal(out.top_ids[:, 0], eos)
+
+
+# ---- filters ----------------------------------------------------------------------------
+
+
+FILTERS = [  # (temperature, top_k, top_p, min_p)
+    (1.0, 0, 1.0, 0.1),
+    (1.0, 3, 1.0, 0.0),
+    (1.0, 0, 0.6, 0.0),
+    (0.7, 5, 0.8, 0.0),
+    (1.3, 6, 0.7, 0.05),
+    (0.5, 0, 0.9, 0.02),
+    (1.0, 40, 0.95, 0.0),
+]
+
+
+def test_filters_keep_the_numpy_sets():
+    vocab = 64
+    logits = normal_logits(len(FILTERS), vocab, seed=3)
+    temperature, top_k, top_p, min_p = (np.array(c) for c in zip(*FILTERS, strict=True))
+    scaled = (logits / temperature[:, None].astype(np.float32)).astype(np.float32)
+    got = np.asarray(jax.jit(filter_logits)(
+        scaled, top_k.astype(np.int32), top_p.astype(np.float32), min_p.astype(np.float32)))
+    for i, (_, k, p, m) in enumerate(FILTERS):
+        keep = np_keep(scaled[i], k, p, m)
+        np.testing.assert_array_equal(np.isfinite(got[i]), keep, err_msg=str(FILTERS[i]))
+        np.testing.assert_array_equal(got[i][keep], scaled[i][keep])
+
+
+def test_ties_at_the_top_k_and_top_p_boundaries_are_kept():
+    scaled = np.array([[3.0, 2.0, 2.0, 2.0, 1.0, 0.0] * 2,
+                       [1.0, 1.0, 1.0, 1.0, 0.0, 0.0] * 2], np.float32)
+    got = np.asarray(jax.jit(filter_logits)(scaled, np.array([2, 0], np.int32),
+                                            np.array([1.0, 0.3], np.float32),
+                                            np.zeros(2, np.float32)))
+    np.testing.assert_array_equal(np.isfinite(got[0]), scaled[0] >= 3.0)  # 3.0 twice
+    np.testing.assert_array_equal(np.isfinite(got[1]), scaled[1] == 1.0)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p", FILTERS[:5])
+def test_sampled_frequencies_match_the_filtered_distribution(temperature, top_k, top_p, min_p):
     num_draws = 20_000
-    draws = _draw(logits_row, temperature, top_k, top_p, num_draws)
-    expected = _numpy_probs(logits_row, temperature, top_k, top_p)
-    observed = np.bincount(draws, minlength=VOCAB) / num_draws
-    assert np.all(observed[expected == 0] == 0), "sampled a filtered-out token"
-    np.testing.assert_allclose(observed, expected, atol=0.015)
+    logits = normal_logits(1, seed=4)[0]
+    rows = [row(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=i)
+            for i in range(num_draws)]
+    out = run(np.tile(logits, (num_draws, 1)), rows, num_rows=num_draws)
+    expected = np_filtered_probs(logits, temperature, top_k, top_p, min_p) * num_draws
+    observed = np.bincount(out.tokens, minlength=VOCAB)
+    kept = expected > 0
+    assert not observed[~kept].any(), "drew a filtered-out token"
+    statistic = np.sum((observed[kept] - expected[kept]) ** 2 / expected[kept])
+    assert statistic < chi_square_critical(int(kept.sum()) - 1)
 
 
-def test_seeded_row_is_independent_of_its_batch():
-    logits = _logits(4, seed=1)
-    def run(rows):
-        n = len(rows)
-        return np.asarray(sample(
-            jnp.asarray(logits[rows]), jnp.ones(n), jnp.zeros(n, jnp.int32), jnp.ones(n),
-            jnp.asarray(np.array([7, 8, 9, 10], np.uint32)[rows]), jnp.full(n, 5, jnp.int32)))
-    alone = run([2])
-    in_batch = run([0, 1, 2, 3])
-    reordered = run([3, 2])
-    assert alone[0] == in_batch[2] == reordered[1]
+def test_the_draw_is_jax_random_categorical_from_the_documented_key():
+    logits = normal_logits(ROWS, seed=5)
+    rows = [row(temperature=0.8, seed=10 + i, sample_index=i % 3, position=5 * i)
+            for i in range(ROWS)]
+    out = run(logits, rows)
+    for i, r in enumerate(rows):
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(r.seed), r.sample_index),
+                                 r.position)
+        scaled = jnp.asarray(logits[i]) / jnp.float32(r.temperature)
+        assert out.tokens[i] == jax.random.categorical(key, scaled)
 
 
-def test_sampling_params_reject_bad_values():
-    with pytest.raises(ValueError, match="max_tokens"):
-        SamplingParams(max_tokens=0)
-    with pytest.raises(ValueError, match="temperature"):
-        SamplingParams(temperature=-1)
-    with pytest.raises(ValueError, match="top_p"):
-        SamplingParams(top_p=0)
-    with pytest.raises(TypeError, match="max_tokens"):
-        SamplingParams(max_tokens=2.5)
+# ---- the candidate fast path against the full sort ----------------------------------------
+
+
+def test_candidates_give_the_full_sort_cutoffs_bit_for_bit():
+    vocab = 4096
+    rng = np.random.default_rng(6)
+    normal = rng.standard_normal((6, vocab)).astype(np.float32)
+    scaled = np.stack([
+        normal[0] * 5,  # top_p 0.9: the candidates hold it
+        normal[1] * 2,  # top_k 50
+        1e-3 * normal[2],  # flat, top_p 0.999: only the whole sorted row answers
+        normal[3] * 2,  # top_k 300 > CANDIDATES, with top_p 0.95
+        normal[4] * 3,  # min_p 0.05 and top_p 0.8
+        normal[5],  # no filter
+    ]).astype(np.float32)
+    top_k = np.array([0, 50, 0, 300, 0, 0], np.int32)
+    top_p = np.array([0.9, 1.0, 0.999, 0.95, 0.8, 1.0], np.float32)
+    min_p = np.array([0, 0, 0, 0, 0.05, 0], np.float32)
+    assert CANDIDATES < 300 < vocab
+    filtered = jax.jit(filter_logits)
+    # With top_k and top_p off, filter_logits applies min_p alone.
+    masked = filtered(scaled, np.zeros_like(top_k), np.ones_like(top_p), min_p)
+    cutoffs = jax.jit(nucleus_cutoffs, static_argnames="size")
+    fast, answered = cutoffs(masked, top_k, top_p, size=CANDIDATES)
+    full, _ = cutoffs(masked, top_k, top_p, size=vocab)
+    np.testing.assert_array_equal(answered, [True, True, False, False, True, True])
+    np.testing.assert_array_equal(np.asarray(fast)[answered], np.asarray(full)[answered])
+    # The mixed batch falls back for two rows; every row is the full sort's.
+    got = np.asarray(filtered(scaled, top_k, top_p, min_p))
+    np.testing.assert_array_equal(
+        got, np.where(masked >= np.asarray(full)[:, None], masked, -np.inf))
+    # Rows the candidates answer give the same logits in a batch that never falls back.
+    fast_rows = np.flatnonzero(answered)
+    alone = filtered(scaled[fast_rows], top_k[fast_rows], top_p[fast_rows], min_p[fast_rows])
+    np.testing.assert_array_equal(np.asarray(alone), got[fast_rows])
+    for i in range(len(scaled)):
+        keep = np_keep(scaled[i], top_k[i], top_p[i], min_p[i])
+        np.testing.assert_array_equal(np.isfinite(got[i]), keep, err_msg=f"row {i}")
+
+
+def test_a_seeded_row_gets_its_token_alone_in_a_batch_and_reordered():
+    vocab = 4096
+    logits = normal_logits(4, vocab, scale=4.0, seed=7)
+    logits[2] = normal_logits(1, vocab, scale=1e-3, seed=8)  # makes its batch fall back
+    rows = [
+        row(top_p=0.9, seed=7, position=12, sample_index=1),
+        row(temperature=0.0),
+        row(top_p=0.999, seed=3),
+        row(top_k=20, min_p=0.01, seed=4, presence_penalty=0.5, output_token_ids=[1, 2]),
+    ]
+    def token_of_first(order):
+        return run(logits[order], [rows[i] for i in order], num_rows=4).tokens[order.index(0)]
+
+    assert token_of_first([0]) == token_of_first([0, 1, 2, 3]) == token_of_first([3, 2, 0])
+
+
+# ---- log-probabilities, padding, host arrays -----------------------------------------
+
+
+def test_logprobs_ranks_and_top_tokens_match_numpy():
+    logits = normal_logits(4, scale=3.0, seed=9)
+    rows = [row(temperature=0.0), row(seed=1, logprob_temperature=0.5),
+            row(seed=2, top_k=4, logprob_temperature=2.0),
+            row(seed=3, repetition_penalty=2.0, output_token_ids=[0, 1, 2])]
+    out = run(logits, rows)
+    for i, r in enumerate(rows):
+        lp = np_log_softmax(logits[i].astype(np.float64) / r.logprob_temperature)
+        token = out.tokens[i]
+        np.testing.assert_allclose(out.logprobs[i], lp[token], rtol=1e-5)
+        assert out.ranks[i] == 1 + np.sum(lp > lp[token])
+        np.testing.assert_array_equal(out.top_ids[i], np.argsort(-lp)[:NUM_TOP])
+        np.testing.assert_allclose(out.top_logprobs[i], np.sort(lp)[::-1][:NUM_TOP], rtol=1e-5)
+
+
+def test_logprob_outputs_read_any_target():
+    logits = normal_logits(5, scale=3.0, seed=11)
+    targets = np.array([0, 3, 15, 7, 7], np.int32)
+    bf16 = jnp.asarray(logits, jnp.bfloat16)  # as a bf16 model returns them
+    lp_got, ranks, top_ids, top_lp = jax.jit(logprob_outputs, static_argnums=2)(bf16, targets, 2)
+    chex.assert_shape([top_ids, top_lp], (5, 2))
+    for i, t in enumerate(targets):
+        lp = np_log_softmax(np.asarray(bf16[i], np.float64))
+        np.testing.assert_allclose(lp_got[i], lp[t], rtol=1e-5)
+        assert ranks[i] == 1 + np.sum(lp > lp[t])
+        np.testing.assert_array_equal(top_ids[i], np.argsort(-lp)[:2])
+
+
+def test_padding_rows_change_nothing():
+    logits = normal_logits(3, seed=10)
+    rows = [row(top_p=0.8, seed=1), row(temperature=0.0),
+            row(top_k=3, seed=2, frequency_penalty=0.5, output_token_ids=[4])]
+    unpadded = run(logits, rows, num_rows=3)
+    padded = run(logits, rows, num_rows=ROWS)
+    chex.assert_trees_all_close(jax.tree.map(lambda a: a[:3], padded), unpadded, rtol=0, atol=0)
+    np.testing.assert_array_equal(padded.tokens[3:], 0)  # greedy on zero logits
+
+
+def test_sampling_rows_map_vllm_conventions():
+    history = dict(prompt_token_ids=[1, 2], output_token_ids=[2, 2, 5])
+    plain_greedy = SamplingRow.greedy(position=3, repetition_penalty=1.5)
+    assert (plain_greedy.temperature, plain_greedy.top_k, plain_greedy.top_p, plain_greedy.min_p,
+            plain_greedy.penalties, plain_greedy.position) == (0.0, 0, 1.0, 0.0, (1.5, 0, 0), 3)
+    greedy = SamplingRow.of(SamplingParams(temperature=5e-6, top_k=-1, top_p=0.5), seed=3,
+                            sample_index=1, position=9, **history)
+    sampled = SamplingRow.of(SamplingParams(temperature=0.8, top_k=-1, min_p=0.1,
+                                            presence_penalty=0.5), seed=4, sample_index=0,
+                             position=2, suppressed_token_ids=[7], **history)
+    assert (greedy.temperature, greedy.top_k, greedy.top_p) == (0.0, 0, 0.5)
+    assert (sampled.temperature, sampled.top_k, sampled.min_p) == (0.8, 0, 0.1)
+    assert sampled.suppressed_token_ids == (7,)
+
+    plain = sampling_tensors([greedy], 4, VOCAB)
+    assert plain.penalties is None and plain.output_counts is None
+    np.testing.assert_array_equal(plain.temperature, [0, 0, 0, 0])
+    np.testing.assert_array_equal(plain.top_p, [0.5, 1, 1, 1])
+    np.testing.assert_array_equal(plain.logprob_temperature, 1.0)
+    np.testing.assert_array_equal(plain.positions, [9, 0, 0, 0])
+    assert plain.seeds.dtype == np.uint32 and plain.top_k.dtype == np.int32
+
+    dense = sampling_tensors([greedy, sampled], 4, VOCAB)
+    chex.assert_shape([dense.output_counts, dense.prompt_mask, dense.suppress_mask], (4, VOCAB))
+    np.testing.assert_array_equal(dense.penalties, [[1, 0, 0], [1, 0.5, 0], [1, 0, 0], [1, 0, 0]])
+    np.testing.assert_array_equal(dense.output_counts[1, [2, 5]], [2, 1])
+    assert dense.output_counts.sum() == 3  # only the row with penalties reads its counts
+    np.testing.assert_array_equal(np.flatnonzero(dense.prompt_mask[1]), [1, 2])
+    np.testing.assert_array_equal(np.flatnonzero(dense.suppress_mask.any(0)), [7])
+    with pytest.raises(ValueError, match="do not fit"):
+        sampling_tensors([greedy] * 5, 4, VOCAB)

@@ -1,0 +1,73 @@
+"""Log-probabilities of generated and prompt tokens against transformers' logits.
+
+The oracle is the float32 log-softmax of the PyTorch model's logits over the
+whole sequence (prompt and output) in one forward pass.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from jpaged.batch_builder import BucketSizes
+from jpaged.llm import LLM
+from jpaged.loader import load_model
+from jpaged.sampling_params import SamplingParams
+
+TOP = 5
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    oracle = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    return load_model(tiny_model_dir), oracle
+
+
+def _oracle_log_probs(oracle, tokens: list[int]) -> np.ndarray:
+    """[len(tokens), vocab]: row i holds log p(token i + 1 | tokens[: i + 1])."""
+    with torch.no_grad():
+        logits = oracle(torch.tensor([tokens])).logits[0].float()
+    return torch.log_softmax(logits, dim=-1).numpy()
+
+
+def _check_entry(entry, token, row: np.ndarray, k: int):
+    """An entry holds the chosen token and the top k, each with its logprob and rank
+    in `row` (a rank may differ only between values within the 1e-4 tolerance)."""
+    assert token in entry and len(entry) in (k, k + 1)
+    for t, logprob in entry.items():
+        assert logprob.logprob == pytest.approx(row[t], abs=1e-4)
+        surely_above, maybe_above = np.sum(row > row[t] + 1e-4), np.sum(row > row[t] - 1e-4) - 1
+        assert 1 + surely_above <= logprob.rank <= 1 + maybe_above
+    assert {logprob.rank for logprob in entry.values()} >= set(range(1, k + 1))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.3])
+def test_output_and_prompt_logprobs_match_transformers(tiny, temperature):
+    (model, config, tokenizer), oracle = tiny
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, config.vocab_size, n).tolist() for n in (1, 7, 30)]
+    # A 16-token budget splits the long prompt over steps: its prompt logprobs come
+    # from several chunks.
+    llm = LLM("tiny", loaded=(model, config, tokenizer), block_size=4, num_blocks=64,
+              max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64,
+              buckets=BucketSizes(min_num_tokens=8, min_num_seqs=4, min_blocks_per_seq=2),
+              persistent_compilation_cache=False)
+    params = SamplingParams(temperature=temperature, max_tokens=6, logprobs=TOP,
+                            prompt_logprobs=TOP, ignore_eos=True, seed=1)
+    for prompt, output in zip(prompts, llm.generate(prompts, params), strict=True):
+        completion = output.outputs[0]
+        rows = _oracle_log_probs(oracle, prompt + completion.token_ids)
+        # Logprobs are the model's, before temperature: the raw log-softmax.
+        for i, (token, entry) in enumerate(zip(completion.token_ids, completion.logprobs,
+                                               strict=True)):
+            _check_entry(entry, token, rows[len(prompt) - 1 + i], TOP)
+        expected_cum = sum(rows[len(prompt) - 1 + i, t]
+                           for i, t in enumerate(completion.token_ids))
+        assert completion.cumulative_logprob == pytest.approx(expected_cum, abs=1e-3)
+        assert output.prompt_logprobs[0] is None
+        assert len(output.prompt_logprobs) == len(prompt)
+        for position in range(1, len(prompt)):
+            _check_entry(output.prompt_logprobs[position], prompt[position],
+                         rows[position - 1], TOP)
