@@ -39,7 +39,7 @@ from jpaged.outputs import Logprob, RequestMetrics, RequestOutput
 from jpaged.request import Request, Sample
 from jpaged.runner import AttentionBackend, ModelRunner
 from jpaged.sampler import SamplerOutput, SamplingRow, sampling_tensors
-from jpaged.sampling_params import BeamSearchParams, SamplingParams
+from jpaged.sampling_params import GREEDY_TEMPERATURE, BeamSearchParams, SamplingParams
 from jpaged.scheduler import Scheduler, SchedulerOutput
 from jpaged.sequence import Sequence, SequenceGroup, SequenceStatus
 from jpaged.stats import EngineStats
@@ -404,6 +404,8 @@ class LLMEngine:
         ready = self.scheduler.update_after_step(plan)
         row_of = {seq.seq_id: row for row, (seq, _) in enumerate(scheduled)}
         draws = [(self._requests[g.request_id], self._draw_seqs(g, row_of)) for g in ready]
+        if not draws:
+            return []  # only prefill chunks that leave tokens for later
         rows = [row_of[seq.seq_id] for _, seqs in draws for seq in seqs]
         sampled = self._sample(logits, rows, [(r, s) for r, seqs in draws for s in seqs])
         first = 0
@@ -455,7 +457,7 @@ class LLMEngine:
         params = request.params
         if request.is_beam_search:
             # Beams are chosen on the host from the candidates' log-probabilities.
-            temperature = params.temperature if params.temperature > 0 else 1.0
+            temperature = params.temperature if params.temperature >= GREEDY_TEMPERATURE else 1.0
             return SamplingRow.greedy(position=len(seq), logprob_temperature=temperature)
         suppressed = ()
         if len(seq.output_token_ids) < params.min_tokens:

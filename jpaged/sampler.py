@@ -24,15 +24,15 @@ Log-probabilities come from the raw logits (before 1 and 2):
 log_softmax(l / logprob_temperature), with the sampled token's rank and the top ones.
 
 The fast path. A batch whose rows are all greedy skips 4 to 8, and one where no
-sampled row filters skips 5 to 7 (both with lax.cond). Sorting a 49152-token vocabulary
-costs about 9 ms a row on a CPU, and top-k / top-p need only its head.
+sampled row filters skips 5 to 7 (both with lax.cond). Sorting the vocabulary costs
+far more than the model's head needs: top-k / top-p only look at its start.
 `filter_logits` reads each row's boundary from its CANDIDATES largest logits
 (`lax.top_k`), with the top-p normaliser taken over all survivors. A row that its
 candidates cannot answer (top_k > CANDIDATES, or their mass below top_p) retries alone
-with ESCALATION times as many, up to the whole sorted row.
-Real models need this often: on SmolLM2-135M at temperature 1 and top_p 0.9, one row
-in eight holds less than 0.9 in its top 128 tokens, so a batch of 32 nearly always has
-such a row; retrying that row alone costs a fraction of sorting the batch.
+with ESCALATION times as many, up to the whole sorted row. Real models need this
+now and then (a flat next-token distribution at temperature 1), so a large batch
+often holds such a row: retrying that row alone costs a fraction of sorting the batch
+(`python -m benchmarks.sampler` measures both).
 Every head size gives the same cutoff, bit for bit, because each step is exact on a
 prefix: the k largest logits are the first k of the sort, the normaliser is a sum in a
 fixed order over the whole row, and Hillis-Steele prefix sums of a prefix do not
@@ -52,9 +52,8 @@ import numpy as np
 
 from jpaged.sampling_params import SamplingParams
 
-# Head size of the fast path: lax.top_k costs 3.8 ms for 128 at batch 32 over 49152
-# tokens on a CPU (5.4 ms for 256, 2.5 ms for 32, against ~250 ms for the sort), and
-# 128 answers top_p 0.9 for 99% of rows at temperature 0.7 on a real model.
+# Head size of the fast path: lax.top_k grows slowly with it, and 128 candidates
+# answer top_p 0.9 for nearly every row of a real model at moderate temperatures.
 CANDIDATES = 128
 # Each retry of an unanswered row takes this many times more candidates.
 ESCALATION = 8
@@ -244,7 +243,8 @@ def filter_logits(
 def _first_argmax(x: chex.Array) -> chex.Array:
     """jnp.argmax over the last axis (the first maximum), for rows without NaN. -> int32.
 
-    Two plain reductions: about 6x faster on a CPU than XLA's (value, index) reduction.
+    Two plain reductions: several times faster on a CPU than XLA's (value, index)
+    reduction.
     """
     is_max = x == jnp.max(x, axis=-1, keepdims=True)
     return jnp.min(jnp.where(is_max, jnp.arange(x.shape[-1], dtype=jnp.int32), x.shape[-1]),

@@ -23,6 +23,7 @@ from jpaged.beam_search import vllm_score
 from jpaged.llm import LLM
 from jpaged.loader import load_model
 from jpaged.sampling_params import BeamSearchParams, SamplingParams
+from jpaged.sequence import SequenceStatus
 
 TIE = 1e-5
 TINY_ENGINE = dict(num_blocks=None, kv_cache_memory=8 << 20, max_num_seqs=16,
@@ -210,3 +211,27 @@ def test_smollm2_beams_match_generate(smollm2, smollm2_oracle):
     ties = _compare(smollm2_oracle, prompts, params, ours, llm.engine.eos_token_ids)
     print(f"tie divergences: {ties}")
     assert "Paris" in tokenizer.decode(ours[0])
+
+
+def test_beams_hold_one_copy_of_the_prompt(tiny):
+    """Every step of a search, all beams share the prompt's full blocks: the pool holds
+    them once, plus at most each beam's own blocks past them."""
+    (model, config, tokenizer), _ = tiny
+    block_size, width, prompt_len = 4, 4, 30  # 7 full blocks and a partial one
+    llm = LLM("tiny", loaded=(model, config, tokenizer), block_size=block_size, **TINY_ENGINE)
+    engine, manager = llm.engine, llm.engine.block_manager
+    prompt = _prompts(config.vocab_size, 1, seed=3)[0] * 30
+    engine.add_request("beams", prompt[:prompt_len],
+                       BeamSearchParams(beam_width=width, max_tokens=12, ignore_eos=True))
+    full = prompt_len // block_size
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        live = [s for s in engine.scheduler.running for s in s.seqs_with(SequenceStatus.RUNNING)]
+        if len(live) == width:
+            steps += 1
+            per_beam = -(-live[0].num_computed_tokens // block_size)
+            assert manager.logical_blocks_used == width * per_beam
+            assert manager.physical_blocks_used <= full + width * (per_beam - full)
+    assert steps >= 10
+    assert manager.num_free_blocks == manager.num_device_blocks
