@@ -91,11 +91,16 @@ class BeamSearch:
                  eos_token_ids: tuple[int, ...], max_tokens: int):
         self.params = params
         self.prompt_len = prompt_len
-        self.eos = frozenset(() if params.ignore_eos else eos_token_ids)
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.eos = frozenset() if params.ignore_eos else self.eos_token_ids  # ends a beam
         self.max_tokens = max_tokens
         self.num_steps = 0
         self.finished: list[Hypothesis] = []
-        self._improvable = True  # transformers' is_early_stop_heuristic_unsatisfied
+        # transformers' stopping state: is_early_stop_heuristic_unsatisfied, the best
+        # running beam's score and whether every candidate of the last step ended.
+        self._improvable = True
+        self._best_running = 0.0
+        self._all_end = False
 
     @property
     def num_candidates(self) -> int:
@@ -143,24 +148,30 @@ class BeamSearch:
         live beams compete too; with transformers' they were all finished at the end."""
         hypotheses = list(self.finished)
         if self.params.scoring == "vllm":
-            hypotheses += [
-                Hypothesis(beam, self._vllm_score(beam, eos=False), "length") for beam in live
-            ]
+            hypotheses += [Hypothesis(beam, self._vllm_score(beam), "length") for beam in live]
         hypotheses.sort(key=lambda h: h.score, reverse=True)
         return hypotheses[: self.params.beam_width]
 
     # vLLM ---------------------------------------------------------------------------
 
-    def _vllm_score(self, beam: Beam, eos: bool) -> float:
-        length = self.prompt_len + len(beam.output_token_ids) - int(eos)
+    def _vllm_score(self, beam: Beam) -> float:
+        """vLLM's score; as in vLLM, a final EOS is not counted even under ignore_eos."""
+        tokens = beam.output_token_ids
+        length = self.prompt_len + len(tokens) - int(tokens[-1] in self.eos_token_ids)
         return vllm_score(beam.cum_logprob, length, self.params.length_penalty)
 
     def _step_vllm(self, candidates):
-        """Every EOS candidate finishes; the best beam_width of the others live on
-        (they all have the same length, so the best scores are the best cum_logprobs)."""
+        """Every EOS candidate finishes; the best beam_width of the others by score live on."""
         ended = [(c, "stop") for c in candidates if c[2] in self.eos]
         running = [c for c in candidates if c[2] not in self.eos]
-        best = heapq.nlargest(self.params.beam_width, running, key=lambda c: c[0])
+        length = self.prompt_len + self.num_steps + 1
+
+        def score(candidate):
+            cum, _, token = candidate
+            return vllm_score(cum, length - int(token in self.eos_token_ids),
+                              self.params.length_penalty)
+
+        best = heapq.nlargest(self.params.beam_width, running, key=score)
         return [Extension(parent, token, cum) for cum, parent, token in best], ended
 
     # transformers --------------------------------------------------------------------
@@ -214,7 +225,7 @@ class BeamSearch:
         step_record = None if step_logprobs is None else step_logprobs[parent]
         beam = self.extend(beams[parent], Extension(parent, token, cum), step_record)
         if self.params.scoring == "vllm":
-            score = self._vllm_score(beam, eos=reason == "stop")
+            score = self._vllm_score(beam)
         else:
             score = cum / len(beam.output_token_ids) ** self.params.length_penalty
         self.finished.append(Hypothesis(beam, score, reason))

@@ -133,7 +133,7 @@ def test_transformers_scoring_matches_generate(tiny, block_size):
 
 def brute_force_vllm(model, prompt, params: BeamSearchParams, eos) -> list[tuple]:
     """vLLM's beam search spelled out: every beam proposes its 2 * width best tokens;
-    EOS candidates finish; the best width others live on. Returns (tokens after
+    EOS candidates finish (unless ignore_eos); the best width others live on. Returns (tokens after
     the prompt, cumulative logprob, score) best first, and the smallest score gap
     met at a selection boundary."""
     width = params.beam_width
@@ -148,7 +148,8 @@ def brute_force_vllm(model, prompt, params: BeamSearchParams, eos) -> list[tuple
         for output, cum in beams:
             top = torch.topk(_log_probs(model, prompt + output), 2 * width)
             for lp, token in zip(top.values.tolist(), top.indices.tolist(), strict=True):
-                (finished if token in eos else candidates).append((output + [token], cum + lp))
+                ends = token in eos and not params.ignore_eos
+                (finished if ends else candidates).append((output + [token], cum + lp))
         candidates.sort(key=lambda c: score(*c), reverse=True)
         if len(candidates) > width:
             gap = min(gap, score(*candidates[width - 1]) - score(*candidates[width]))
@@ -164,8 +165,8 @@ def test_vllm_scoring_matches_brute_force(tiny):
     llm = LLM("tiny", loaded=(model, config, tokenizer), block_size=4, **TINY_ENGINE)
     eos = llm.engine.eos_token_ids
     prompts = _prompts(config.vocab_size, 4, seed=5)
-    params = [BeamSearchParams(beam_width=w, max_tokens=6, length_penalty=lp)
-              for w, lp in [(2, 1.0), (3, 0.5), (4, 1.0), (2, 2.0)]]
+    params = [BeamSearchParams(beam_width=w, max_tokens=6, length_penalty=lp, ignore_eos=i)
+              for w, lp, i in [(2, 1.0, False), (3, 0.5, True), (4, 1.0, False), (2, 2.0, False)]]
     ties = 0
     for prompt, p in zip(prompts, params, strict=True):
         (ours,) = llm.beam_search([prompt], p)
