@@ -35,14 +35,16 @@ from jpaged.stats import percentiles
 MAX_TOTAL_LEN = 512
 
 
-def mixed_workload(num_requests: int, scale: float, vocab_size: int, seed: int, token_seed: int):
-    """[(prompt token ids, output length)], ShareGPT-like lengths scaled by `scale`.
+def mixed_workload(num_requests: int, scale: float, vocab_size: int, seed: int, token_seed: int,
+                   dataset: str = "sharegpt"):
+    """[(prompt token ids, output length)], the dataset's lengths (ShareGPT-like or
+    Alpaca-like) scaled by `scale` and clipped to MAX_TOTAL_LEN.
 
     The lengths come from `seed`, the token ids from `token_seed`: a warm-up run
     with other tokens takes the same steps (so compiles the same shapes) but
     gets no prefix-cache hits from the timed run's prompts.
     """
-    lengths = sample_lengths("sharegpt", num_requests, np.random.default_rng(seed))
+    lengths = sample_lengths(dataset, num_requests, np.random.default_rng(seed))
     prompt_lens = np.clip((lengths[:, 0] * scale).astype(int), 4, MAX_TOTAL_LEN // 2)
     output_lens = np.clip((lengths[:, 1] * scale).astype(int), 4, MAX_TOTAL_LEN - prompt_lens)
     tokens = np.random.default_rng(token_seed)

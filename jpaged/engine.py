@@ -57,8 +57,9 @@ class EngineConfig:
     shapes pad to `buckets`, by default `default_buckets` of the attention backend.
     max_logprobs caps `logprobs` and `prompt_logprobs` (the sampler returns that
     many top tokens per row) and so the beam-search candidates per beam.
-    share_blocks=False makes forked samples and beams copy their parent's
-    blocks at once instead of sharing them: the no-sharing baseline.
+    share_blocks=False makes forked samples and beams copy all their parent's
+    blocks before their first write instead of sharing them: the no-sharing
+    baseline.
     """
 
     model: str = "smollm2"
@@ -355,6 +356,7 @@ class LLMEngine:
         started = time.perf_counter()
         plan = self.scheduler.schedule()
         touched = [self._requests[g.request_id] for g in plan.ignored]
+        self.stats.record_blocks(self.block_manager)
         if not plan.is_empty:
             self._account_blocks()
             touched += self._run(plan)

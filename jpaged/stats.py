@@ -16,6 +16,7 @@ from jax import monitoring
 from jpaged.outputs import RequestMetrics
 
 if TYPE_CHECKING:
+    from jpaged.block_manager import BlockManager
     from jpaged.engine import LLMEngine
     from jpaged.scheduler import SchedulerOutput
 
@@ -70,22 +71,25 @@ class EngineStats:
     logical_block_steps: int = 0
     physical_block_steps: int = 0
 
+    def record_blocks(self, manager: BlockManager) -> None:
+        """The KV blocks a step runs with: read after scheduling (appends and their
+        copy-on-write copies made) and before sampling forks and drops sequences."""
+        self.kv_utilization.append(manager.physical_blocks_used / manager.num_device_blocks)
+        self.logical_block_steps += manager.logical_blocks_used
+        self.physical_block_steps += manager.physical_blocks_used
+
     def record_step(
         self, engine: LLMEngine, plan: SchedulerOutput, started: float, ended: float
     ) -> None:
-        manager = engine.block_manager
         self.num_steps += 1
         self.num_batched_tokens += plan.num_batched_tokens
         self.busy_seconds += ended - started
         self.first_step_time = self.first_step_time or started
         self.last_step_time = ended
-        self.kv_utilization.append(manager.physical_blocks_used / manager.num_device_blocks)
-        self.logical_block_steps += manager.logical_blocks_used
-        self.physical_block_steps += manager.physical_blocks_used
         self.num_running.append(engine.scheduler.num_running)
         self.num_waiting.append(engine.scheduler.num_waiting)
         self.num_preemptions = engine.scheduler.num_preemptions
-        self.prefix_cache_hit_rate = manager.prefix_cache_stats.hit_rate
+        self.prefix_cache_hit_rate = engine.block_manager.prefix_cache_stats.hit_rate
 
     def record_finished(self, metrics: RequestMetrics, output_lengths: list[int]) -> None:
         """output_lengths: output tokens of each of the request's samples or beams;
