@@ -1,16 +1,42 @@
-"""jpaged: PagedAttention in JAX and Pallas."""
+"""jpaged: PagedAttention in JAX and Pallas.
 
-from jpaged.engine import EngineConfig, LLMEngine
-from jpaged.inputs import TextPrompt, TokensPrompt
-from jpaged.llm import LLM
-from jpaged.outputs import (
-    BeamSearchOutput,
-    BeamSearchSequence,
-    CompletionOutput,
-    Logprob,
-    RequestOutput,
-)
-from jpaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+Public names load on first use (PEP 562), so the host side (allocator, block
+manager, scheduler, batch builder) imports without jax.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from jpaged.engine import EngineConfig, LLMEngine
+    from jpaged.inputs import TextPrompt, TokensPrompt
+    from jpaged.llm import LLM
+    from jpaged.outputs import (
+        BeamSearchOutput,
+        BeamSearchSequence,
+        CompletionOutput,
+        Logprob,
+        RequestOutput,
+    )
+    from jpaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+
+_MODULE_OF = {
+    "LLM": "jpaged.llm",
+    "BeamSearchOutput": "jpaged.outputs",
+    "BeamSearchParams": "jpaged.sampling_params",
+    "BeamSearchSequence": "jpaged.outputs",
+    "CompletionOutput": "jpaged.outputs",
+    "EngineConfig": "jpaged.engine",
+    "LLMEngine": "jpaged.engine",
+    "Logprob": "jpaged.outputs",
+    "RequestOutput": "jpaged.outputs",
+    "RequestOutputKind": "jpaged.sampling_params",
+    "SamplingParams": "jpaged.sampling_params",
+    "TextPrompt": "jpaged.inputs",
+    "TokensPrompt": "jpaged.inputs",
+}
 
 __all__ = [
     "LLM",
@@ -27,3 +53,15 @@ __all__ = [
     "TextPrompt",
     "TokensPrompt",
 ]
+
+
+def __getattr__(name: str):
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_MODULE_OF[name]), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

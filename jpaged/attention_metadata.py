@@ -10,20 +10,22 @@ small, fixed set of shapes. Padding points at the reserved null block 0:
   null block), so writing their K/V is harmless and never read back.
 - Padding sequences have `context_lens == 0` and an empty query range
   (`query_start_loc[i] == query_start_loc[i + 1]`).
+
+A NamedTuple is a JAX pytree without registration, so this module needs no jax:
+the host side builds numpy arrays and jit moves them to the device.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
-import jax
 import numpy as np
 
 
-@jax.tree_util.register_dataclass
-@dataclass(frozen=True)
-class AttentionMetadata:
+class AttentionMetadata(NamedTuple):
     """Index arrays of one step (B = padded sequences, T = padded tokens).
+
+    Numpy arrays on the host; inside a jitted step the same fields hold jax arrays.
 
     slot_mapping:    int32 [T]  flat cache slot of each new token
                      (physical_block * block_size + offset).
@@ -38,17 +40,9 @@ class AttentionMetadata:
                      (0 for padding sequences).
     """
 
-    slot_mapping: jax.Array | np.ndarray
-    positions: jax.Array | np.ndarray
-    block_tables: jax.Array | np.ndarray
-    context_lens: jax.Array | np.ndarray
-    query_start_loc: jax.Array | np.ndarray
-    logits_indices: jax.Array | np.ndarray
-
-    @property
-    def num_tokens(self) -> int:
-        return self.slot_mapping.shape[0]
-
-    @property
-    def num_seqs(self) -> int:
-        return self.context_lens.shape[0]
+    slot_mapping: np.ndarray
+    positions: np.ndarray
+    block_tables: np.ndarray
+    context_lens: np.ndarray
+    query_start_loc: np.ndarray
+    logits_indices: np.ndarray

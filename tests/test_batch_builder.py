@@ -100,7 +100,7 @@ def test_matches_brute_force_oracle(schedule):
     model_input = build_model_input(scheduled, tables, buckets, min_rows)
     expected = oracle(scheduled, tables, tables.block_size, buckets, min_rows)
     metadata = model_input.metadata
-    arrays = {"input_ids": model_input.input_ids, **vars(metadata)}
+    arrays = {"input_ids": model_input.input_ids, **metadata._asdict()}
     for name, want in expected.items():
         assert arrays[name].dtype == np.int32, name
         np.testing.assert_array_equal(arrays[name], np.array(want), err_msg=name)

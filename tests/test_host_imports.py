@@ -1,0 +1,56 @@
+"""The host side (allocator, block manager, scheduler, batch builder, the simulator)
+imports without the device stack, so it runs where jax, flax, transformers or torch
+are missing or slow to import. Each check runs in a fresh interpreter: this test
+process has imported all of them already."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+HEAVY = ("jax", "flax", "transformers", "torch")
+HOST_MODULES = (
+    "jpaged.allocator",
+    "jpaged.block_manager",
+    "jpaged.scheduler",
+    "jpaged.batch_builder",
+    "experiments.simulator",
+)
+
+
+def loaded_modules(code: str) -> set[str]:
+    """Run `code` in a fresh interpreter; the top-level names in its sys.modules after."""
+    script = f"{code}\nimport sys\nprint(' '.join({{m.partition('.')[0] for m in sys.modules}}))"
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True,
+                            text=True, check=True)
+    return set(result.stdout.split())
+
+
+@pytest.mark.parametrize("module", HOST_MODULES)
+def test_host_module_loads_no_device_stack(module):
+    loaded = loaded_modules(f"import {module}")
+    assert module.partition(".")[0] in loaded
+    assert loaded.isdisjoint(HEAVY), sorted(loaded & set(HEAVY))
+
+
+def test_package_loads_its_names_on_first_use():
+    # Importing jpaged alone loads nothing heavy; naming jpaged.LLM loads the engine.
+    assert loaded_modules("import jpaged").isdisjoint(HEAVY)
+    loaded = loaded_modules("import jpaged\nassert jpaged.LLM.__name__ == 'LLM'")
+    assert {"jax", "flax"} <= loaded
+
+
+def test_package_lists_and_resolves_every_public_name():
+    import jpaged
+    from jpaged.llm import LLM
+
+    assert set(jpaged.__all__) <= set(dir(jpaged))
+    for name in jpaged.__all__:
+        assert getattr(jpaged, name).__name__ == name
+    assert jpaged.LLM is LLM
+    with pytest.raises(AttributeError, match="no_such_name"):
+        jpaged.no_such_name  # noqa: B018
