@@ -8,7 +8,12 @@ import logging
 import sys
 
 from jpaged.llm import LLM
+from jpaged.loader import DownloadError
 from jpaged.sampling_params import SamplingParams
+
+# Failures the user can fix: bad arguments, model files missing or malformed, no network,
+# a missing optional package. Anything else is a bug and keeps its traceback.
+USER_ERRORS = (ValueError, TypeError, OSError, ImportError, DownloadError)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -37,6 +42,8 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("--max-model-len", type=int, default=None)
         sub.add_argument("--attention-backend", choices=["pallas", "xla", "reference"],
                          default=None, help="default: pallas on TPU/GPU, xla on CPU")
+        sub.add_argument("--debug", action="store_true",
+                         help="show the traceback of an error instead of one line")
     return parser
 
 
@@ -83,6 +90,8 @@ def _chat(llm: LLM, args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Exit status 0, 1 on a user-facing error (one line on stderr; --debug shows the
+    traceback), 130 on Ctrl-C."""
     args = _parser().parse_args(argv)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("jpaged: %(message)s"))
@@ -91,10 +100,21 @@ def main(argv: list[str] | None = None) -> int:
     try:
         llm = _llm(args)
         (_generate if args.command == "generate" else _chat)(llm, args)
-    except (ValueError, TypeError, ImportError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        return 130
+    except USER_ERRORS as error:
+        if args.debug:
+            raise
+        print(f"error: {_one_line(error)}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _one_line(error: BaseException) -> str:
+    """The error's message on one line (library messages may span several), else its type."""
+    return " ".join(str(error).split()) or type(error).__name__
 
 
 if __name__ == "__main__":

