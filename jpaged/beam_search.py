@@ -57,7 +57,8 @@ class Extension:
 
 @dataclass
 class Hypothesis:
-    """A finished beam. finish_reason: "stop" (ended in EOS) or "length"."""
+    """A finished beam. finish_reason: "stop" (ended in EOS), "length", or "error"
+    (a live beam of a request whose step failed)."""
 
     beam: Beam
     score: float

@@ -27,8 +27,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import kernels_pallas
 from jpaged.batch_builder import BucketSizes, bucket, build_model_input, padded_sizes
-from jpaged.beam_search import Beam, BeamSearch
+from jpaged.beam_search import Beam, BeamSearch, Hypothesis
 from jpaged.block_manager import BlockManager
 from jpaged.config import CacheConfig, SchedulerConfig
 from jpaged.detokenizer import IncrementalDetokenizer
@@ -37,7 +38,7 @@ from jpaged.loader import cache_directory, load_model
 from jpaged.model import LlamaConfig
 from jpaged.outputs import Logprob, RequestMetrics, RequestOutput
 from jpaged.request import Request, Sample
-from jpaged.runner import AttentionBackend, ModelRunner
+from jpaged.runner import AttentionBackend, ModelRunner, default_attention_backend
 from jpaged.sampler import SamplerOutput, SamplingRow, sampling_tensors
 from jpaged.sampling_params import GREEDY_TEMPERATURE, BeamSearchParams, SamplingParams
 from jpaged.scheduler import Scheduler, SchedulerOutput
@@ -202,15 +203,7 @@ class LLMEngine:
             ),
             self.block_manager,
         )
-        self.runner = ModelRunner(
-            model, self.model_config,
-            num_blocks=num_blocks, block_size=config.block_size,
-            num_host_blocks=config.num_host_blocks, kv_dtype=dtype,
-            attention_backend=config.attention_backend, interpret=config.interpret,
-        )
-        self.buckets = config.buckets or default_buckets(
-            self.runner.attention_backend, -(-self.max_model_len // config.block_size)
-        )
+        self.runner = self._start_runner(model, num_blocks, dtype)
         eos, tokenizer_eos = self.model_config.eos_token_ids, self.tokenizer.eos_token_id
         self.eos_token_ids = eos if tokenizer_eos in (None, *eos) else (*eos, tokenizer_eos)
         self.stats = EngineStats()
@@ -219,6 +212,57 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._seeds = np.random.default_rng(config.seed)
         self._token_texts: dict[int, str] = {}
+        self.last_step_error: BaseException | None = None
+
+    def _start_runner(self, model, num_blocks: int, dtype) -> ModelRunner:
+        """The runner, on the configured backend or else the default one.
+
+        The Pallas kernels must accept the cache layout and compile on this
+        device (checked here, on the smallest step shapes); if the default
+        kernel cannot, the engine warns and runs the XLA implementation, while
+        an explicitly requested backend raises instead. Sets `self.buckets`.
+        """
+        config = self.config
+        requested = config.attention_backend
+        backend = requested or default_attention_backend()
+        try:
+            return self._runner_on(backend, model, num_blocks, dtype)
+        except Exception as error:
+            if requested is not None:
+                if isinstance(error, ValueError):
+                    raise
+                raise RuntimeError(
+                    f"attention_backend={requested!r} cannot run on this "
+                    f"{jax.default_backend()} device: {type(error).__name__}: {error}"
+                ) from error
+            reason = f"{type(error).__name__}: {error}"
+        # Out of the except block, so the failed runner and its KV cache are freed first.
+        logger.warning("the default %r attention kernel cannot run on this %s device (%s); "
+                       "using the 'xla' implementation", backend, jax.default_backend(), reason)
+        return self._runner_on("xla", model, num_blocks, dtype)
+
+    def _runner_on(self, backend: AttentionBackend, model, num_blocks: int, dtype
+                   ) -> ModelRunner:
+        config = self.config
+        if backend == "pallas":
+            kernels_pallas.check_cache_layout(
+                kernels_pallas.default_implementation(config.interpret), dtype,
+                config.block_size, self.model_config.head_dim)
+        runner = ModelRunner(
+            model, self.model_config,
+            num_blocks=num_blocks, block_size=config.block_size,
+            num_host_blocks=config.num_host_blocks, kv_dtype=dtype,
+            attention_backend=backend, interpret=config.interpret,
+        )
+        self.buckets = config.buckets or default_buckets(
+            backend, -(-self.max_model_len // config.block_size)
+        )
+        if backend == "pallas":
+            for num_tokens, decode_only in ((1, True), (2, False)):
+                num_tokens, num_seqs = padded_sizes(num_tokens, 1, self.buckets)
+                runner.run_padding_step(num_tokens, num_seqs,
+                                        bucket(1, self.buckets.min_blocks_per_seq), decode_only)
+        return runner
 
     # Requests.
 
@@ -352,15 +396,35 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run and sample once; the outputs of the requests that made progress
-        (as each request's output_kind says)."""
+        (as each request's output_kind says).
+
+        If the step raises, its requests finish with finish_reason "error" (the
+        exception is kept in `last_step_error`) and every other request goes on;
+        an interrupt (KeyboardInterrupt) is raised again once the engine is
+        consistent.
+        """
         started = time.perf_counter()
         plan = self.scheduler.schedule()
         touched = [self._requests[g.request_id] for g in plan.ignored]
         self.stats.record_blocks(self.block_manager)
+        interrupt = None
         if not plan.is_empty:
             self._account_blocks()
-            touched += self._run(plan)
+            try:
+                touched += self._run(plan)
+            except Exception as error:
+                touched += self._fail_step(plan, error)
+            except BaseException as error:
+                touched += self._fail_step(plan, error)
+                interrupt = error
         self.stats.record_step(self, plan, started, time.perf_counter())
+        outputs = self._outputs(touched)
+        if interrupt is not None:
+            raise interrupt
+        return outputs
+
+    def _outputs(self, touched: list[Request]) -> list[RequestOutput]:
+        """The outputs of the requests a step touched; finished ones leave the engine."""
         outputs = []
         for request in touched:
             finished = request.group.is_finished
@@ -374,6 +438,84 @@ class LLMEngine:
                 del self._requests[request.request_id]
                 self._forget(request)
         return outputs
+
+    def check_invariants(self) -> None:
+        """Check the KV blocks against the live sequences; RuntimeError on a violation.
+
+        Every device and host block's reference count equals the number of live
+        block tables holding it (so a block is free exactly when none does), the
+        free counts agree, and the logical block count is the tables' total.
+        """
+        manager, step = self.block_manager, self.block_manager.step
+        held = np.zeros(manager.num_device_blocks + 1, np.int64)
+        held_on_host = np.zeros(manager.num_host_blocks, np.int64)
+        logical = 0
+        for request in self._requests.values():
+            for seq in request.group.seqs:
+                if seq.status is SequenceStatus.RUNNING:
+                    table = manager.block_table(seq).array
+                    np.add.at(held, table, 1)
+                    logical += len(table)
+                elif seq.status is SequenceStatus.SWAPPED:
+                    np.add.at(held_on_host, manager.host_block_table(seq).array, 1)
+        refcounts = np.array([step.refcount(b) for b in range(1, len(held))])
+        host_refcounts = np.array([step.host_refcount(b) for b in range(len(held_on_host))])
+        problems = [
+            f"device block {b + 1}: refcount {refcounts[b]}, held by {held[b + 1]} tables"
+            for b in np.flatnonzero(refcounts != held[1:])
+        ] + [
+            f"host block {b}: refcount {host_refcounts[b]}, held by {held_on_host[b]} tables"
+            for b in np.flatnonzero(host_refcounts != held_on_host)
+        ]
+        if held[0]:
+            problems.append(f"the null block is in {held[0]} tables")
+        if manager.num_free_blocks != np.count_nonzero(refcounts == 0):
+            problems.append(f"{manager.num_free_blocks} free device blocks, "
+                            f"{np.count_nonzero(refcounts == 0)} unreferenced")
+        if manager.num_free_host_blocks != np.count_nonzero(host_refcounts == 0):
+            problems.append(f"{manager.num_free_host_blocks} free host blocks, "
+                            f"{np.count_nonzero(host_refcounts == 0)} unreferenced")
+        if manager.logical_blocks_used != logical:
+            problems.append(f"logical blocks {manager.logical_blocks_used}, tables hold {logical}")
+        if problems:
+            raise RuntimeError("KV block invariants violated: " + "; ".join(problems[:5]))
+
+    def _fail_step(self, plan: SchedulerOutput, error: BaseException) -> list[Request]:
+        """Make the engine consistent after `plan`'s step raised; the requests it ends.
+
+        The step's requests end with FINISHED_ERROR (their state may be half
+        updated). Groups the step swapped out may hold garbage on the host: they
+        recompute. If the device call consumed the donated KV cache, every
+        device block is lost: the cache is allocated again, the prefix cache
+        forgets its blocks and every running group recomputes.
+        """
+        self.last_step_error = error
+        failed = list({id(r): r for r in (self._request_of_seq.get(seq.seq_id)
+                                          for seq, _ in plan.scheduled) if r is not None}.values())
+        logger.error("a step failed (%s: %s); its %d requests finish with finish_reason "
+                     "'error'", type(error).__name__, error, len(failed))
+        for request in failed:
+            self._end_with_error(request)
+        swapped_out = [g for g in plan.preempted if g.seqs_with(SequenceStatus.SWAPPED)]
+        self.scheduler.recompute(swapped_out)
+        if self.runner.kv_cache_lost():
+            logger.error("the KV cache was lost with the step: reallocating it; running "
+                         "requests recompute their tokens")
+            self.runner.reset_kv_cache()
+            self.scheduler.recompute([g for g in self.scheduler.running
+                                      if g.seqs_with(SequenceStatus.RUNNING)])
+            self.block_manager.reset_prefix_cache()
+        return failed
+
+    def _end_with_error(self, request: Request) -> None:
+        """Finish every sequence of `request` with FINISHED_ERROR; live beams become its
+        results."""
+        if request.is_beam_search and request.beam_results is None:
+            request.beam_results = [
+                Hypothesis(request.beams[seq.seq_id], float("-inf"), "error")
+                for seq in request.group.unfinished_seqs() if seq.seq_id in request.beams
+            ]
+        self.scheduler.fail(request.request_id)
 
     def _forget(self, request: Request) -> None:
         for seq in request.group.seqs:
@@ -415,7 +557,11 @@ class LLMEngine:
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = time.perf_counter()
             indices = range(first, first + len(seqs))
-            if request.is_beam_search:
+            if not sampled.finite[first : first + len(seqs)].all():
+                logger.error("request %r: NaN or infinite logits; it finishes with "
+                             "finish_reason 'error'", request.request_id)
+                self._end_with_error(request)
+            elif request.is_beam_search:
                 self._beam_step(request, seqs, sampled, indices)
             else:
                 for seq, i in zip(seqs, indices, strict=True):

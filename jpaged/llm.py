@@ -139,25 +139,29 @@ class LLM:
                     f"sampling_params must be SamplingParams, got {type(request_params).__name__}"
                 )
         request_ids = [f"generate-{next(self._request_ids)}" for _ in prompts]
-        added = []
+        # All or nothing: a rejected prompt, a failed step or an interrupt withdraws
+        # every request of this call (aborting a finished one is a no-op).
         try:
             for request_id, prompt, request_params in zip(request_ids, prompts, params,
                                                           strict=True):
                 self.engine.add_request(request_id, prompt, request_params)
-                added.append(request_id)
-        except (ValueError, TypeError):
-            for request_id in added:
+            return self._run_to_completion(request_ids, use_tqdm)
+        except BaseException:
+            for request_id in request_ids:
                 self.engine.abort(request_id)
             raise
-        return self._run_to_completion(request_ids, use_tqdm)
 
     def _run_to_completion(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        """Step until every request is done; raises the error of a step that failed."""
         finished: dict[str, RequestOutput] = {}
         wanted = set(request_ids)
+        self.engine.last_step_error = None
         with tqdm(total=len(request_ids), disable=not use_tqdm, desc="requests") as bar:
             while len(finished) < len(request_ids) and self.engine.has_unfinished_requests():
                 for output in self.engine.step():
                     if output.finished and output.request_id in wanted:
                         finished[output.request_id] = output
                         bar.update(1)
+                if self.engine.last_step_error is not None:
+                    raise self.engine.last_step_error
         return [finished[request_id] for request_id in request_ids]

@@ -12,6 +12,7 @@ FINISH_REASONS = {
     SequenceStatus.FINISHED_LENGTH: "length",
     SequenceStatus.FINISHED_IGNORED: "length",
     SequenceStatus.FINISHED_ABORTED: "abort",
+    SequenceStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -37,7 +38,8 @@ class CompletionOutput:
 
     cumulative_logprob: sum of the chosen tokens' log-probabilities.
     logprobs:           per output token, when the request asked for them.
-    finish_reason:      None while running, else "stop", "length" or "abort".
+    finish_reason:      None while running, else "stop", "length", "abort" or "error"
+                        (its step failed, or its logits were NaN or infinite).
     stop_reason:        the stop string or stop token id that ended it, if any
                         (None for EOS).
     """

@@ -142,7 +142,9 @@ class ModelRunner:
         self.block_size = block_size
         self.attention_backend = attention_backend or default_attention_backend()
         self.graphdef, self.params = nnx.split(model)
-        self.kv_caches = init_kv_caches(config, num_blocks, block_size, kv_dtype)
+        self._new_kv_caches = functools.partial(init_kv_caches, config, num_blocks, block_size,
+                                                kv_dtype)
+        self.kv_caches = self._new_kv_caches()
         kv_shape = (config.num_kv_heads, num_host_blocks, block_size, config.head_dim)
         self.host_kv = [
             (np.zeros(kv_shape, kv_dtype), np.zeros(kv_shape, kv_dtype))
@@ -156,6 +158,17 @@ class ModelRunner:
 
         self._mixed_step = step(ragged)
         self._decode_step = step(decode)
+
+    def kv_cache_lost(self) -> bool:
+        """Whether a donating call consumed the KV cache without giving it back (it raised)."""
+        return any(array.is_deleted() for array in jax.tree.leaves(self.kv_caches))
+
+    def reset_kv_cache(self) -> None:
+        """A fresh, zeroed KV cache of the same shape (the host pool is kept)."""
+        for array in jax.tree.leaves(self.kv_caches):
+            if not array.is_deleted():
+                array.delete()
+        self.kv_caches = self._new_kv_caches()
 
     def apply_block_ops(self, ops: BlockOps) -> None:
         """Swap out, swap in, then copy-on-write copies, in that order, before the step."""

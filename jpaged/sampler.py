@@ -106,6 +106,8 @@ class SamplerOutput:
     ranks:        int32 [B]   1 + the number of tokens with a larger log-probability
     top_ids:      int32 [B, K] the K most likely tokens, descending
     top_logprobs: f32 [B, K]
+    finite:       bool [B]    every raw logit of the row is finite (else the row's
+                  token means nothing)
     """
 
     tokens: chex.Array
@@ -113,6 +115,7 @@ class SamplerOutput:
     ranks: chex.Array
     top_ids: chex.Array
     top_logprobs: chex.Array
+    finite: chex.Array
 
 
 def process_logits(logits: chex.Array, tensors: SamplingTensors) -> chex.Array:
@@ -305,7 +308,8 @@ def sample(logits: chex.Array, tensors: SamplingTensors, num_top: int) -> Sample
     drawn = jax.lax.cond(sampled.any(), _draw, lambda *_: greedy, processed, tensors)
     tokens = jnp.where(sampled, drawn, greedy)
     scaled = raw / tensors.logprob_temperature[:, None]
-    return SamplerOutput(tokens, *logprob_outputs(scaled, tokens, num_top))
+    finite = jnp.isfinite(raw).all(axis=-1)
+    return SamplerOutput(tokens, *logprob_outputs(scaled, tokens, num_top), finite)
 
 
 @dataclass(frozen=True)

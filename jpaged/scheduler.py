@@ -26,6 +26,7 @@ Blocks of finished or aborted sequences are freed at once.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -34,6 +35,8 @@ from jpaged.allocator import BlockOps
 from jpaged.block_manager import AllocStatus
 from jpaged.config import SchedulerConfig
 from jpaged.sequence import Sequence, SequenceGroup, SequenceStatus
+
+logger = logging.getLogger(__name__)
 
 # Module-level aliases: an enum attribute lookup costs as much as the status check itself.
 _WAITING = SequenceStatus.WAITING
@@ -167,6 +170,26 @@ class Scheduler:
 
     def abort(self, request_id: str) -> None:
         """End a request now and free its blocks; unknown or finished ids are ignored."""
+        self._end(request_id, SequenceStatus.FINISHED_ABORTED)
+
+    def fail(self, request_id: str) -> None:
+        """End a request that met an error (FINISHED_ERROR) and free its blocks."""
+        self._end(request_id, SequenceStatus.FINISHED_ERROR)
+
+    def recompute(self, groups: list[SequenceGroup]) -> None:
+        """Send running or swapped groups back to the waiting queue's front, in their
+        order, to compute their tokens again: their KV is lost or suspect."""
+        for group in reversed(groups):
+            for queue in (self.running, self.swapped):
+                if group in queue:
+                    queue.remove(group)
+            for seq in group.unfinished_seqs():
+                self.block_manager.free(seq)
+                seq.num_computed_tokens = 0
+                seq.status = _WAITING
+            self.waiting.appendleft(group)
+
+    def _end(self, request_id: str, status: SequenceStatus) -> None:
         group = self._unfinished.pop(request_id, None)
         if group is None:
             return
@@ -174,7 +197,7 @@ class Scheduler:
             if group in queue:
                 queue.remove(group)
         for seq in group.unfinished_seqs():
-            self._release(seq, SequenceStatus.FINISHED_ABORTED)
+            self._release(seq, status)
 
     def finish_seq(self, seq: Sequence, status: SequenceStatus) -> None:
         """End a running sequence with a finished `status` and free its blocks."""
@@ -339,7 +362,19 @@ class Scheduler:
             group = self.swapped[0]
             seqs = group.seqs_with(_SWAPPED)
             chunk = self._next_chunk(group, seqs, plan)
-            if chunk is None or self.block_manager.can_swap_in(group) is not AllocStatus.OK:
+            if chunk is None:
+                return
+            status = self.block_manager.can_swap_in(group)
+            if status is AllocStatus.NEVER:
+                # Waiting groups queue behind swapped ones: one that can never return
+                # would stall them all.
+                logger.warning(
+                    "request %r: its %d swapped sequences need more device blocks than the "
+                    "pool holds beside the watermark; it finishes", group.request_id, len(seqs))
+                self.swapped.popleft()
+                self._ignore(group, plan)
+                continue
+            if status is AllocStatus.LATER:
                 return
             self.swapped.popleft()
             self.block_manager.swap_in(group)

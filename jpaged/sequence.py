@@ -19,6 +19,7 @@ class SequenceStatus(enum.Enum):
     FINISHED_LENGTH = enum.auto()
     FINISHED_ABORTED = enum.auto()
     FINISHED_IGNORED = enum.auto()  # could never fit the KV pool
+    FINISHED_ERROR = enum.auto()  # its step failed, or its logits were not finite
 
     @property
     def is_finished(self) -> bool:
@@ -27,6 +28,7 @@ class SequenceStatus(enum.Enum):
             SequenceStatus.FINISHED_LENGTH,
             SequenceStatus.FINISHED_ABORTED,
             SequenceStatus.FINISHED_IGNORED,
+            SequenceStatus.FINISHED_ERROR,
         )
 
 

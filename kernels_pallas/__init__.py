@@ -36,6 +36,7 @@ Public ops (all usable under jit with the cache donated):
 
 from kernels_pallas.attention import (
     IMPLEMENTATIONS,
+    check_cache_layout,
     default_implementation,
     paged_decode_attention,
     ragged_paged_attention,
@@ -49,6 +50,7 @@ from kernels_pallas.write_kv import write_kv
 
 __all__ = [
     "IMPLEMENTATIONS",
+    "check_cache_layout",
     "default_implementation",
     "paged_decode_attention",
     "paged_decode_attention_reference",

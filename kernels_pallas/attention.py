@@ -86,18 +86,39 @@ def _check_common(q, k_cache, v_cache, block_tables, context_lens, implementatio
             raise ValueError(f"{name} must be >= 1, got {value}")
 
 
+def check_cache_layout(implementation: Implementation, dtype, block_size: int,
+                       head_dim: int) -> None:
+    """What a kernel needs of the KV cache layout, whatever the tiling; ValueError
+    naming the limit. Engines call it at start, before compiling anything."""
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"the KV cache dtype must be floating, got {jnp.dtype(dtype).name}")
+    if implementation == "triton":
+        for name, value in (("block_size", block_size), ("head_dim", head_dim)):
+            if value & (value - 1):
+                raise ValueError(f"the Triton kernel needs {name} a power of two, got {value}")
+        page_bytes = block_size * head_dim * jnp.dtype(dtype).itemsize
+        if page_bytes > triton_attention.MAX_CHUNK_BYTES:
+            raise ValueError(
+                f"the Triton kernel reads at most {triton_attention.MAX_CHUNK_BYTES} bytes of "
+                f"keys per step, and one page (block_size * head_dim * itemsize = "
+                f"{block_size} * {head_dim} * {jnp.dtype(dtype).itemsize}) holds {page_bytes}"
+            )
+    if implementation == "tpu" and block_size % tpu_attention.sublane_count(dtype):
+        raise ValueError(
+            f"the TPU kernel needs block_size a multiple of "
+            f"{tpu_attention.sublane_count(dtype)} for {jnp.dtype(dtype).name}, got {block_size}"
+        )
+
+
 def _check_kernel_shapes(implementation, dtype, block_size, head_dim, pages_per_chunk, block_q):
     """What each kernel's tiling needs of the static shapes (module docstrings say why)."""
     if block_q & (block_q - 1):
         raise ValueError(f"block_q must be a power of two, got {block_q}")
+    check_cache_layout(implementation, dtype, block_size, head_dim)
     if implementation == "triton":
-        for name, value in (
-            ("block_size", block_size),
-            ("head_dim", head_dim),
-            ("pages_per_chunk", pages_per_chunk),
-        ):
-            if value & (value - 1):
-                raise ValueError(f"the Triton kernel needs {name} a power of two, got {value}")
+        if pages_per_chunk & (pages_per_chunk - 1):
+            raise ValueError(
+                f"the Triton kernel needs pages_per_chunk a power of two, got {pages_per_chunk}")
         if pages_per_chunk * block_size < triton_attention.MIN_CHUNK:
             raise ValueError(
                 f"the Triton kernel needs pages_per_chunk * block_size >= "
@@ -109,11 +130,6 @@ def _check_kernel_shapes(implementation, dtype, block_size, head_dim, pages_per_
                 f"the Triton kernel reads at most {triton_attention.MAX_CHUNK_BYTES} bytes of keys "
                 f"per step, got pages_per_chunk * block_size * head_dim * itemsize = {chunk_bytes}"
             )
-    if implementation == "tpu" and block_size % tpu_attention.sublane_count(dtype):
-        raise ValueError(
-            f"the TPU kernel needs block_size a multiple of "
-            f"{tpu_attention.sublane_count(dtype)} for {jnp.dtype(dtype).name}, got {block_size}"
-        )
 
 
 def _default_pages_per_chunk(implementation, dtype, block_size, head_dim, max_blocks) -> int:

@@ -1,0 +1,320 @@
+"""Faults cost the request they hit, never the engine: injected failures against
+transformers' greedy outputs and the KV block invariants.
+
+Each scenario makes one runner call raise (or consumes the KV cache, or feeds
+NaN) while eight requests run three at a time. The requests of the failed step
+end with finish_reason "error"; after every step the blocks match the live
+sequences (`LLMEngine.check_invariants`); every other request's tokens equal
+transformers' greedy tokens; and the engine then serves all eight prompts again.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from jpaged.batch_builder import BucketSizes
+from jpaged.block_manager import BlockManager
+from jpaged.config import CacheConfig, SchedulerConfig
+from jpaged.llm import LLM
+from jpaged.loader import load_model
+from jpaged.sampling_params import SamplingParams
+from jpaged.scheduler import Scheduler
+from jpaged.sequence import Sequence, SequenceGroup, SequenceStatus
+
+MAX_TOKENS = 8
+BUCKETS = BucketSizes(min_num_tokens=8, min_num_seqs=4, min_blocks_per_seq=2)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+class InjectedFault(RuntimeError):
+    pass
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_llama_dir):
+    return load_model(tiny_llama_dir)
+
+
+@pytest.fixture(scope="module")
+def prompts(loaded):
+    """Eight prompts; the second and the last share a 16-token prefix (two full blocks),
+    so a stale prefix cache would serve the last one wrong KV."""
+    rng = np.random.default_rng(1)
+    vocab = loaded[1].vocab_size
+    shared = rng.integers(3, vocab, 16).tolist()
+    others = [rng.integers(3, vocab, n).tolist() for n in (5, 29, 3, 12, 7, 21)]
+    return [others[0], shared + [4, 5], *others[1:], shared + [6]]
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_llama_dir, prompts):
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir).eval()
+    outputs = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
+                                 pad_token_id=0)
+        outputs.append(out[0, len(prompt):].tolist())
+    return outputs
+
+
+def _llm(loaded, **kwargs) -> LLM:
+    config = dict(block_size=8, num_blocks=40, max_num_seqs=3, max_num_batched_tokens=16,
+                  max_model_len=64, buckets=BUCKETS, persistent_compilation_cache=False)
+    return LLM("tiny", loaded=loaded, **(config | kwargs))
+
+
+def fail_on_call(monkeypatch, owner, name: str, when, before_raising=None) -> list[int]:
+    """Make owner.name raise InjectedFault on the first call for which when(call number,
+    *args) is true; returns a list that holds the number of that call once it fired."""
+    original = getattr(owner, name)
+    calls, fired = [0], []
+
+    def wrapper(*args, **kwargs):
+        calls[0] += 1
+        if not fired and when(calls[0], *args):
+            fired.append(calls[0])
+            if before_raising is not None:
+                before_raising()
+            raise InjectedFault(f"{name}, call {calls[0]}")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, wrapper)
+    return fired
+
+
+def serve(llm: LLM, prompts, params=GREEDY) -> dict[int, object]:
+    """Run every prompt through the engine's step loop, checking the block invariants
+    after each step; the final output of each prompt by index."""
+    engine = llm.engine
+    for index, prompt in enumerate(prompts):
+        engine.add_request(str(index), prompt, params)
+    finished = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finished[int(output.request_id)] = output
+        engine.check_invariants()
+    return finished
+
+
+def check_recovered(llm: LLM, finished, prompts, expected, fired) -> None:
+    assert fired, "the fault was never injected"
+    reasons = {i: out.outputs[0].finish_reason for i, out in finished.items()}
+    failed = [i for i, reason in reasons.items() if reason == "error"]
+    assert failed, reasons
+    assert isinstance(llm.engine.last_step_error, InjectedFault)
+    for i, out in finished.items():
+        if i not in failed:
+            assert reasons[i] == "length"
+            assert out.outputs[0].token_ids == expected[i], i
+    manager = llm.engine.block_manager
+    assert manager.num_free_blocks == manager.num_device_blocks
+    assert manager.num_free_host_blocks == manager.num_host_blocks
+    again = llm.generate(prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in again] == expected
+
+
+def _has_copies(call, ops) -> bool:
+    return len(ops.copies) > 0
+
+
+SCENARIOS = {
+    # (engine options, object holding the call, call name, when it raises)
+    "mid_prefill": ({}, "runner", "execute", lambda call, *args: call == 2),
+    "mid_decode": ({}, "runner", "execute", lambda call, *args: call == 7),
+    "first_step_compile": ({}, "runner", "execute", lambda call, *args: call == 1),
+    "after_copy_on_write": ({}, "runner", "apply_block_ops", _has_copies),
+    "sampler": ({}, "runner", "sample", lambda call, *args: call == 4),
+    "swap_out": (dict(preemption_mode="swap", num_blocks=8, num_host_blocks=32, max_model_len=40),
+                 "runner", "_swap_out", lambda call, *args: True),
+    "swap_in": (dict(preemption_mode="swap", num_blocks=8, num_host_blocks=32, max_model_len=40),
+                "runner", "_swap_in", lambda call, *args: True),
+}
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_a_failed_step_costs_only_its_requests(loaded, prompts, expected, scenario,
+                                              monkeypatch):
+    options, owner, name, when = SCENARIOS[scenario]
+    llm = _llm(loaded, **options)
+    fired = fail_on_call(monkeypatch, getattr(llm.engine, owner), name, when)
+    # Two samples of one prompt: their first decode copies the shared last block.
+    params = [GREEDY] * len(prompts)
+    params[2] = SamplingParams(n=2, temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    engine = llm.engine
+    for index, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(str(index), prompt, p)
+    finished = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finished[int(output.request_id)] = output
+        engine.check_invariants()
+    if finished[2].outputs[0].finish_reason != "error":
+        assert all(o.token_ids == expected[2] for o in finished[2].outputs)
+    monkeypatch.undo()
+    check_recovered(llm, finished, prompts, expected, fired)
+
+
+def test_a_kv_cache_consumed_by_donation_is_rebuilt(loaded, prompts, expected, monkeypatch):
+    """The device call takes the donated cache and raises: every block's KV is gone.
+    Running requests recompute, and the prefix cache forgets its blocks (the last
+    prompt shares two blocks with the second, which finished before the fault)."""
+    llm = _llm(loaded)
+    runner = llm.engine.runner
+
+    def consume_cache():
+        for array in jax.tree.leaves(runner.kv_caches):
+            array.delete()
+
+    fired = fail_on_call(monkeypatch, runner, "execute", lambda call, *args: call == 12,
+                         before_raising=consume_cache)
+    finished = serve(llm, prompts)
+    assert finished[1].outputs[0].finish_reason == "length"
+    assert finished[len(prompts) - 1].outputs[0].finish_reason == "length"
+    monkeypatch.undo()
+    check_recovered(llm, finished, prompts, expected, fired)
+
+
+def test_generate_raises_the_step_error_and_withdraws_its_requests(
+        loaded, prompts, expected, monkeypatch):
+    llm = _llm(loaded)
+    fail_on_call(monkeypatch, llm.engine.runner, "execute", lambda call, *args: call == 3)
+    with pytest.raises(InjectedFault):
+        llm.generate(prompts, GREEDY)
+    assert not llm.engine.has_unfinished_requests()
+    llm.engine.check_invariants()
+    monkeypatch.undo()
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == expected
+
+
+def test_an_interrupt_leaves_the_engine_consistent(loaded, prompts, expected, monkeypatch):
+    llm = _llm(loaded)
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    original = llm.engine.runner.execute
+    calls = [0]
+
+    def execute(*args, **kwargs):
+        calls[0] += 1
+        return interrupt() if calls[0] == 5 else original(*args, **kwargs)
+
+    monkeypatch.setattr(llm.engine.runner, "execute", execute)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts, GREEDY)
+    assert not llm.engine.has_unfinished_requests()
+    llm.engine.check_invariants()
+    monkeypatch.undo()
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == expected
+
+
+def test_a_rejected_prompt_withdraws_the_prompts_before_it(loaded, prompts, expected):
+    llm = _llm(loaded)
+    too_long = list(range(3, 3 + 65))
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([*prompts[:3], too_long], GREEDY)
+    assert not llm.engine.has_unfinished_requests()
+    outputs = llm.generate(prompts[:2], GREEDY)
+    assert [o.outputs[0].token_ids for o in outputs] == expected[:2]
+    assert llm.engine.stats.num_finished == 2
+
+
+def test_nan_logits_end_only_their_request(tiny_llama_dir, prompts, expected):
+    """A token whose embedding is NaN poisons every sequence that holds it."""
+    model, config, tokenizer = load_model(tiny_llama_dir)
+    poisoned = 2
+    assert all(poisoned not in prompt for prompt in prompts)
+    table = model.embed_tokens.embedding
+    table[...] = table[...].at[poisoned].set(jnp.nan)
+    llm = _llm((model, config, tokenizer))
+    inputs = [*prompts[:4], [7, poisoned, 9], *prompts[4:]]
+    finished = serve(llm, inputs)
+    reasons = [finished[i].outputs[0].finish_reason for i in range(len(inputs))]
+    assert reasons == ["length"] * 4 + ["error"] + ["length"] * (len(prompts) - 4)
+    survivors = [finished[i].outputs[0].token_ids for i in range(len(inputs)) if i != 4]
+    assert survivors == expected
+    assert llm.engine.last_step_error is None
+
+
+def break_pallas_kernels(monkeypatch) -> None:
+    """The Pallas kernels (implementation None: the device's own) fail to lower;
+    the "xla" and "reference" implementations of the same ops still work."""
+    import kernels_pallas
+
+    for name in ("ragged_paged_attention", "paged_decode_attention"):
+        op = getattr(kernels_pallas, name)
+
+        def failing(*args, op=op, implementation=None, **kwargs):
+            if implementation is None:
+                raise NotImplementedError("lowering is not supported for this kernel")
+            return op(*args, implementation=implementation, **kwargs)
+
+        monkeypatch.setattr(kernels_pallas, name, failing)
+
+
+def test_the_default_kernel_falls_back_to_xla(loaded, prompts, expected, monkeypatch, caplog):
+    monkeypatch.setattr("jpaged.engine.default_attention_backend", lambda: "pallas")
+    break_pallas_kernels(monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="jpaged"):
+        llm = _llm(loaded, interpret=True)
+    assert llm.engine.runner.attention_backend == "xla"
+    assert "lowering is not supported" in caplog.text
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == expected
+
+
+def test_a_requested_kernel_that_cannot_compile_raises(loaded, monkeypatch):
+    break_pallas_kernels(monkeypatch)
+    with pytest.raises(RuntimeError, match="attention_backend='pallas'.*lowering is not"):
+        _llm(loaded, attention_backend="pallas", interpret=True)
+
+
+def test_kernel_limits_are_checked_at_start(loaded, monkeypatch, caplog):
+    # On CPU under interpret mode "pallas" is the Triton kernel: block_size a power of two.
+    monkeypatch.setattr("jax.default_backend", lambda: "cpu")
+    with pytest.raises(ValueError, match="Triton kernel needs block_size a power of two, got 12"):
+        _llm(loaded, attention_backend="pallas", interpret=True, block_size=12)
+    monkeypatch.setattr("jpaged.engine.default_attention_backend", lambda: "pallas")
+    with caplog.at_level(logging.WARNING, logger="jpaged"):
+        llm = _llm(loaded, interpret=True, block_size=12)
+    assert llm.engine.runner.attention_backend == "xla"
+    assert "power of two, got 12" in caplog.text
+
+
+def test_a_swapped_group_that_can_never_return_does_not_stall_the_queue():
+    """A newer group grows to nearly the whole pool, is swapped out for an older one,
+    and can then never swap back in beside the watermark: it must finish (as
+    ignored) so that the waiting queue behind it moves."""
+    # 10 usable blocks of 2 tokens; admissions and swap-ins keep 3 free.
+    manager = BlockManager(CacheConfig(block_size=2, num_blocks=11, num_host_blocks=16,
+                                       enable_prefix_caching=False, watermark=0.3))
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64,
+                                          max_model_len=64, preemption_mode="swap"), manager)
+    older = SequenceGroup("older", [Sequence(0, [1])])
+    newer = SequenceGroup("newer", [Sequence(1, list(range(1, 13)))])
+    for group in (older, newer):
+        scheduler.add_request(group)
+    waiting = SequenceGroup("waiting", [Sequence(2, [5])])
+    for _ in range(20):
+        plan = scheduler.schedule()
+        scheduler.update_after_step(plan)
+        for seq, _ in plan.scheduled:
+            if seq.status is SequenceStatus.RUNNING and seq.num_computed_tokens == len(seq):
+                seq.append_token(7)
+        if newer in scheduler.swapped and waiting not in scheduler.waiting:
+            scheduler.add_request(waiting)
+        if waiting.seqs[0].status is SequenceStatus.RUNNING:
+            break
+    assert newer.seqs[0].status is SequenceStatus.FINISHED_IGNORED
+    assert waiting.seqs[0].status is SequenceStatus.RUNNING

@@ -1,0 +1,18 @@
+"""The soak benchmark, short, in CI: random traffic, aborts and injected faults leak
+no block and change no completed greedy output."""
+
+from __future__ import annotations
+
+from benchmarks import soak
+
+
+def test_a_short_soak_leaks_nothing(tiny_llama_dir):
+    result = soak.main(["--model", str(tiny_llama_dir), "--seconds", "30", "--num-blocks", "40",
+                        "--fault-rate", "0.03"])
+    assert result["leaked_blocks"] == 0
+    assert result["greedy_mismatches"] == 0
+    assert result["greedy_checked"] > 0
+    assert result["invariant_checks"] == result["steps"] > 0
+    for counter in ("completed", "errored", "aborted", "faults_injected", "kv_caches_consumed"):
+        assert result[counter] > 0, counter
+    assert all(mode["preemptions"] > 0 for mode in result["by_mode"].values()), result["by_mode"]
