@@ -2,8 +2,9 @@
 
 `AllocatorState` is a value: reference counts and an LRU free queue for the
 device pool and for the host (swap) pool, the prefix hash of every device
-block, and the hash -> block index. Its arrays are persistent (read-only numpy
-chunks) and nothing ever mutates a state.
+block, and the hash index of cached blocks, each entry with its block's content
+key and cache id. Its arrays are persistent (read-only numpy chunks) and
+nothing ever mutates a state.
 
 A `Transaction` overlays one scheduler step's changes on a state (dicts of the
 entries it changed) and reads through them, so each operation costs
@@ -35,11 +36,12 @@ swap-in or copies write, so `swap_out` refuses that.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
 
-from jpaged.prefix_cache import NO_HASH, HashIndex
+from jpaged.prefix_cache import NO_HASH, CachedBlock, CacheKey, HashIndex
 
 
 def _readonly(array: np.ndarray) -> np.ndarray:
@@ -150,15 +152,18 @@ class PoolState:
 class AllocatorState:
     """Device and host pools plus the prefix cache.
 
-    block_hashes: uint64 [device blocks]  prefix hash of each device block,
-                  NO_HASH if it holds none.
-    hash_index:   hash -> device block, for every block with a hash.
+    block_hashes:  uint64 [device blocks]  prefix hash of each device block,
+                   NO_HASH if it holds none.
+    hash_index:    hash -> CachedBlock (block, cache id, content key), for every
+                   block with a hash.
+    next_cache_id: the id the next registration takes; ids are never reused.
     """
 
     device: PoolState
     host: PoolState
     block_hashes: ChunkedArray
-    hash_index: HashIndex
+    hash_index: HashIndex[CachedBlock]
+    next_cache_id: int
 
     @classmethod
     def create(cls, num_blocks: int, num_host_blocks: int) -> AllocatorState:
@@ -168,6 +173,7 @@ class AllocatorState:
             host=PoolState.create(num_host_blocks),
             block_hashes=ChunkedArray.of(np.zeros(num_blocks, np.uint64)),
             hash_index=HashIndex.empty(num_blocks),
+            next_cache_id=1,
         )
 
 
@@ -191,10 +197,11 @@ class BlockOps:
 
 
 class _PoolEdit:
-    """Changes to one PoolState, overlaid on it until `commit`."""
+    """Changes to one PoolState ("device" or "host", its `name`), overlaid on it until `commit`."""
 
-    def __init__(self, base: PoolState):
+    def __init__(self, base: PoolState, name: str):
         self.base = base
+        self.name = name
         self.num_free = base.num_free
         self._sentinel = base.num_blocks
         self._refcounts: dict[int, int] = {}
@@ -206,6 +213,23 @@ class _PoolEdit:
     def refcount(self, block: int) -> int:
         count = self._refcounts.get(block)
         return self.base.refcounts.item(block) if count is None else count
+
+    def checked_refcount(self, block: int) -> int:
+        """refcount(block), for a block id checked to lie in the pool (numpy would read
+        a negative one from the end)."""
+        if not 0 <= block < self._sentinel:
+            raise ValueError(f"{self.name} block {block} is out of range [0, {self._sentinel})")
+        return self.refcount(block)
+
+    def check_held(self, tables: list[list[int]]) -> None:
+        """Raise unless every block occurs in `tables` at most as often as it has holders."""
+        for block, count in Counter(block for table in tables for block in table).items():
+            holders = self.checked_refcount(block)
+            if count > holders:
+                raise ValueError(
+                    f"{self.name} block {block} occurs {count} times in the tables "
+                    f"but has {holders} holders"
+                )
 
     def _next_of(self, block: int) -> int:
         link = self._next.get(block)
@@ -248,8 +272,11 @@ class _PoolEdit:
         self._refcounts[block] = self.refcount(block) + 1
 
     def decref(self, block: int) -> None:
-        count = self.refcount(block) - 1
-        assert count >= 0, f"block {block} freed more often than referenced"
+        count = self.checked_refcount(block) - 1
+        if count < 0:
+            raise ValueError(
+                f"{self.name} block {block} freed more often than referenced: it is already free"
+            )
         self._refcounts[block] = count
         if count > 0:
             return
@@ -284,10 +311,12 @@ class Transaction:
 
     def __init__(self, state: AllocatorState):
         self.base = state
-        self._device = _PoolEdit(state.device)
-        self._host = _PoolEdit(state.host)
+        self._device = _PoolEdit(state.device, "device")
+        self._host = _PoolEdit(state.host, "host")
         self._block_hashes: dict[int, int] = {}
-        self._index: dict[int, int | None] = {}
+        self._index: dict[int, CachedBlock | None] = {}
+        self._next_cache_id = state.next_cache_id
+        self._committed = False
         self._swap_out: list[tuple[int, int]] = []
         self._swap_in: list[tuple[int, int]] = []
         self._copies: list[tuple[int, int]] = []
@@ -313,11 +342,18 @@ class Transaction:
         block_hash = self._block_hashes.get(block)
         return self.base.block_hashes.item(block) if block_hash is None else block_hash
 
-    def cached_block(self, block_hash: int) -> int | None:
-        """The device block holding `block_hash`, in use or free, or None."""
+    def _entry(self, block_hash: int) -> CachedBlock | None:
         if block_hash in self._index:
             return self._index[block_hash]
         return self.base.hash_index.get(block_hash)
+
+    def cached_block(self, block_hash: int, key: CacheKey) -> CachedBlock | None:
+        """The entry of the block, in use or free, that holds `block_hash` and `key`, or None.
+
+        An entry under `block_hash` with another key is a hash collision: a miss.
+        """
+        entry = self._entry(block_hash)
+        return entry if entry is not None and entry.key == key else None
 
     def is_written(self, block: int) -> bool:
         """Whether this step's swap-in or copies write device `block` (after any swap-out)."""
@@ -346,31 +382,48 @@ class Transaction:
 
     def share(self, block: int) -> None:
         """One more holder of an in-use device block (a fork)."""
-        assert self._device.refcount(block) > 0, block
+        if self._device.checked_refcount(block) == 0:
+            raise ValueError(f"device block {block} is free; only a block in use can be shared")
         self._device.incref(block)
 
     def take_cached(self, block: int) -> None:
         """One more holder of a cached block (a prefix hit); a free one leaves the free queue."""
-        assert self.block_hash(block) != NO_HASH, block
-        if self._device.refcount(block) == 0:
+        holders = self._device.checked_refcount(block)
+        if self.block_hash(block) == NO_HASH:
+            raise ValueError(f"device block {block} is not in the prefix cache")
+        if holders == 0:
             self._device.reuse(block)
         self._device.incref(block)
 
     def free(self, block: int) -> None:
-        """Drop one holder of a device block; at zero it joins the tail, keeping its hash."""
+        """Drop one holder of a device block; at zero it joins the tail, keeping its hash.
+
+        Raises ValueError for a block that no one holds (a double free).
+        """
         self._device.decref(block)
 
     def free_host(self, block: int) -> None:
         self._host.decref(block)
 
-    def register(self, block: int, block_hash: int) -> bool:
-        """Make a full, computed block findable by `block_hash`; False if the hash is taken."""
-        if self.cached_block(block_hash) is not None:
-            return False
-        assert self.block_hash(block) == NO_HASH, block
-        self._index[block_hash] = block
+    def register(self, block: int, block_hash: int, key: CacheKey) -> int | None:
+        """Make a full, computed block findable by `block_hash` and `key`; returns its cache id.
+
+        If another block holds `block_hash`, `block` stays private: the holder's
+        cache id if it holds `key` too (equal K/V), None if it holds other
+        content (a hash collision).
+        """
+        entry = self._entry(block_hash)
+        if entry is not None:
+            return entry.cache_id if entry.key == key else None
+        if self._device.checked_refcount(block) == 0:
+            raise ValueError(f"device block {block} is free; only a block in use holds K/V")
+        if self.block_hash(block) != NO_HASH:
+            raise ValueError(f"device block {block} is already cached under another hash")
+        entry = CachedBlock(block, self._next_cache_id, key)
+        self._next_cache_id += 1
+        self._index[block_hash] = entry
         self._block_hashes[block] = block_hash
-        return True
+        return entry.cache_id
 
     def copy_on_write(self, block: int, copy_content: bool) -> int:
         """Give the caller a private block in place of a shared one.
@@ -379,7 +432,11 @@ class Transaction:
         copies `block` into it (the caller wrote some of its slots before): from
         `block` itself, or from its source if this step's copies fill `block`.
         """
-        assert self._device.refcount(block) > 1, block
+        holders = self._device.checked_refcount(block)
+        if holders < 2:
+            raise ValueError(
+                f"device block {block} has {holders} holders; copy-on-write needs a shared one"
+            )
         (private,) = self.allocate(1)
         if copy_content:
             source = self._copied_from.get(block, block)
@@ -393,6 +450,7 @@ class Transaction:
 
     def swap_out(self, tables: list[list[int]]) -> list[list[int]]:
         """Move device block tables to host; each distinct block is copied once."""
+        self._device.check_held(tables)
         distinct = list(dict.fromkeys(block for table in tables for block in table))
         self._check_free(len(distinct), self.num_free_host, "host")
         written = [block for block in distinct if block in self._written]
@@ -416,6 +474,7 @@ class Transaction:
 
     def swap_in(self, host_tables: list[list[int]]) -> list[list[int]]:
         """Move host block tables back to fresh device blocks; each distinct block copied once."""
+        self._host.check_held(host_tables)
         distinct = list(dict.fromkeys(block for table in host_tables for block in table))
         self._check_free(len(distinct), self.num_free, "device")
         device_of = {block: self._take_head() for block in distinct}
@@ -435,12 +494,16 @@ class Transaction:
         return tables
 
     def commit(self) -> tuple[AllocatorState, BlockOps]:
-        """The next state and the device ops of this step."""
+        """The next state and the device ops of this step; a transaction commits once."""
+        if self._committed:
+            raise RuntimeError("transaction already committed: start the next one from its state")
+        self._committed = True
         state = AllocatorState(
             device=self._device.commit(),
             host=self._host.commit(),
             block_hashes=self.base.block_hashes.updated(self._block_hashes),
             hash_index=self.base.hash_index.updated(self._index),
+            next_cache_id=self._next_cache_id,
         )
         ops = BlockOps(_pairs(self._swap_out), _pairs(self._swap_in), _pairs(self._copies))
         return state, ops

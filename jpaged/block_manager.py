@@ -13,6 +13,10 @@ requests share full blocks through the prefix cache.
 What the manager remembers of a sequence (its table, its hash chain) lives
 here, keyed by seq_id, until `free(seq)`; that includes a WAITING sequence
 whose prompt `can_allocate` has already hashed.
+
+A prefix hit needs a cached block whose key (parent entry, salt, tokens) equals
+the sequence's, block after block from the first: the hash only finds the
+candidate, so a collision is a miss and the chain of hits stops there.
 """
 
 from __future__ import annotations
@@ -26,7 +30,14 @@ import numpy as np
 
 from jpaged.allocator import AllocatorState, BlockOps, Transaction
 from jpaged.config import CacheConfig
-from jpaged.prefix_cache import NO_HASH, PrefixCacheStats, hash_block
+from jpaged.prefix_cache import (
+    NO_HASH,
+    NO_PARENT,
+    CachedBlock,
+    CacheKey,
+    PrefixCacheStats,
+    hash_block,
+)
 from jpaged.sequence import Sequence, SequenceGroup, SequenceStatus
 
 _RUNNING = SequenceStatus.RUNNING  # an enum attribute lookup costs as much as the check
@@ -116,8 +127,11 @@ class _SeqBlocks:
 
     table:        physical blocks, logical order (host blocks while on_host).
     block_hashes: hash chain of the sequence's leading full blocks, computed once.
-    num_cached:   leading table entries whose hashes the prefix cache knows (a
-                  copying fork's child inherits its parent's count).
+    block_tokens: token ids of those blocks, as CacheKey takes them.
+    cache_ids:    cache ids of the entries holding the K/V of the leading table
+                  entries (theirs, or equal blocks cached first); a fork's child
+                  inherits them. They stop before a block whose hash holds
+                  other content (a collision).
     num_shared:   leading table entries another table may also hold. Entries past
                   it are this sequence's alone: only a fork, a prefix hit or a
                   swap-in shares a block, and a prefix hit takes only registered
@@ -129,7 +143,8 @@ class _SeqBlocks:
     cache_salt: str | None
     table: BlockTable = field(default_factory=BlockTable)
     block_hashes: list[int] = field(default_factory=list)
-    num_cached: int = 0
+    block_tokens: list[tuple[int, ...]] = field(default_factory=list)
+    cache_ids: list[int] = field(default_factory=list)
     num_shared: int = 0
     on_host: bool = False
     owes_copies: bool = False
@@ -194,13 +209,15 @@ class BlockManager:
     def block_table(self, seq: Sequence) -> BlockTable:
         """The device block table of `seq` (read-only to callers)."""
         record = self._seqs[seq.seq_id]
-        assert not record.on_host, f"sequence {seq.seq_id} is swapped out"
+        if record.on_host:
+            raise ValueError(f"sequence {seq.seq_id} is swapped out: it has no device table")
         return record.table
 
     def host_block_table(self, seq: Sequence) -> BlockTable:
         """The host block table of a swapped-out `seq`."""
         record = self._seqs[seq.seq_id]
-        assert record.on_host, f"sequence {seq.seq_id} is on the device"
+        if not record.on_host:
+            raise ValueError(f"sequence {seq.seq_id} is on the device: it has no host table")
         return record.table
 
     def end_step(self) -> BlockOps:
@@ -217,35 +234,40 @@ class BlockManager:
             record = self._seqs[seq.seq_id] = _SeqBlocks(cache_salt)
         return record
 
-    def _hashes(self, seq: Sequence, record: _SeqBlocks, num_blocks: int) -> list[int]:
-        """The memoised hash chain, extended to at least `num_blocks` blocks."""
+    def _memoise_blocks(self, seq: Sequence, record: _SeqBlocks, num_blocks: int) -> None:
+        """Extend the memoised hash chain and block tokens to at least `num_blocks` blocks."""
         hashes, size = record.block_hashes, self.block_size
         for i in range(len(hashes), num_blocks):
             parent = hashes[-1] if hashes else NO_HASH
-            tokens = seq.token_slice(i * size, (i + 1) * size)
+            tokens = tuple(seq.token_slice(i * size, (i + 1) * size))
             hashes.append(hash_block(parent, tokens, record.cache_salt))
-        return hashes
+            record.block_tokens.append(tokens)
 
-    def _prefix_hits(self, seq: Sequence, group: SequenceGroup) -> list[int]:
-        """Cached blocks holding seq's longest cached prefix, never its last token (none
+    def _prefix_hits(self, seq: Sequence, group: SequenceGroup) -> list[CachedBlock]:
+        """Cache entries holding seq's longest cached prefix, never its last token (none
         for a group that must compute every token)."""
         if not self.enable_prefix_caching or not group.use_prefix_cache:
             return []
         record = self._record(seq, group.cache_salt)
         num_eligible = (len(seq) - 1) // self.block_size
-        hits = []
-        for block_hash in self._hashes(seq, record, num_eligible)[:num_eligible]:
-            block = self._step.cached_block(block_hash)
-            if block is None:
+        self._memoise_blocks(seq, record, num_eligible)
+        hits: list[CachedBlock] = []
+        parent = NO_PARENT
+        for i in range(num_eligible):
+            key = CacheKey(parent, record.cache_salt, record.block_tokens[i])
+            hit = self._step.cached_block(record.block_hashes[i], key)
+            if hit is None:
                 break
-            hits.append(block)
+            hits.append(hit)
+            parent = hit.cache_id
         return hits
 
-    def _admission_cost(self, seqs: list[Sequence], hits: list[list[int]]) -> int:
+    def _admission_cost(self, seqs: list[Sequence], hits: list[list[CachedBlock]]) -> int:
         """Free blocks that admitting `seqs` with these prefix hits consumes."""
         num_blocks = sum(_cdiv(len(seq), self.block_size) for seq in seqs)
         num_hits = sum(len(seq_hits) for seq_hits in hits)
-        free_hits = {b for seq_hits in hits for b in seq_hits if self._step.refcount(b) == 0}
+        refcount = self._step.refcount
+        free_hits = {hit.block for seq_hits in hits for hit in seq_hits if refcount(hit.block) == 0}
         return num_blocks - num_hits + len(free_hits)
 
     def can_allocate(self, group: SequenceGroup) -> AllocStatus:
@@ -284,13 +306,14 @@ class BlockManager:
                 f"only {self.num_free_blocks} are free"
             )
         for seq_hits in hits:
-            for block in seq_hits:
-                self._step.take_cached(block)
+            for hit in seq_hits:
+                self._step.take_cached(hit.block)
         for seq, seq_hits in zip(seqs, hits, strict=True):
             new_blocks = self._step.allocate(_cdiv(len(seq), self.block_size) - len(seq_hits))
             record = self._record(seq, group.cache_salt)
-            record.table = BlockTable(seq_hits + new_blocks)
-            record.num_cached = record.num_shared = len(seq_hits)
+            record.table = BlockTable([hit.block for hit in seq_hits] + new_blocks)
+            record.cache_ids = [hit.cache_id for hit in seq_hits]
+            record.num_shared = len(seq_hits)
             self._logical_blocks += len(record.table)
             seq.num_computed_tokens = len(seq_hits) * self.block_size
             if group.use_prefix_cache:
@@ -365,6 +388,8 @@ class BlockManager:
         num_new_blocks = end - len(table)
         if first >= record.num_shared and num_new_blocks <= 0:
             return  # the common decode step: the slots exist and are private
+        if record.on_host:
+            raise ValueError(f"sequence {seq.seq_id} is swapped out: swap it in to append")
         step = self._step
         shared = [
             i for i in range(*_copied_range(record, first, end))
@@ -404,7 +429,8 @@ class BlockManager:
             source.cache_salt,
             table.copy(),
             list(source.block_hashes),
-            num_cached=source.num_cached,
+            list(source.block_tokens),
+            list(source.cache_ids),
             num_shared=len(table),
             owes_copies=not self.share_blocks,
         )
@@ -429,26 +455,38 @@ class BlockManager:
         """Register seq's blocks that are now full and computed in the prefix cache.
 
         A block whose hash another block already holds stays private: the
-        first copy serves later hits.
+        first copy serves later hits. If that block holds other tokens (a hash
+        collision), no hit could get past it, so registration stops there and
+        tries again next time (the other block may have been evicted by then).
         """
         if not self.enable_prefix_caching:
             return
         record = self._seqs[seq.seq_id]
         num_full = seq.num_computed_tokens // self.block_size
-        if num_full <= record.num_cached:
+        cache_ids = record.cache_ids
+        if num_full <= len(cache_ids):
             return
+        if record.on_host:
+            raise ValueError(f"sequence {seq.seq_id} is swapped out: its blocks hold no K/V")
         num_full = min(num_full, len(record.table))
-        assert not record.on_host, f"sequence {seq.seq_id} is swapped out"
-        hashes = self._hashes(seq, record, num_full)
-        for i in range(record.num_cached, num_full):
-            self._step.register(record.table.block(i), hashes[i])
-        record.num_cached = num_full
+        self._memoise_blocks(seq, record, num_full)
+        for i in range(len(cache_ids), num_full):
+            parent = cache_ids[-1] if cache_ids else NO_PARENT
+            key = CacheKey(parent, record.cache_salt, record.block_tokens[i])
+            cache_id = self._step.register(record.table.block(i), record.block_hashes[i], key)
+            if cache_id is None:
+                return
+            cache_ids.append(cache_id)
 
     # Swapping ----------------------------------------------------------------------
 
     def _tables(self, seqs: list[Sequence], on_host: bool) -> list[list[int]]:
+        """The tables of `seqs`, which must all be on the host (or all on the device)."""
         records = [self._seqs[seq.seq_id] for seq in seqs]
-        assert all(record.on_host == on_host for record in records)
+        for seq, record in zip(seqs, records, strict=True):
+            if record.on_host != on_host:
+                where = "on the device" if on_host else "swapped out"
+                raise ValueError(f"sequence {seq.seq_id} is {where} already")
         return [record.table.tolist() for record in records]
 
     def _distinct_blocks(self, seqs: list[Sequence], on_host: bool) -> set[int]:
@@ -493,6 +531,6 @@ class BlockManager:
         tables = self._step.swap_in(self._tables(seqs, on_host=True))
         for seq, table in zip(seqs, tables, strict=True):
             record = self._seqs[seq.seq_id]
-            record.table, record.on_host, record.num_cached = BlockTable(table), False, 0
+            record.table, record.on_host, record.cache_ids = BlockTable(table), False, []
             record.num_shared = len(table)
             self._logical_blocks += len(table)

@@ -1,9 +1,15 @@
-"""Automatic prefix caching: content hashes of full blocks and the hash -> block index.
+"""Automatic prefix caching: content keys and hashes of full blocks, and the hash index.
 
-A full block's hash covers its parent block's hash, its own token ids and the
-request's cache_salt. Equal hashes therefore mean equal tokens over the whole
-prefix (up to a 2^-64 collision), which is what makes the K/V equal, and
-requests with different salts never share a block, so tenants stay isolated.
+A full block's content is its `CacheKey`: the cache id of its parent block's
+entry, its own token ids and the request's cache_salt. Cache ids are handed out
+once per registration and never reused, so a chain of equal keys means an equal
+token prefix (what makes the K/V equal) even after a parent is evicted and its
+physical block holds other tokens; requests with different salts never share a
+block, so tenants stay isolated.
+
+A block's hash (over its parent's hash, tokens and salt) only locates its entry
+in the index: a hit also needs the entry's key to equal the lookup's, so two
+prefixes whose hashes collide never share K/V, whoever chose their tokens.
 """
 
 from __future__ import annotations
@@ -15,15 +21,44 @@ from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import Generic, NamedTuple, TypeVar
 
 NO_HASH = 0
 """Parent hash of a sequence's first block, and the mark of a block with no hash."""
 
+NO_PARENT = 0
+"""Parent cache id of a sequence's first block; registrations take ids from 1."""
+
+Value = TypeVar("Value")
+
+
+class CacheKey(NamedTuple):
+    """What a full block's K/V depend on; equal keys mean equal K/V.
+
+    parent:     cache id of the entry holding the previous block of the prefix,
+                NO_PARENT for the first block.
+    cache_salt: the request's salt (None and "" differ).
+    token_ids:  the block's block_size token ids.
+    """
+
+    parent: int
+    cache_salt: str | None
+    token_ids: tuple[int, ...]
+
+
+class CachedBlock(NamedTuple):
+    """An entry of the hash index: device `block` holds the K/V that `key` describes."""
+
+    block: int
+    cache_id: int
+    key: CacheKey
+
 
 def hash_block(parent_hash: int, token_ids: Sequence[int], cache_salt: str | None) -> int:
-    """64-bit blake2b hash of one full block, in [1, 2^64).
+    """64-bit blake2b hash of one full block, in [1, 2^64): where its entry lies in the index.
 
-    The fixed-width parent hash and token count come first, so the byte string
+    Hits compare keys, so a collision costs a miss, never wrong K/V. The
+    fixed-width parent hash and token count come first, so the byte string
     parses one way only: different (parent, tokens, salt) never share an input.
     """
     digest = hashlib.blake2b(digest_size=8)
@@ -39,8 +74,8 @@ _LEAVES_PER_NODE = 1 << _LEAF_BITS
 
 
 @dataclass(frozen=True)
-class HashIndex:
-    """Persistent map block hash -> device block: a two-level tree of read-only dicts.
+class HashIndex(Generic[Value]):
+    """Persistent map block hash -> value (a CachedBlock): a two-level tree of read-only dicts.
 
     The hash's low bits pick a leaf dict (about 16 entries when `capacity`
     blocks are cached); leaves hang 64 to a node under one root tuple.
@@ -49,10 +84,10 @@ class HashIndex:
     flat dict would be copied whole.
     """
 
-    root: tuple[tuple[Mapping[int, int], ...], ...]
+    root: tuple[tuple[Mapping[int, Value], ...], ...]
 
     @classmethod
-    def empty(cls, capacity: int) -> HashIndex:
+    def empty(cls, capacity: int) -> HashIndex[Value]:
         num_leaves = 1 << math.ceil(math.log2(max(capacity / 16, _LEAVES_PER_NODE)))
         node = (MappingProxyType({}),) * _LEAVES_PER_NODE
         return cls((node,) * (num_leaves // _LEAVES_PER_NODE))
@@ -61,32 +96,32 @@ class HashIndex:
         leaf = block_hash & (len(self.root) * _LEAVES_PER_NODE - 1)
         return leaf >> _LEAF_BITS, leaf & (_LEAVES_PER_NODE - 1)
 
-    def get(self, block_hash: int) -> int | None:
+    def get(self, block_hash: int) -> Value | None:
         node, leaf = self._path(block_hash)
         return self.root[node][leaf].get(block_hash)
 
     def __len__(self) -> int:
         return sum(len(leaf) for node in self.root for leaf in node)
 
-    def items(self) -> list[tuple[int, int]]:
+    def items(self) -> list[tuple[int, Value]]:
         return [item for node in self.root for leaf in node for item in leaf.items()]
 
-    def updated(self, changes: Mapping[int, int | None]) -> HashIndex:
+    def updated(self, changes: Mapping[int, Value | None]) -> HashIndex[Value]:
         """A new index with `changes` applied (a None value removes the hash)."""
         if not changes:
             return self
-        leaves: dict[tuple[int, int], dict[int, int]] = {}
-        for block_hash, block in changes.items():
+        leaves: dict[tuple[int, int], dict[int, Value]] = {}
+        for block_hash, value in changes.items():
             path = self._path(block_hash)
             entries = leaves.get(path)
             if entries is None:
                 node, leaf = path
                 entries = leaves[path] = self.root[node][leaf].copy()
-            if block is None:
+            if value is None:
                 entries.pop(block_hash, None)
             else:
-                entries[block_hash] = block
-        nodes: dict[int, list[Mapping[int, int]]] = {}
+                entries[block_hash] = value
+        nodes: dict[int, list[Mapping[int, Value]]] = {}
         for (node, leaf), entries in leaves.items():
             if node not in nodes:
                 nodes[node] = list(self.root[node])

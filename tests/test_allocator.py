@@ -2,8 +2,15 @@
 
 The model keeps the free queue as a list (head first), the prefix cache as two
 dicts, and the references the test holds as plain lists: a block's refcount
-must equal how often the test holds it.
+must equal how often the test holds it. Hashes and content keys come from small
+sets, so equal hashes with different keys (collisions) are common. Misuse
+(freeing or sharing a block nobody holds, copying an unshared one) must raise
+and leave the transaction as it was.
 """
+
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,9 +19,12 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from jpaged.allocator import AllocatorState, ChunkedArray, Transaction
-from jpaged.prefix_cache import NO_HASH
+from jpaged.prefix_cache import NO_HASH, CacheKey
 
 HASHES = st.integers(1, 12)
+KEYS = st.builds(
+    CacheKey, st.integers(0, 2), st.sampled_from([None, "", "a"]), st.tuples(st.integers(0, 1))
+)
 
 
 class AllocatorMachine(RuleBasedStateMachine):
@@ -28,7 +38,8 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.free = list(range(1, num_blocks))
         self.host_free = list(range(num_host_blocks))
         self.hash_of: dict[int, int] = {}
-        self.block_of: dict[int, int] = {}
+        self.entry_of: dict[int, tuple[int, int, CacheKey]] = {}  # hash -> (block, id, key)
+        self.next_cache_id = 1
         self.held: list[int] = []
         self.host_held: list[int] = []
         self.pinned: set[int] = set()
@@ -49,7 +60,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     def model_take_head(self):
         block = self.free.pop(0)
         if block in self.hash_of:
-            del self.block_of[self.hash_of.pop(block)]
+            del self.entry_of[self.hash_of.pop(block)]
         return block
 
     def model_release(self, block):
@@ -88,23 +99,49 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.txn.free(block)
         self.model_release(block)
 
-    @precondition(lambda self: self.held)
-    @rule(data=st.data(), block_hash=HASHES)
-    def register(self, data, block_hash):
-        block = data.draw(st.sampled_from(self.held))
-        if block in self.hash_of:
+    @rule(block=st.integers(-2, 13))
+    def free_or_share_unheld(self, block):
+        """Misuse: a double free, or sharing a block nobody holds (or none at all)."""
+        if block in self.held:
             return
-        expected = block_hash not in self.block_of
-        assert self.txn.register(block, block_hash) == expected
-        if expected:
-            self.hash_of[block], self.block_of[block_hash] = block_hash, block
+        with pytest.raises(ValueError, match=f"device block {block} (is free|freed|is out)"):
+            self.txn.free(block)
+        with pytest.raises(ValueError, match=f"device block {block} (is free|is out)"):
+            self.txn.share(block)
 
-    @rule(block_hash=HASHES)
-    def prefix_hit(self, block_hash):
-        block = self.block_of.get(block_hash)
-        assert self.txn.cached_block(block_hash) == block
-        if block is None:
+    @precondition(lambda self: self.held)
+    @rule(data=st.data())
+    def copy_on_write_unshared(self, data):
+        block = data.draw(st.sampled_from(self.held))
+        if self.held.count(block) == 1:
+            with pytest.raises(ValueError, match=f"device block {block} has 1 holders"):
+                self.txn.copy_on_write(block, copy_content=True)
+
+    @precondition(lambda self: self.held)
+    @rule(data=st.data(), block_hash=HASHES, key=KEYS)
+    def register(self, data, block_hash, key):
+        block = data.draw(st.sampled_from(self.held))
+        entry = self.entry_of.get(block_hash)
+        if entry is not None:
+            expected = entry[1] if entry[2] == key else None  # a collision registers nothing
+            assert self.txn.register(block, block_hash, key) == expected
+        elif block in self.hash_of:
+            with pytest.raises(ValueError, match=f"block {block} is already cached"):
+                self.txn.register(block, block_hash, key)
+        else:
+            assert self.txn.register(block, block_hash, key) == self.next_cache_id
+            self.hash_of[block] = block_hash
+            self.entry_of[block_hash] = (block, self.next_cache_id, key)
+            self.next_cache_id += 1
+
+    @rule(block_hash=HASHES, key=KEYS)
+    def prefix_hit(self, block_hash, key):
+        entry = self.entry_of.get(block_hash)
+        if entry is None or entry[2] != key:
+            assert self.txn.cached_block(block_hash, key) is None
             return
+        assert self.txn.cached_block(block_hash, key) == entry
+        block = entry[0]
         if block not in self.held:
             (self.deferred if block in self.deferred else self.free).remove(block)
         self.txn.take_cached(block)
@@ -214,7 +251,8 @@ class AllocatorMachine(RuleBasedStateMachine):
         for block, block_hash in self.hash_of.items():
             expected_hashes[block] = block_hash
         np.testing.assert_array_equal(self.state.block_hashes.to_numpy(), expected_hashes)
-        assert sorted(self.state.hash_index.items()) == sorted(self.block_of.items())
+        assert sorted(self.state.hash_index.items()) == sorted(self.entry_of.items())
+        assert self.state.next_cache_id == self.next_cache_id
         # Every block is free xor referenced; free + used = total; the null block is neither.
         used = set(self.held)
         assert used.isdisjoint(self.free) and 0 not in used and 0 not in self.free
@@ -340,3 +378,55 @@ def test_a_copy_from_a_block_the_same_step_fills_reads_that_blocks_source():
     _, ops = txn.commit()
     # All copies read before any writes, so `second` does not yet hold first's KV.
     assert ops.copies.tolist() == [[first, second], [first, third]]
+
+
+def test_misuse_of_a_transaction_raises_and_changes_nothing():
+    txn = Transaction(AllocatorState.create(num_blocks=4, num_host_blocks=2))
+    held, free = txn.allocate(2)
+    txn.free(free)
+    txn.swap_out([[held]])  # host block 0 holds it now; device block `held` is free
+    txn.free_host(0)
+    with pytest.raises(ValueError, match="host block 0 freed more often than referenced"):
+        txn.free_host(0)
+    with pytest.raises(ValueError, match="host block 1 freed more often than referenced"):
+        txn.free_host(1)
+    with pytest.raises(ValueError, match=f"device block {held} is not in the prefix cache"):
+        txn.take_cached(held)
+    with pytest.raises(ValueError, match=f"device block {free} is free; only a block in use"):
+        txn.register(free, 7, CacheKey(0, None, (1, 2)))
+    (shared,) = txn.allocate(1)
+    with pytest.raises(ValueError, match=f"device block {shared} occurs 2 times .* 1 holders"):
+        txn.swap_out([[shared], [shared]])
+    with pytest.raises(ValueError, match="host block 1 occurs 1 times .* 0 holders"):
+        txn.swap_in([[1]])
+    with pytest.raises(ValueError, match="device block 9 is out of range"):
+        txn.free(9)
+    assert txn.refcount(shared) == 1 and txn.host_refcount(0) == 0 and txn.host_refcount(1) == 0
+    assert txn.num_free == 2 and txn.num_free_host == 1  # host block 0 awaits its swap-out
+    state, _ = txn.commit()
+    with pytest.raises(RuntimeError, match="already committed"):
+        txn.commit()
+    assert state.device.free_queue() == [free, held] and state.host.free_queue() == [1, 0]
+
+
+def test_a_double_free_raises_with_asserts_stripped():
+    """Under `python -O` an assert would let the refcount go negative silently."""
+    code = (
+        "from jpaged.allocator import AllocatorState, Transaction\n"
+        "txn = Transaction(AllocatorState.create(num_blocks=3, num_host_blocks=0))\n"
+        "(block,) = txn.allocate(1)\n"
+        "txn.free(block)\n"
+        "try:\n"
+        "    txn.free(block)\n"
+        "except ValueError as error:\n"
+        "    print(type(error).__name__, error)\n"
+        "print('refcount', txn.refcount(block))\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-O", "-c", code], capture_output=True, text=True, check=True,
+        cwd=Path(__file__).parents[1],
+    )
+    assert run.stdout.splitlines() == [
+        "ValueError device block 1 freed more often than referenced: it is already free",
+        "refcount 0",
+    ]

@@ -610,3 +610,30 @@ def test_a_beam_pruned_mid_step_keeps_its_copy_destination_from_the_steps_swap_i
     # Swap-in runs before copies: a shared destination would end up with the copy's KV.
     assert set(ops.swap_in[:, 1].tolist()).isdisjoint(ops.copies[:, 1].tolist())
     assert manager.can_swap_in(swapped) is AllocStatus.OK  # block 1 is free after the step
+
+
+def test_calls_that_need_the_other_side_of_a_swap_raise():
+    manager = make_manager()
+    group = running_group(manager, 0, list(range(6)))
+    seq = group.seqs[0]
+    manager.append_slots(seq, 6)
+    manager.end_step()
+    seq.num_computed_tokens = 6
+    manager.swap_out(group)  # the caller has not marked seq SWAPPED yet
+    for call in (
+        lambda: manager.block_table(seq),
+        lambda: manager.append_slots(seq, 3),
+        lambda: manager.cache_computed_blocks(seq),
+        lambda: manager.fork(seq, Sequence(1, list(range(6)))),
+        lambda: manager.swap_out(group),
+    ):
+        with pytest.raises(ValueError, match="sequence 0 is swapped out"):
+            call()
+    seq.status = SWAPPED
+    manager.swap_in(group)
+    for call in (lambda: manager.host_block_table(seq), lambda: manager.swap_in(group)):
+        with pytest.raises(ValueError, match="sequence 0 is on the device"):
+            call()
+    manager.free(seq)
+    manager.end_step()
+    assert manager.num_free_blocks == 8 and manager.num_free_host_blocks == 8
