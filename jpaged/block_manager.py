@@ -21,6 +21,7 @@ candidate, so a collision is a miss and the chain of hits stops there.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections import Counter
 from collections.abc import Iterator
@@ -225,6 +226,22 @@ class BlockManager:
         self._state, ops = self._step.commit()
         self._step = Transaction(self._state)
         return ops
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block: the device KV they held is gone (the engine
+        reallocated its cache). Every device block must be free; swapped
+        sequences keep their host blocks. Pending device ops are dropped."""
+        on_device = [seq_id for seq_id, record in self._seqs.items()
+                     if len(record.table) and not record.on_host]
+        if on_device:
+            raise RuntimeError(
+                f"the prefix cache can only be reset with every device block free; "
+                f"sequences {on_device[:5]} hold device blocks")
+        committed, _ = self._step.commit()
+        fresh = AllocatorState.create(len(committed.block_hashes), self.num_host_blocks)
+        self._state = dataclasses.replace(fresh, host=committed.host,
+                                          next_cache_id=committed.next_cache_id)
+        self._step = Transaction(self._state)
 
     # Admission -----------------------------------------------------------------
 
