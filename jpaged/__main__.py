@@ -8,12 +8,12 @@ import logging
 import sys
 
 from jpaged.llm import LLM
-from jpaged.loader import DownloadError
 from jpaged.sampling_params import SamplingParams
 
-# Failures the user can fix: bad arguments, model files missing or malformed, no network,
-# a missing optional package. Anything else is a bug and keeps its traceback.
-USER_ERRORS = (ValueError, TypeError, OSError, ImportError, DownloadError)
+# Failures the user can fix: bad arguments, model files missing or malformed, no network
+# (DownloadError), a missing optional package, a kernel or step the device cannot run
+# (RuntimeError, as XLA raises them). Anything else keeps its traceback.
+USER_ERRORS = (ValueError, TypeError, OSError, ImportError, RuntimeError)
 
 
 def _parser() -> argparse.ArgumentParser:
