@@ -43,6 +43,8 @@ import numpy as np
 
 from jpaged.prefix_cache import NO_HASH, CachedBlock, CacheKey, HashIndex
 
+_UNCHANGED = object()  # a hash this transaction has not touched (None means evicted)
+
 
 def _readonly(array: np.ndarray) -> np.ndarray:
     array.flags.writeable = False
@@ -343,16 +345,18 @@ class Transaction:
         return self.base.block_hashes.item(block) if block_hash is None else block_hash
 
     def _entry(self, block_hash: int) -> CachedBlock | None:
-        if block_hash in self._index:
-            return self._index[block_hash]
-        return self.base.hash_index.get(block_hash)
+        entry = self._index.get(block_hash, _UNCHANGED)
+        return self.base.hash_index.get(block_hash) if entry is _UNCHANGED else entry
 
     def cached_block(self, block_hash: int, key: CacheKey) -> CachedBlock | None:
         """The entry of the block, in use or free, that holds `block_hash` and `key`, or None.
 
         An entry under `block_hash` with another key is a hash collision: a miss.
         """
-        entry = self._entry(block_hash)
+        # `_entry` inlined: this runs for every block of every lookup.
+        entry = self._index.get(block_hash, _UNCHANGED)
+        if entry is _UNCHANGED:
+            entry = self.base.hash_index.get(block_hash)
         return entry if entry is not None and entry.key == key else None
 
     def is_written(self, block: int) -> bool:

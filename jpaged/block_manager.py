@@ -35,7 +35,6 @@ from jpaged.prefix_cache import (
     NO_HASH,
     NO_PARENT,
     CachedBlock,
-    CacheKey,
     PrefixCacheStats,
     hash_block,
 )
@@ -128,7 +127,7 @@ class _SeqBlocks:
 
     table:        physical blocks, logical order (host blocks while on_host).
     block_hashes: hash chain of the sequence's leading full blocks, computed once.
-    block_tokens: token ids of those blocks, as CacheKey takes them.
+    block_tokens: token ids of those blocks, as a CacheKey holds them.
     cache_ids:    cache ids of the entries holding the K/V of the leading table
                   entries (theirs, or equal blocks cached first); a fork's child
                   inherits them. They stop before a block whose hash holds
@@ -269,10 +268,10 @@ class BlockManager:
         num_eligible = (len(seq) - 1) // self.block_size
         self._memoise_blocks(seq, record, num_eligible)
         hits: list[CachedBlock] = []
-        parent = NO_PARENT
-        for i in range(num_eligible):
-            key = CacheKey(parent, record.cache_salt, record.block_tokens[i])
-            hit = self._step.cached_block(record.block_hashes[i], key)
+        cached_block, parent, salt = self._step.cached_block, NO_PARENT, record.cache_salt
+        blocks = zip(record.block_hashes[:num_eligible], record.block_tokens, strict=False)
+        for block_hash, tokens in blocks:
+            hit = cached_block(block_hash, (parent, salt, tokens))
             if hit is None:
                 break
             hits.append(hit)
@@ -489,7 +488,7 @@ class BlockManager:
         self._memoise_blocks(seq, record, num_full)
         for i in range(len(cache_ids), num_full):
             parent = cache_ids[-1] if cache_ids else NO_PARENT
-            key = CacheKey(parent, record.cache_salt, record.block_tokens[i])
+            key = (parent, record.cache_salt, record.block_tokens[i])
             cache_id = self._step.register(record.table.block(i), record.block_hashes[i], key)
             if cache_id is None:
                 return

@@ -31,19 +31,11 @@ NO_PARENT = 0
 
 Value = TypeVar("Value")
 
-
-class CacheKey(NamedTuple):
-    """What a full block's K/V depend on; equal keys mean equal K/V.
-
-    parent:     cache id of the entry holding the previous block of the prefix,
-                NO_PARENT for the first block.
-    cache_salt: the request's salt (None and "" differ).
-    token_ids:  the block's block_size token ids.
-    """
-
-    parent: int
-    cache_salt: str | None
-    token_ids: tuple[int, ...]
+CacheKey = tuple[int, str | None, tuple[int, ...]]
+"""What a full block's K/V depend on, (parent, cache_salt, token_ids); equal keys mean
+equal K/V. parent is the cache id of the entry holding the previous block of the
+prefix (NO_PARENT for the first block); None and "" are different salts. A plain
+tuple, built for every block a lookup compares."""
 
 
 class CachedBlock(NamedTuple):
@@ -97,8 +89,9 @@ class HashIndex(Generic[Value]):
         return leaf >> _LEAF_BITS, leaf & (_LEAVES_PER_NODE - 1)
 
     def get(self, block_hash: int) -> Value | None:
-        node, leaf = self._path(block_hash)
-        return self.root[node][leaf].get(block_hash)
+        # `_path` inlined: this runs for every block of every prefix-cache lookup.
+        leaf = block_hash & (len(self.root) * _LEAVES_PER_NODE - 1)
+        return self.root[leaf >> _LEAF_BITS][leaf & (_LEAVES_PER_NODE - 1)].get(block_hash)
 
     def __len__(self) -> int:
         return sum(len(leaf) for node in self.root for leaf in node)
