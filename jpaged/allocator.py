@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jpaged.prefix_cache import NO_HASH, CachedBlock, CacheKey, HashIndex
+from jpaged.prefix_cache import NO_HASH, CachedBlock, HashIndex
 
 _UNCHANGED = object()  # a hash this transaction has not touched (None means evicted)
 
@@ -348,16 +348,22 @@ class Transaction:
         entry = self._index.get(block_hash, _UNCHANGED)
         return self.base.hash_index.get(block_hash) if entry is _UNCHANGED else entry
 
-    def cached_block(self, block_hash: int, key: CacheKey) -> CachedBlock | None:
-        """The entry of the block, in use or free, that holds `block_hash` and `key`, or None.
+    def cached_block(
+        self, block_hash: int, parent: int, cache_salt: str | None, tokens: bytes
+    ) -> CachedBlock | None:
+        """The entry, of a block in use or free, under `block_hash` with this content key
+        (parent, cache_salt, tokens), or None.
 
         An entry under `block_hash` with another key is a hash collision: a miss.
         """
-        # `_entry` inlined: this runs for every block of every lookup.
-        entry = self._index.get(block_hash, _UNCHANGED)
-        if entry is _UNCHANGED:
+        # `_entry` and the key comparison inlined: this runs for every block of every lookup.
+        if block_hash in self._index:
+            entry = self._index[block_hash]
+        else:
             entry = self.base.hash_index.get(block_hash)
-        return entry if entry is not None and entry.key == key else None
+        if entry is None or entry[2] != parent or entry[4] != tokens or entry[3] != cache_salt:
+            return None
+        return entry
 
     def is_written(self, block: int) -> bool:
         """Whether this step's swap-in or copies write device `block` (after any swap-out)."""
@@ -409,25 +415,28 @@ class Transaction:
     def free_host(self, block: int) -> None:
         self._host.decref(block)
 
-    def register(self, block: int, block_hash: int, key: CacheKey) -> int | None:
-        """Make a full, computed block findable by `block_hash` and `key`; returns its cache id.
+    def register(
+        self, block: int, block_hash: int, parent: int, cache_salt: str | None, tokens: bytes
+    ) -> int | None:
+        """Make a full, computed block findable by `block_hash` and its content key
+        (parent, cache_salt, tokens); returns its cache id.
 
         If another block holds `block_hash`, `block` stays private: the holder's
-        cache id if it holds `key` too (equal K/V), None if it holds other
+        cache id if it holds the same key (equal K/V), None if it holds other
         content (a hash collision).
         """
         entry = self._entry(block_hash)
         if entry is not None:
-            return entry.cache_id if entry.key == key else None
+            return entry[1] if entry[2:] == (parent, cache_salt, tokens) else None
         if self._device.checked_refcount(block) == 0:
             raise ValueError(f"device block {block} is free; only a block in use holds K/V")
         if self.block_hash(block) != NO_HASH:
             raise ValueError(f"device block {block} is already cached under another hash")
-        entry = CachedBlock(block, self._next_cache_id, key)
+        cache_id = self._next_cache_id
         self._next_cache_id += 1
-        self._index[block_hash] = entry
+        self._index[block_hash] = (block, cache_id, parent, cache_salt, tokens)
         self._block_hashes[block] = block_hash
-        return entry.cache_id
+        return cache_id
 
     def copy_on_write(self, block: int, copy_content: bool) -> int:
         """Give the caller a private block in place of a shared one.

@@ -34,9 +34,9 @@ from jpaged.config import CacheConfig
 from jpaged.prefix_cache import (
     NO_HASH,
     NO_PARENT,
-    CachedBlock,
     PrefixCacheStats,
     hash_block,
+    pack_tokens,
 )
 from jpaged.sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -127,7 +127,7 @@ class _SeqBlocks:
 
     table:        physical blocks, logical order (host blocks while on_host).
     block_hashes: hash chain of the sequence's leading full blocks, computed once.
-    block_tokens: token ids of those blocks, as a CacheKey holds them.
+    block_tokens: `pack_tokens` of those blocks' token ids, as content keys hold them.
     cache_ids:    cache ids of the entries holding the K/V of the leading table
                   entries (theirs, or equal blocks cached first); a fork's child
                   inherits them. They stop before a block whose hash holds
@@ -143,7 +143,7 @@ class _SeqBlocks:
     cache_salt: str | None
     table: BlockTable = field(default_factory=BlockTable)
     block_hashes: list[int] = field(default_factory=list)
-    block_tokens: list[tuple[int, ...]] = field(default_factory=list)
+    block_tokens: list[bytes] = field(default_factory=list)
     cache_ids: list[int] = field(default_factory=list)
     num_shared: int = 0
     on_host: bool = False
@@ -255,35 +255,36 @@ class BlockManager:
         hashes, size = record.block_hashes, self.block_size
         for i in range(len(hashes), num_blocks):
             parent = hashes[-1] if hashes else NO_HASH
-            tokens = tuple(seq.token_slice(i * size, (i + 1) * size))
+            tokens = pack_tokens(seq.token_slice(i * size, (i + 1) * size))
             hashes.append(hash_block(parent, tokens, record.cache_salt))
             record.block_tokens.append(tokens)
 
-    def _prefix_hits(self, seq: Sequence, group: SequenceGroup) -> list[CachedBlock]:
-        """Cache entries holding seq's longest cached prefix, never its last token (none
-        for a group that must compute every token)."""
+    def _prefix_hits(self, seq: Sequence, group: SequenceGroup) -> tuple[list[int], list[int]]:
+        """The cached blocks holding seq's longest cached prefix, never its last token (none
+        for a group that must compute every token), and their cache ids."""
         if not self.enable_prefix_caching or not group.use_prefix_cache:
-            return []
+            return [], []
         record = self._record(seq, group.cache_salt)
         num_eligible = (len(seq) - 1) // self.block_size
         self._memoise_blocks(seq, record, num_eligible)
-        hits: list[CachedBlock] = []
+        blocks: list[int] = []
+        cache_ids: list[int] = []
         cached_block, parent, salt = self._step.cached_block, NO_PARENT, record.cache_salt
-        blocks = zip(record.block_hashes[:num_eligible], record.block_tokens, strict=False)
-        for block_hash, tokens in blocks:
-            hit = cached_block(block_hash, (parent, salt, tokens))
-            if hit is None:
+        chain = zip(record.block_hashes[:num_eligible], record.block_tokens, strict=False)
+        for block_hash, tokens in chain:
+            entry = cached_block(block_hash, parent, salt, tokens)
+            if entry is None:
                 break
-            hits.append(hit)
-            parent = hit.cache_id
-        return hits
+            blocks.append(entry[0])
+            parent = entry[1]  # this entry's cache id, the next block's parent
+            cache_ids.append(parent)
+        return blocks, cache_ids
 
-    def _admission_cost(self, seqs: list[Sequence], hits: list[list[CachedBlock]]) -> int:
+    def _admission_cost(self, seqs: list[Sequence], hits: list[list[int]]) -> int:
         """Free blocks that admitting `seqs` with these prefix hits consumes."""
         num_blocks = sum(_cdiv(len(seq), self.block_size) for seq in seqs)
         num_hits = sum(len(seq_hits) for seq_hits in hits)
-        refcount = self._step.refcount
-        free_hits = {hit.block for seq_hits in hits for hit in seq_hits if refcount(hit.block) == 0}
+        free_hits = {b for seq_hits in hits for b in seq_hits if self._step.refcount(b) == 0}
         return num_blocks - num_hits + len(free_hits)
 
     def can_allocate(self, group: SequenceGroup) -> AllocStatus:
@@ -297,7 +298,7 @@ class BlockManager:
         required = sum(_cdiv(len(seq), self.block_size) for seq in seqs)
         if required > self.num_device_blocks - self.watermark_blocks:
             return AllocStatus.NEVER
-        hits = [self._prefix_hits(seq, group) for seq in seqs]
+        hits = [self._prefix_hits(seq, group)[0] for seq in seqs]
         if self.num_free_blocks - self._admission_cost(seqs, hits) >= self.watermark_blocks:
             return AllocStatus.OK
         return AllocStatus.LATER
@@ -315,20 +316,20 @@ class BlockManager:
             if record is not None and record.table:
                 raise ValueError(f"sequence {seq.seq_id} already has a block table")
         hits = [self._prefix_hits(seq, group) for seq in seqs]
-        cost = self._admission_cost(seqs, hits)
+        cost = self._admission_cost(seqs, [seq_hits for seq_hits, _ in hits])
         if cost > self.num_free_blocks:
             raise ValueError(
                 f"group {group.request_id} needs {cost} free blocks, "
                 f"only {self.num_free_blocks} are free"
             )
-        for seq_hits in hits:
-            for hit in seq_hits:
-                self._step.take_cached(hit.block)
-        for seq, seq_hits in zip(seqs, hits, strict=True):
+        for seq_hits, _ in hits:
+            for block in seq_hits:
+                self._step.take_cached(block)
+        for seq, (seq_hits, cache_ids) in zip(seqs, hits, strict=True):
             new_blocks = self._step.allocate(_cdiv(len(seq), self.block_size) - len(seq_hits))
             record = self._record(seq, group.cache_salt)
-            record.table = BlockTable([hit.block for hit in seq_hits] + new_blocks)
-            record.cache_ids = [hit.cache_id for hit in seq_hits]
+            record.table = BlockTable(seq_hits + new_blocks)
+            record.cache_ids = cache_ids
             record.num_shared = len(seq_hits)
             self._logical_blocks += len(record.table)
             seq.num_computed_tokens = len(seq_hits) * self.block_size
@@ -488,8 +489,10 @@ class BlockManager:
         self._memoise_blocks(seq, record, num_full)
         for i in range(len(cache_ids), num_full):
             parent = cache_ids[-1] if cache_ids else NO_PARENT
-            key = (parent, record.cache_salt, record.block_tokens[i])
-            cache_id = self._step.register(record.table.block(i), record.block_hashes[i], key)
+            cache_id = self._step.register(
+                record.table.block(i), record.block_hashes[i],
+                parent, record.cache_salt, record.block_tokens[i],
+            )
             if cache_id is None:
                 return
             cache_ids.append(cache_id)

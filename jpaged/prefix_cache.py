@@ -1,9 +1,9 @@
 """Automatic prefix caching: content keys and hashes of full blocks, and the hash index.
 
-A full block's content is its `CacheKey`: the cache id of its parent block's
-entry, its own token ids and the request's cache_salt. Cache ids are handed out
-once per registration and never reused, so a chain of equal keys means an equal
-token prefix (what makes the K/V equal) even after a parent is evicted and its
+A full block's content key is the cache id of its parent block's entry, its
+own token ids and the request's cache_salt. Cache ids are handed out once per
+registration and never reused, so a chain of equal keys means an equal token
+prefix (what makes the K/V equal) even after a parent is evicted and its
 physical block holds other tokens; requests with different salts never share a
 block, so tenants stay isolated.
 
@@ -21,7 +21,7 @@ from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Generic, NamedTuple, TypeVar
+from typing import Generic, TypeVar
 
 NO_HASH = 0
 """Parent hash of a sequence's first block, and the mark of a block with no hash."""
@@ -31,31 +31,39 @@ NO_PARENT = 0
 
 Value = TypeVar("Value")
 
-CacheKey = tuple[int, str | None, tuple[int, ...]]
-"""What a full block's K/V depend on, (parent, cache_salt, token_ids); equal keys mean
-equal K/V. parent is the cache id of the entry holding the previous block of the
-prefix (NO_PARENT for the first block); None and "" are different salts. A plain
-tuple, built for every block a lookup compares."""
+CachedBlock = tuple[int, int, int, str | None, bytes]
+"""An entry of the hash index, (block, cache_id, parent, cache_salt, tokens).
+
+Device `block` holds the K/V of the content key (parent, cache_salt, tokens),
+what a full block's K/V depend on: parent is the cache id of the entry holding
+the previous block of the prefix (NO_PARENT for a first block), None and "" are
+different salts, tokens is `pack_tokens` of the block's token ids. cache_id
+numbers this registration. A plain tuple of numbers, a str and bytes, which the
+garbage collector stops tracking at its first pass (it would track a NamedTuple,
+a tuple subclass, for good): a cache of a million blocks costs collections
+nothing."""
 
 
-class CachedBlock(NamedTuple):
-    """An entry of the hash index: device `block` holds the K/V that `key` describes."""
+def pack_tokens(token_ids: Sequence[int]) -> bytes:
+    """One block's token ids as int64 bytes, as content keys and hash_block hold them.
 
-    block: int
-    cache_id: int
-    key: CacheKey
+    Bytes compare in one memcmp and, unlike a tuple of ints, are no work for
+    the garbage collector, however many blocks the cache holds.
+    """
+    return array("q", token_ids).tobytes()
 
 
-def hash_block(parent_hash: int, token_ids: Sequence[int], cache_salt: str | None) -> int:
+def hash_block(parent_hash: int, tokens: bytes, cache_salt: str | None) -> int:
     """64-bit blake2b hash of one full block, in [1, 2^64): where its entry lies in the index.
 
-    Hits compare keys, so a collision costs a miss, never wrong K/V. The
-    fixed-width parent hash and token count come first, so the byte string
-    parses one way only: different (parent, tokens, salt) never share an input.
+    tokens: `pack_tokens` of the block's token ids. Hits compare keys, so a
+    collision costs a miss, never wrong K/V. The fixed-width parent hash and
+    token byte count come first, so the byte string parses one way only:
+    different (parent, tokens, salt) never share an input.
     """
     digest = hashlib.blake2b(digest_size=8)
-    digest.update(struct.pack("<QQ", parent_hash, len(token_ids)))
-    digest.update(array("q", token_ids).tobytes())
+    digest.update(struct.pack("<QQ", parent_hash, len(tokens)))
+    digest.update(tokens)
     if cache_salt is not None:
         digest.update(b"\x01" + cache_salt.encode())
     return int.from_bytes(digest.digest(), "little") or 1

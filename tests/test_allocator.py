@@ -19,10 +19,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from jpaged.allocator import AllocatorState, ChunkedArray, Transaction
-from jpaged.prefix_cache import NO_HASH, CacheKey
+from jpaged.prefix_cache import NO_HASH
 
 HASHES = st.integers(1, 12)
-KEYS = st.tuples(st.integers(0, 2), st.sampled_from([None, "", "a"]), st.tuples(st.integers(0, 1)))
+KEYS = st.tuples(st.integers(0, 2), st.sampled_from([None, "", "a"]), st.sampled_from([b"0", b"1"]))
 
 
 class AllocatorMachine(RuleBasedStateMachine):
@@ -36,7 +36,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.free = list(range(1, num_blocks))
         self.host_free = list(range(num_host_blocks))
         self.hash_of: dict[int, int] = {}
-        self.entry_of: dict[int, tuple[int, int, CacheKey]] = {}  # hash -> (block, id, key)
+        self.entry_of: dict[int, tuple] = {}  # hash -> (block, cache id, *key)
         self.next_cache_id = 1
         self.held: list[int] = []
         self.host_held: list[int] = []
@@ -121,24 +121,24 @@ class AllocatorMachine(RuleBasedStateMachine):
         block = data.draw(st.sampled_from(self.held))
         entry = self.entry_of.get(block_hash)
         if entry is not None:
-            expected = entry[1] if entry[2] == key else None  # a collision registers nothing
-            assert self.txn.register(block, block_hash, key) == expected
+            expected = entry[1] if entry[2:] == key else None  # a collision registers nothing
+            assert self.txn.register(block, block_hash, *key) == expected
         elif block in self.hash_of:
             with pytest.raises(ValueError, match=f"block {block} is already cached"):
-                self.txn.register(block, block_hash, key)
+                self.txn.register(block, block_hash, *key)
         else:
-            assert self.txn.register(block, block_hash, key) == self.next_cache_id
+            assert self.txn.register(block, block_hash, *key) == self.next_cache_id
             self.hash_of[block] = block_hash
-            self.entry_of[block_hash] = (block, self.next_cache_id, key)
+            self.entry_of[block_hash] = (block, self.next_cache_id, *key)
             self.next_cache_id += 1
 
     @rule(block_hash=HASHES, key=KEYS)
     def prefix_hit(self, block_hash, key):
         entry = self.entry_of.get(block_hash)
-        if entry is None or entry[2] != key:
-            assert self.txn.cached_block(block_hash, key) is None
+        if entry is None or entry[2:] != key:
+            assert self.txn.cached_block(block_hash, *key) is None
             return
-        assert self.txn.cached_block(block_hash, key) == entry
+        assert self.txn.cached_block(block_hash, *key) == entry
         block = entry[0]
         if block not in self.held:
             (self.deferred if block in self.deferred else self.free).remove(block)
@@ -249,7 +249,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         for block, block_hash in self.hash_of.items():
             expected_hashes[block] = block_hash
         np.testing.assert_array_equal(self.state.block_hashes.to_numpy(), expected_hashes)
-        assert sorted(self.state.hash_index.items()) == sorted(self.entry_of.items())
+        assert dict(self.state.hash_index.items()) == self.entry_of
         assert self.state.next_cache_id == self.next_cache_id
         # Every block is free xor referenced; free + used = total; the null block is neither.
         used = set(self.held)
@@ -391,7 +391,7 @@ def test_misuse_of_a_transaction_raises_and_changes_nothing():
     with pytest.raises(ValueError, match=f"device block {held} is not in the prefix cache"):
         txn.take_cached(held)
     with pytest.raises(ValueError, match=f"device block {free} is free; only a block in use"):
-        txn.register(free, 7, (0, None, (1, 2)))
+        txn.register(free, 7, 0, None, b"\x01")
     (shared,) = txn.allocate(1)
     with pytest.raises(ValueError, match=f"device block {shared} occurs 2 times .* 1 holders"):
         txn.swap_out([[shared], [shared]])

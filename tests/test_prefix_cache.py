@@ -5,21 +5,22 @@ from hypothesis import strategies as st
 
 from jpaged.block_manager import BlockManager
 from jpaged.config import CacheConfig
-from jpaged.prefix_cache import NO_HASH, HashIndex, hash_block
+from jpaged.prefix_cache import NO_HASH, HashIndex, hash_block, pack_tokens
 from jpaged.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
 def test_hash_depends_on_parent_tokens_and_salt():
-    base = hash_block(NO_HASH, [1, 2, 3, 4], None)
-    assert base == hash_block(NO_HASH, [1, 2, 3, 4], None)
+    base = hash_block(NO_HASH, pack_tokens([1, 2, 3, 4]), None)
+    assert base == hash_block(NO_HASH, pack_tokens((1, 2, 3, 4)), None)
     variants = [
-        hash_block(base, [1, 2, 3, 4], None),
-        hash_block(NO_HASH, [1, 2, 3, 5], None),
-        hash_block(NO_HASH, [1, 2, 3, 4], "tenant"),
-        hash_block(NO_HASH, [1, 2, 3, 4], ""),
-        hash_block(NO_HASH, [1, 2, 3], None),
+        hash_block(base, pack_tokens([1, 2, 3, 4]), None),
+        hash_block(NO_HASH, pack_tokens([1, 2, 3, 5]), None),
+        hash_block(NO_HASH, pack_tokens([1, 2, 3, 4]), "tenant"),
+        hash_block(NO_HASH, pack_tokens([1, 2, 3, 4]), ""),
+        hash_block(NO_HASH, pack_tokens([1, 2, 3]), None),
+        hash_block(NO_HASH, pack_tokens([1, 2, 3, 4 + 2**32]), None),
     ]
-    assert len({base, *variants}) == 6
+    assert len({base, *variants}) == 7
     assert NO_HASH not in variants
 
 
