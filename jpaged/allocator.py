@@ -428,8 +428,6 @@ class Transaction:
         entry = self._entry(block_hash)
         if entry is not None:
             return entry[1] if entry[2:] == (parent, cache_salt, tokens) else None
-        if self._device.checked_refcount(block) == 0:
-            raise ValueError(f"device block {block} is free; only a block in use holds K/V")
         if self.block_hash(block) != NO_HASH:
             raise ValueError(f"device block {block} is already cached under another hash")
         cache_id = self._next_cache_id
