@@ -43,8 +43,6 @@ import numpy as np
 
 from jpaged.prefix_cache import NO_HASH, CachedBlock, HashIndex
 
-_UNCHANGED = object()  # a hash this transaction has not touched (None means evicted)
-
 
 def _readonly(array: np.ndarray) -> np.ndarray:
     array.flags.writeable = False
@@ -345,8 +343,9 @@ class Transaction:
         return self.base.block_hashes.item(block) if block_hash is None else block_hash
 
     def _entry(self, block_hash: int) -> CachedBlock | None:
-        entry = self._index.get(block_hash, _UNCHANGED)
-        return self.base.hash_index.get(block_hash) if entry is _UNCHANGED else entry
+        if block_hash in self._index:
+            return self._index[block_hash]  # None: evicted in this step
+        return self.base.hash_index.get(block_hash)
 
     def cached_block(
         self, block_hash: int, parent: int, cache_salt: str | None, tokens: bytes
