@@ -2,17 +2,25 @@
 
 The tiny models are written by transformers itself (the oracle), so loading them
 exercises the same files a user would hand to jpaged.
+
+`--shuffle-seed N` runs the test modules, and the tests within each, in an order
+drawn from N, to show tests that depend on others' side effects. Tests that need
+the default model (downloaded on first use) carry the `default_model` marker, so
+an offline run can deselect them with `-m "not default_model"`.
 """
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 import torch
 import transformers
+from jax.experimental.compilation_cache import compilation_cache
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from jpaged.attention_metadata import AttentionMetadata
@@ -22,6 +30,63 @@ TINY_MERGES = [("t", "h"), ("th", "e"), ("Ġ", "th"), ("i", "n"), ("e", "r"), ("
 END_OF_TEXT = "<|endoftext|>"
 TINY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+# Fixtures that load the default model; tests named test_smollm2_* load it themselves.
+DEFAULT_MODEL_FIXTURES = {"smollm2", "smollm2_oracle"}
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--shuffle-seed", type=int, default=None, metavar="N",
+                     help="run test modules, and the tests within each, in an order drawn from N")
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    seed = config.getoption("--shuffle-seed")
+    return None if seed is None else f"shuffle seed: {seed}"
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    # Marked as collected, before `-m` deselects by marker.
+    if needs_default_model(item):
+        item.add_marker(pytest.mark.default_model)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Last, so that no other hook (pytest groups tests by fixture parameters) reorders them.
+    seed = config.getoption("--shuffle-seed")
+    if seed is not None:
+        items[:] = shuffled_by_module(items, random.Random(seed))
+
+
+def needs_default_model(item: pytest.Item) -> bool:
+    fixtures = set(getattr(item, "fixturenames", ()))
+    return bool(fixtures & DEFAULT_MODEL_FIXTURES) or item.name.startswith("test_smollm2")
+
+
+def shuffled_by_module(items: list[pytest.Item], rng: random.Random) -> list[pytest.Item]:
+    """Modules in a random order, each one's tests in a random order. A module's tests stay
+    together so that its module-scoped fixtures (an oracle's outputs, a loaded model) are
+    built once, not once per visit."""
+    by_module: dict[Path, list[pytest.Item]] = {}
+    for item in items:
+        by_module.setdefault(item.path, []).append(item)
+    modules = list(by_module.values())
+    rng.shuffle(modules)
+    for module_items in modules:
+        rng.shuffle(module_items)
+    return [item for module_items in modules for item in module_items]
+
+
+@pytest.fixture(autouse=True)
+def restore_compilation_cache_dir():
+    """Undo a test's change of the process-wide persistent compilation cache: an engine
+    created with persistent_compilation_cache=True sets it, and it would then serve later
+    tests' compiles from disk (hiding recompilations they count)."""
+    directory = jax.config.jax_compilation_cache_dir
+    yield
+    if jax.config.jax_compilation_cache_dir != directory:
+        jax.config.update("jax_compilation_cache_dir", directory)
+        compilation_cache.reset_cache()
 
 
 def tiny_tokenizer() -> transformers.PreTrainedTokenizerBase:

@@ -201,7 +201,9 @@ class CountingTokenizer:
         return self.tokenizer.decode(token_ids, **kwargs)
 
 
-@pytest.mark.parametrize("tokenizer_name", ["tiny", "smollm2"])
+@pytest.mark.parametrize(
+    "tokenizer_name", ["tiny", pytest.param("smollm2", marks=pytest.mark.default_model)]
+)
 def test_appending_n_tokens_decodes_o_of_n_tokens(tokenizer_name, request):
     tokenizer = TINY if tokenizer_name == "tiny" else request.getfixturevalue("smollm2")
     output = tokenizer.encode(" ".join(MULTILINGUAL * 12))

@@ -125,7 +125,7 @@ def test_other_attention_backends(loaded, prompts, expected, backend):
 
 def test_default_buckets_pad_xla_tables_to_one_width(loaded, prompts, expected):
     # The XLA loop stops each tile at its own length: full-width tables cost nothing.
-    llm = _llm(loaded, buckets=None)
+    llm = _llm(loaded, buckets=None, attention_backend="xla")
     shapes = step_shapes(llm.engine.buckets, 64, 8, 128 // 8)
     assert {width for _, _, width, _ in shapes} == {16}
     reference_buckets = default_buckets("reference", 16)
