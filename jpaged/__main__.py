@@ -1,4 +1,5 @@
-"""Command line: `python -m jpaged generate "prompt"` and `python -m jpaged chat`."""
+"""Command line: `python -m jpaged generate "prompt"`, `python -m jpaged chat` and
+`python -m jpaged serve` (an OpenAI-compatible HTTP server)."""
 
 from __future__ import annotations
 
@@ -26,15 +27,26 @@ def _parser() -> argparse.ArgumentParser:
     generate.add_argument("--stats", action="store_true", help="print the run's statistics as JSON")
     chat = commands.add_parser("chat", help="talk to the model; an empty line or Ctrl-D quits")
     chat.add_argument("--system", default=None, help="a system message")
+    serve = commands.add_parser("serve", help="serve the OpenAI API (/v1/completions, "
+                                "/v1/chat/completions, /v1/models, /health, /metrics) over HTTP")
+    serve.add_argument("--served-model-name", default=None,
+                       help="the model name clients send (default: the --model argument)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on /v1 requests")
+    serve.add_argument("--max-waiting", type=int, default=1024,
+                       help="requests waiting for their first token before new ones get 503")
     for sub in (generate, chat):
-        sub.add_argument("--model", default="smollm2",
-                         help="'smollm2', a Hugging Face model directory or a .gguf file")
-        sub.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
         sub.add_argument("--max-tokens", type=int, default=128)
         sub.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
         sub.add_argument("--top-p", type=float, default=1.0)
         sub.add_argument("--top-k", type=int, default=0)
         sub.add_argument("--seed", type=int, default=None)
+    for sub in (generate, chat, serve):
+        sub.add_argument("--model", default="smollm2",
+                         help="'smollm2', a Hugging Face model directory or a .gguf file")
+        sub.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
         sub.add_argument("--block-size", type=int, default=16)
         sub.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
                          help="KV cache budget in GiB (default: a fraction of free memory)")
@@ -89,6 +101,16 @@ def _chat(llm: LLM, args: argparse.Namespace) -> None:
         print(f"model> {reply}", flush=True)
 
 
+def _serve(llm: LLM, args: argparse.Namespace) -> None:
+    from jpaged.server import serve  # the HTTP stack loads only for this command
+
+    serve(llm.engine, served_model_name=args.served_model_name or args.model, host=args.host,
+          port=args.port, api_key=args.api_key, max_waiting=args.max_waiting)
+
+
+COMMANDS = {"generate": _generate, "chat": _chat, "serve": _serve}
+
+
 def main(argv: list[str] | None = None) -> int:
     """Exit status 0, 1 on a user-facing error (one line on stderr; --debug shows the
     traceback), 130 on Ctrl-C."""
@@ -99,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("jpaged").setLevel(logging.INFO)
     try:
         llm = _llm(args)
-        (_generate if args.command == "generate" else _chat)(llm, args)
+        COMMANDS[args.command](llm, args)
     except KeyboardInterrupt:
         if args.debug:
             raise

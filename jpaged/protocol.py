@@ -1,0 +1,310 @@
+"""The OpenAI-compatible API on the wire, with vLLM's names: request bodies in,
+response bodies and stream chunks out.
+
+Request bodies are pydantic models that refuse what jpaged does not implement:
+an unknown field (`tools`, `response_format`, `logit_bias`, ...) is a 400 that
+names it, never silently ignored. Types are strict (no "5" for 5, no true for
+1); an explicit JSON null means the field's default. `user` is accepted and
+not used. Responses are plain dicts built from the engine's outputs: a `Job`
+(one HTTP request's engine requests) renders its choices, usage and envelope.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from jpaged.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
+
+if TYPE_CHECKING:
+    from jpaged.async_engine import RequestStream
+
+# What JSON cannot hold (-inf) is reported as this, as vLLM does.
+MIN_LOGPROB = -9999.0
+
+
+class OpenAIBaseModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None}
+        return data
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool = False
+
+
+class SamplingFields(OpenAIBaseModel):
+    """The fields both endpoints map onto SamplingParams; vLLM's extras included."""
+
+    model: str | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM's extra sampling parameters.
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    cache_salt: str | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(SamplingFields):
+    """POST /v1/completions. prompt: text, token ids, or a list of either (a batch).
+
+    max_tokens 0 is allowed with echo: the response holds only the prompt (and
+    with logprobs, the prompt's log-probabilities).
+    """
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int = 16
+    echo: bool = False
+    logprobs: Annotated[int, Field(ge=0)] | None = None
+
+
+class TextContentPart(OpenAIBaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(OpenAIBaseModel):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextContentPart]
+    name: str | None = None
+
+    def as_template_message(self) -> dict[str, str]:
+        """{"role", "content"} with text parts joined, for the chat template."""
+        content = self.content
+        if not isinstance(content, str):
+            content = "".join(part.text for part in content)
+        return {"role": self.role, "content": content}
+
+
+class ChatCompletionRequest(SamplingFields):
+    """POST /v1/chat/completions. max_completion_tokens wins over max_tokens; neither
+    means up to max_model_len. logprobs=True reports each output token's
+    log-probability and its top_logprobs alternatives."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+
+
+# Responses.
+
+
+def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
+            "total_tokens": num_prompt_tokens + num_completion_tokens}
+
+
+def _finite(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else MIN_LOGPROB
+
+
+def completion_logprobs(
+    token_ids: list[int], entries: list[dict[int, Logprob] | None], token_texts: list[str],
+    text_offset: int,
+) -> dict[str, list]:
+    """The completions API's logprobs object over some tokens.
+
+    entries: per token, token id -> Logprob (the token itself and the top
+    alternatives), or None where nothing conditions it (the first prompt token);
+    token_texts: each token's text; text_offset: where the first token starts. A
+    token's offset is the sum of the texts of the tokens before it (which may differ
+    from the choice's text where a token holds part of a character).
+    """
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    for token_id, entry, text in zip(token_ids, entries, token_texts, strict=True):
+        tokens.append(text)
+        offsets.append(text_offset)
+        text_offset += len(text)
+        if entry is None:
+            token_logprobs.append(None)
+            top_logprobs.append(None)
+            continue
+        token_logprobs.append(_finite(entry[token_id].logprob))
+        top_logprobs.append({lp.decoded_token: _finite(lp.logprob) for lp in entry.values()})
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+            "text_offset": offsets}
+
+
+def _chat_logprob(text: str, logprob: float) -> dict:
+    return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode())}
+
+
+def chat_logprobs(output: CompletionOutput, num_top: int) -> dict[str, list]:
+    """The chat API's logprobs object: per output token, its log-probability and the
+    num_top most likely tokens, by rank."""
+    content = []
+    for token_id, entry in zip(output.token_ids, output.logprobs or (), strict=True):
+        chosen = entry[token_id]
+        top = sorted((lp for lp in entry.values() if lp.rank <= num_top), key=lambda lp: lp.rank)
+        content.append(_chat_logprob(chosen.decoded_token, chosen.logprob)
+                       | {"top_logprobs": [_chat_logprob(lp.decoded_token, lp.logprob)
+                                           for lp in top]})
+    return {"content": content}
+
+
+# One HTTP request's engine requests.
+
+
+@dataclass(frozen=True)
+class EncodedPrompt:
+    """A prompt as the engine sees it, with the texts an echo reports."""
+
+    token_ids: list[int]
+    text: str = ""
+    first_token_text: str = ""
+
+
+@dataclass
+class PromptRun:
+    """One prompt's engine request and what it produced so far, merged per sample."""
+
+    index: int
+    prompt: EncodedPrompt
+    stream: RequestStream
+    prompt_logprobs: PromptLogprobs | None = None
+    outputs: dict[int, CompletionOutput] = field(default_factory=dict)
+
+    def add(self, delta: RequestOutput) -> None:
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
+        for piece in delta.outputs:
+            total = self.outputs.get(piece.index)
+            if total is None:
+                self.outputs[piece.index] = CompletionOutput(
+                    piece.index, piece.text, list(piece.token_ids), piece.cumulative_logprob,
+                    None if piece.logprobs is None else list(piece.logprobs),
+                    piece.finish_reason, piece.stop_reason)
+                continue
+            total.text += piece.text
+            total.token_ids += piece.token_ids
+            if piece.logprobs is not None:
+                total.logprobs = (total.logprobs or []) + piece.logprobs
+            total.cumulative_logprob = piece.cumulative_logprob
+            total.finish_reason, total.stop_reason = piece.finish_reason, piece.stop_reason
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(len(output.token_ids) for output in self.outputs.values())
+
+
+@dataclass
+class Job:
+    """One HTTP request's engine requests and the response's common fields."""
+
+    request_id: str
+    body: Any
+    runs: list[PromptRun]
+    model: str
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def close(self) -> None:
+        """Abort whatever has not finished (a disconnect, an error)."""
+        for run in self.runs:
+            run.stream.close()
+
+    def envelope(self, choices: list[dict], kind: str = "text_completion") -> dict:
+        return {"id": self.request_id, "object": kind, "created": self.created,
+                "model": self.model, "choices": choices}
+
+    def usage(self) -> dict[str, int]:
+        return usage(sum(len(run.prompt.token_ids) for run in self.runs),
+                     self.num_completion_tokens())
+
+    def num_completion_tokens(self) -> int:
+        return sum(run.num_output_tokens for run in self.runs)
+
+
+class CompletionJob(Job):
+    """A completions request: choice index = prompt index * n + sample index."""
+
+    body: CompletionRequest
+
+    @property
+    def drops_output(self) -> bool:
+        """max_tokens=0: the one token generated is not reported."""
+        return self.body.max_tokens == 0
+
+    def num_completion_tokens(self) -> int:
+        return 0 if self.drops_output else super().num_completion_tokens()
+
+    def choice_index(self, run: PromptRun, output: CompletionOutput) -> int:
+        return run.index * self.body.n + output.index
+
+    def choice(self, run: PromptRun, output: CompletionOutput, first: bool = True,
+               text_offset: int = 0) -> dict:
+        """A choice from an output (cumulative, or a stream's delta). The first piece of a
+        choice carries the echoed prompt; text_offset: where its first logprobs token
+        starts (in a stream, where the previous piece's tokens ended)."""
+        echoes = self.body.echo and first
+        text = (run.prompt.text if echoes else "") + ("" if self.drops_output else output.text)
+        logprobs = None
+        if self.body.logprobs is not None:
+            logprobs = self._logprobs(run, output, echoes, text_offset)
+        finish_reason, stop_reason = output.finish_reason, output.stop_reason
+        if self.drops_output and finish_reason is not None:
+            finish_reason, stop_reason = "length", None
+        return {"index": self.choice_index(run, output), "text": text, "logprobs": logprobs,
+                "finish_reason": finish_reason, "stop_reason": stop_reason}
+
+    def _logprobs(self, run: PromptRun, output: CompletionOutput, with_prompt: bool,
+                  text_offset: int) -> dict:
+        token_ids, entries = [], []
+        if with_prompt:
+            token_ids, entries = list(run.prompt.token_ids), list(run.prompt_logprobs)
+        if not self.drops_output:
+            token_ids += output.token_ids
+            entries += output.logprobs
+        # Only the first prompt token has no entry: nothing conditions it.
+        token_texts = [run.prompt.first_token_text if entry is None else entry[t].decoded_token
+                       for t, entry in zip(token_ids, entries, strict=True)]
+        return completion_logprobs(token_ids, entries, token_texts, text_offset)
+
+
+def next_text_offset(choice: dict, text_offset: int) -> int:
+    """Where the tokens after a streamed completions choice start."""
+    logprobs = choice["logprobs"]
+    if not logprobs or not logprobs["tokens"]:
+        return text_offset
+    return logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+
+
+class ChatJob(Job):
+    """A chat request: one prompt, n choices."""
+
+    body: ChatCompletionRequest
+
+    def choice(self, output: CompletionOutput, key: str, message: dict) -> dict:
+        """key: "message" in a response, "delta" in a stream's chunk."""
+        logprobs = chat_logprobs(output, self.body.top_logprobs or 0) if self.body.logprobs \
+            else None
+        return {"index": output.index, key: message, "logprobs": logprobs,
+                "finish_reason": output.finish_reason, "stop_reason": output.stop_reason}
