@@ -84,6 +84,13 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     logprobs: Annotated[int, Field(ge=0)] | None = None
 
+    def prompts(self) -> list[str] | list[list[int]]:
+        """The batch of prompts: a text or a token-id list is a batch of one."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            return [prompt]
+        return prompt
+
 
 class TextContentPart(OpenAIBaseModel):
     type: Literal["text"]

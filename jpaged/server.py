@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
 import re
 import secrets
 import time
@@ -63,8 +62,6 @@ from jpaged.protocol import (
     next_text_offset,
 )
 from jpaged.sampling_params import SamplingParams
-
-logger = logging.getLogger("jpaged")
 
 T = TypeVar("T")
 
@@ -390,8 +387,7 @@ class OpenAIServing:
     async def create_completion(self, body: CompletionRequest, raw_request: Request) -> Any:
         self.check_model(body.model)
         params = completion_sampling_params(body)
-        prompt_list = [body.prompt] if isinstance(body.prompt, str) or (
-            body.prompt and isinstance(body.prompt[0], int)) else body.prompt
+        prompt_list = body.prompts()
         if not prompt_list:
             raise ApiError(400, "prompt must not be an empty list", "prompt")
         prompts = await self.on_engine(
@@ -491,8 +487,6 @@ class OpenAIServing:
 def stream_error(error: Exception) -> dict:
     status = 503 if isinstance(error, EngineStoppedError) else 500
     return error_body(status, str(error))
-
-
 
 
 # The app.
