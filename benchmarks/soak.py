@@ -56,8 +56,8 @@ class Counts:
 
 
 def inject_faults(engine: LLMEngine, rng: random.Random, rate: float, counts: Counts) -> None:
-    """Make each runner call raise with probability `rate`; a quarter of the failing
-    model steps first consume the donated KV cache."""
+    """Make each runner call raise with probability `rate`; the first failing model
+    step, and a quarter of the later ones, first consume the donated KV cache."""
     runner = engine.runner
     for name in RUNNER_CALLS:
         original = getattr(runner, name)
@@ -65,7 +65,7 @@ def inject_faults(engine: LLMEngine, rng: random.Random, rate: float, counts: Co
         def call(*args, name=name, original=original, **kwargs):
             if rng.random() < rate:
                 counts.faults_injected += 1
-                if name == "execute" and rng.random() < 0.25:
+                if name == "execute" and (not counts.kv_caches_consumed or rng.random() < 0.25):
                     counts.kv_caches_consumed += 1
                     for array in jax.tree.leaves(runner.kv_caches):
                         array.delete()

@@ -12,7 +12,8 @@ def test_a_short_soak_leaks_nothing(tiny_llama_dir):
     assert result["leaked_blocks"] == 0, result
     assert result["greedy_mismatches"] == 0, result
     assert result["invariant_checks"] == result["steps"] > 0, result
-    for counter in ("completed", "errored", "aborted", "faults_injected", "kv_caches_consumed",
-                    "greedy_checked"):
+    # How many of each event a run meets depends on the machine's speed; a consumed KV
+    # cache is covered step by step in test_faults.
+    for counter in ("completed", "errored", "aborted", "faults_injected", "greedy_checked"):
         assert result[counter] > 0, (counter, result)
     assert all(mode["preemptions"] > 0 for mode in result["by_mode"].values()), result
