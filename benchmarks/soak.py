@@ -122,7 +122,7 @@ def soak(loaded, mode: str, seconds: float, args, references, counts: Counts) ->
     engine = LLMEngine(EngineConfig(
         block_size=4, num_blocks=args.num_blocks, num_host_blocks=args.num_blocks,
         max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128,
-        preemption_mode=mode,
+        preemption_mode=mode, persistent_compilation_cache=False,
     ), loaded=loaded)
     inject_faults(engine, rng, args.fault_rate, counts)
     greedy_prompts = greedy_requests(vocab, args.seed)
@@ -131,8 +131,11 @@ def soak(loaded, mode: str, seconds: float, args, references, counts: Counts) ->
     deadline = time.perf_counter() + seconds
     start_preemptions = engine.scheduler.num_preemptions
     next_id = 0
-    while time.perf_counter() < deadline or live:
-        arriving = time.perf_counter() < deadline and len(live) < 12
+    def soaking() -> bool:
+        return time.perf_counter() < deadline or engine.stats.num_steps < args.min_steps
+
+    while soaking() or live:
+        arriving = soaking() and len(live) < 12
         if arriving and rng.random() < 0.5:
             request_id = f"{mode}-{next_id}"
             next_id += 1
@@ -184,7 +187,7 @@ def run(model: str, seconds: float, args) -> dict:
         soak(loaded, mode, seconds / 2, args, references, counts)
     result = {"benchmark": "soak", "model": model, "seconds": time.perf_counter() - started,
               "settings": {"fault_rate": args.fault_rate, "num_blocks": args.num_blocks,
-                           "seed": args.seed}}
+                           "min_steps": args.min_steps, "seed": args.seed}}
     return result | vars(counts)
 
 
@@ -198,6 +201,8 @@ def main(argv: list[str] | None = None) -> dict:
                         help="device (and host) blocks of 4 tokens: few, so preemption is routine")
     parser.add_argument("--fault-rate", type=float, default=0.01,
                         help="probability that one runner call raises")
+    parser.add_argument("--min-steps", type=int, default=0,
+                        help="soak each preemption mode for at least this many steps too")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     result = run(args.model, args.seconds, args)

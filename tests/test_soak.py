@@ -7,13 +7,13 @@ from benchmarks import soak
 
 
 def test_a_short_soak_leaks_nothing(tiny_llama_dir):
-    result = soak.main(["--model", str(tiny_llama_dir), "--seconds", "24", "--num-blocks", "40",
-                        "--fault-rate", "0.01"])
+    # A step floor as well as a time: a slow or cold machine still meets every event.
+    result = soak.main(["--model", str(tiny_llama_dir), "--seconds", "10", "--min-steps", "600",
+                        "--num-blocks", "40", "--fault-rate", "0.01"])
     assert result["leaked_blocks"] == 0, result
     assert result["greedy_mismatches"] == 0, result
     assert result["invariant_checks"] == result["steps"] > 0, result
-    # How many of each event a run meets depends on the machine's speed; a consumed KV
-    # cache is covered step by step in test_faults.
+    # A consumed KV cache is covered step by step in test_faults.
     for counter in ("completed", "errored", "aborted", "faults_injected", "greedy_checked"):
         assert result[counter] > 0, (counter, result)
     assert all(mode["preemptions"] > 0 for mode in result["by_mode"].values()), result
