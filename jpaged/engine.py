@@ -172,9 +172,10 @@ class LLMEngine:
     ):
         """loaded: (model, model_config, tokenizer) already in memory, else config.model loads."""
         self.config = config
+        model, self.model_config, self.tokenizer = loaded or load_model(config.model, config.dtype)
+        # Only once the model loaded: a failed LLM(...) leaves the process-wide setting alone.
         if config.persistent_compilation_cache:
             use_persistent_compilation_cache()
-        model, self.model_config, self.tokenizer = loaded or load_model(config.model, config.dtype)
         model_max = self.model_config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or min(model_max, 2048), model_max)
         dtype = jnp.dtype(config.dtype)
