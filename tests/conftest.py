@@ -222,6 +222,22 @@ def smollm2():
     return load_model("smollm2")
 
 
+def greedy_continuations(model_dir: Path, prompts: list[list[int]], num_tokens: int
+                         ) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt, exactly num_tokens long (EOS
+    suppressed), one prompt at a time: the oracle for the engine's greedy outputs."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    outputs = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=num_tokens, min_new_tokens=num_tokens,
+                                 pad_token_id=0)
+        outputs.append(out[0, len(prompt):].tolist())
+    return outputs
+
+
 @pytest.fixture(scope="session")
 def smollm2_oracle():
     """The default model in transformers, from the same converted float32 weights."""

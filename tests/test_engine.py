@@ -10,8 +10,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-import torch
-import transformers
+from conftest import greedy_continuations
 
 from jpaged.batch_builder import BucketSizes
 from jpaged.engine import default_buckets, step_shapes
@@ -46,16 +45,7 @@ def prompts(loaded):
 @pytest.fixture(scope="module")
 def expected(tiny_llama_dir, prompts):
     """transformers' greedy continuation of each prompt, one prompt at a time."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir).eval()
-    outputs = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt])
-        with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
-                                 pad_token_id=0)
-        outputs.append(out[0, len(prompt):].tolist())
-    return outputs
+    return greedy_continuations(tiny_llama_dir, prompts, MAX_TOKENS)
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)

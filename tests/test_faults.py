@@ -16,8 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
-import transformers
+from conftest import greedy_continuations
 
 from jpaged.batch_builder import BucketSizes
 from jpaged.block_manager import BlockManager
@@ -55,16 +54,7 @@ def prompts(loaded):
 
 @pytest.fixture(scope="module")
 def expected(tiny_llama_dir, prompts):
-    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir).eval()
-    outputs = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt])
-        with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
-                                 pad_token_id=0)
-        outputs.append(out[0, len(prompt):].tolist())
-    return outputs
+    return greedy_continuations(tiny_llama_dir, prompts, MAX_TOKENS)
 
 
 def _llm(loaded, **kwargs) -> LLM:
@@ -73,9 +63,10 @@ def _llm(loaded, **kwargs) -> LLM:
     return LLM("tiny", loaded=loaded, **(config | kwargs))
 
 
-def fail_on_call(monkeypatch, owner, name: str, when, before_raising=None) -> list[int]:
-    """Make owner.name raise InjectedFault on the first call for which when(call number,
-    *args) is true; returns a list that holds the number of that call once it fired."""
+def fail_on_call(monkeypatch, owner, name: str, when, before_raising=None,
+                 error: type[BaseException] = InjectedFault) -> list[int]:
+    """Make owner.name raise `error` on the first call for which when(call number, *args)
+    is true; returns a list that holds the number of that call once it fired."""
     original = getattr(owner, name)
     calls, fired = [0], []
 
@@ -85,19 +76,20 @@ def fail_on_call(monkeypatch, owner, name: str, when, before_raising=None) -> li
             fired.append(calls[0])
             if before_raising is not None:
                 before_raising()
-            raise InjectedFault(f"{name}, call {calls[0]}")
+            raise error(f"{name}, call {calls[0]}")
         return original(*args, **kwargs)
 
     monkeypatch.setattr(owner, name, wrapper)
     return fired
 
 
-def serve(llm: LLM, prompts, params=GREEDY) -> dict[int, object]:
-    """Run every prompt through the engine's step loop, checking the block invariants
-    after each step; the final output of each prompt by index."""
+def serve(llm: LLM, prompts, params=None) -> dict[int, object]:
+    """Run every prompt (with its params, greedy by default) through the engine's step
+    loop, checking the block invariants after each step; the final outputs by index."""
     engine = llm.engine
-    for index, prompt in enumerate(prompts):
-        engine.add_request(str(index), prompt, params)
+    for index, (prompt, request_params) in enumerate(
+            zip(prompts, params or [GREEDY] * len(prompts), strict=True)):
+        engine.add_request(str(index), prompt, request_params)
     finished = {}
     while engine.has_unfinished_requests():
         for output in engine.step():
@@ -128,38 +120,29 @@ def _has_copies(call, ops) -> bool:
     return len(ops.copies) > 0
 
 
+SWAPPING = dict(preemption_mode="swap", num_blocks=8, num_host_blocks=32, max_model_len=40)
 SCENARIOS = {
-    # (engine options, object holding the call, call name, when it raises)
-    "mid_prefill": ({}, "runner", "execute", lambda call, *args: call == 2),
-    "mid_decode": ({}, "runner", "execute", lambda call, *args: call == 7),
-    "first_step_compile": ({}, "runner", "execute", lambda call, *args: call == 1),
-    "after_copy_on_write": ({}, "runner", "apply_block_ops", _has_copies),
-    "sampler": ({}, "runner", "sample", lambda call, *args: call == 4),
-    "swap_out": (dict(preemption_mode="swap", num_blocks=8, num_host_blocks=32, max_model_len=40),
-                 "runner", "_swap_out", lambda call, *args: True),
-    "swap_in": (dict(preemption_mode="swap", num_blocks=8, num_host_blocks=32, max_model_len=40),
-                "runner", "_swap_in", lambda call, *args: True),
+    # (engine options, runner call, when it raises)
+    "mid_prefill": ({}, "execute", lambda call, *args: call == 2),
+    "mid_decode": ({}, "execute", lambda call, *args: call == 7),
+    "first_step_compile": ({}, "execute", lambda call, *args: call == 1),
+    "after_copy_on_write": ({}, "apply_block_ops", _has_copies),
+    "sampler": ({}, "sample", lambda call, *args: call == 4),
+    "swap_out": (SWAPPING, "_swap_out", lambda call, *args: True),
+    "swap_in": (SWAPPING, "_swap_in", lambda call, *args: True),
 }
 
 
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 def test_a_failed_step_costs_only_its_requests(loaded, prompts, expected, scenario,
                                               monkeypatch):
-    options, owner, name, when = SCENARIOS[scenario]
+    options, name, when = SCENARIOS[scenario]
     llm = _llm(loaded, **options)
-    fired = fail_on_call(monkeypatch, getattr(llm.engine, owner), name, when)
+    fired = fail_on_call(monkeypatch, llm.engine.runner, name, when)
     # Two samples of one prompt: their first decode copies the shared last block.
     params = [GREEDY] * len(prompts)
     params[2] = SamplingParams(n=2, temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    engine = llm.engine
-    for index, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-        engine.add_request(str(index), prompt, p)
-    finished = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                finished[int(output.request_id)] = output
-        engine.check_invariants()
+    finished = serve(llm, prompts, params)
     if finished[2].outputs[0].finish_reason != "error":
         assert all(o.token_ids == expected[2] for o in finished[2].outputs)
     monkeypatch.undo()
@@ -200,18 +183,8 @@ def test_generate_raises_the_step_error_and_withdraws_its_requests(
 
 def test_an_interrupt_leaves_the_engine_consistent(loaded, prompts, expected, monkeypatch):
     llm = _llm(loaded)
-
-    def interrupt(*args, **kwargs):
-        raise KeyboardInterrupt
-
-    original = llm.engine.runner.execute
-    calls = [0]
-
-    def execute(*args, **kwargs):
-        calls[0] += 1
-        return interrupt() if calls[0] == 5 else original(*args, **kwargs)
-
-    monkeypatch.setattr(llm.engine.runner, "execute", execute)
+    fail_on_call(monkeypatch, llm.engine.runner, "execute", lambda call, *args: call == 5,
+                 error=KeyboardInterrupt)
     with pytest.raises(KeyboardInterrupt):
         llm.generate(prompts, GREEDY)
     assert not llm.engine.has_unfinished_requests()
