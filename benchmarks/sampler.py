@@ -1,7 +1,7 @@
 """Device time of one sampling step: the candidate-based sampler against the full sort.
 
 For batches of 1, 8 and 32 rows over a 49152-token vocabulary (SmolLM2's), each
-workload times `jpaged.sampler.sample` (token, its log-probability and rank, no top
+workload times `jpaged.model.sampler.sample` (token, its log-probability and rank, no top
 log-probabilities) and the peer measured in the same run: the previous sampler,
 copied below, which sorts the whole vocabulary whenever a row uses top-k or top-p and
 returns tokens only.
@@ -36,8 +36,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jpaged import sampler
-from jpaged.sampler import SamplingRow, nucleus_cutoffs, sample, sampling_tensors
+from jpaged.model import sampler
+from jpaged.model.sampler import SamplingRow, nucleus_cutoffs, sample, sampling_tensors
 
 VOCAB = 49152
 PEAKED, FLAT = 5.0, 3.0

@@ -27,10 +27,10 @@ import time
 import numpy as np
 
 from experiments.baselines import ContiguousKVManager
-from jpaged.batch_builder import build_model_input
-from jpaged.block_manager import BlockManager
 from jpaged.config import CacheConfig, SchedulerConfig
-from jpaged.scheduler import Scheduler
+from jpaged.core.batch_builder import build_model_input
+from jpaged.core.scheduler import Scheduler
+from jpaged.memory.block_manager import BlockManager
 from jpaged.sequence import Sequence, SequenceGroup
 
 BLOCK_SIZE = 16

@@ -83,7 +83,7 @@ def _progress(message: str) -> None:
 
 def serve(engine, workload: Workload, case: Case, scoring: str = "vllm") -> dict:
     """Run every request of `workload` at once under `case`; the engine's stats of the run."""
-    from jpaged.stats import EngineStats
+    from jpaged.engine.stats import EngineStats
 
     engine.stats = EngineStats()
     pending = set()
@@ -115,7 +115,7 @@ def serve(engine, workload: Workload, case: Case, scoring: str = "vllm") -> dict
 
 
 def make_engine(loaded, block_size: int, num_blocks: int, share_blocks: bool, args):
-    from jpaged.engine import EngineConfig, LLMEngine
+    from jpaged.engine.llm_engine import EngineConfig, LLMEngine
 
     config = EngineConfig(
         block_size=block_size, num_blocks=num_blocks, share_blocks=share_blocks,
@@ -225,7 +225,7 @@ def beam_vs_transformers(loaded, vocab: int, args) -> dict:
     import torch
     import transformers
 
-    from jpaged.loader import default_model_directory
+    from jpaged.model.loader import default_model_directory
 
     model = transformers.AutoModelForCausalLM.from_pretrained(
         default_model_directory(), dtype=torch.float32).eval()
@@ -270,7 +270,7 @@ def main() -> None:
     degrees = SHARING_DEGREES[:2] if args.quick else SHARING_DEGREES
     cases = [Case(kind, degree) for kind in ("parallel", "beam") for degree in degrees]
 
-    from jpaged.loader import load_model
+    from jpaged.model.loader import load_model
 
     loaded = load_model("smollm2")
     vocab = loaded[1].vocab_size

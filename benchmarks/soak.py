@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 import jax
 
 from jpaged import BeamSearchParams, SamplingParams
-from jpaged.engine import EngineConfig, LLMEngine
-from jpaged.loader import load_model
+from jpaged.engine.llm_engine import EngineConfig, LLMEngine
+from jpaged.model.loader import load_model
 
 GREEDY_PROMPTS = 6
 GREEDY_TOKENS = 12

@@ -30,7 +30,7 @@ import time
 import numpy as np
 
 from experiments.workloads import sample_lengths
-from jpaged.stats import percentiles
+from jpaged.engine.stats import percentiles
 
 MAX_TOTAL_LEN = 512
 
@@ -60,8 +60,8 @@ def _progress(message: str) -> None:
 
 def run_jpaged(args) -> dict:
     from jpaged import LLM, SamplingParams
-    from jpaged.loader import load_model
-    from jpaged.stats import EngineStats
+    from jpaged.engine.stats import EngineStats
+    from jpaged.model.loader import load_model
 
     loaded = load_model("smollm2")
     vocab = loaded[1].vocab_size
@@ -144,7 +144,7 @@ def run_transformers(args) -> dict:
     import torch
     import transformers
 
-    from jpaged.loader import default_model_directory
+    from jpaged.model.loader import default_model_directory
 
     model = transformers.AutoModelForCausalLM.from_pretrained(
         default_model_directory(), dtype=torch.float32

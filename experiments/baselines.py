@@ -25,8 +25,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from jpaged.allocator import BlockOps
-from jpaged.block_manager import AllocStatus
+from jpaged.memory.allocator import BlockOps
+from jpaged.memory.block_manager import AllocStatus
 from jpaged.sequence import Sequence, SequenceGroup, SequenceStatus
 
 POLICIES = ("max", "pow2", "oracle")

@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 
 from experiments.baselines import ContiguousKVManager
 from experiments.workloads import VOCAB_SIZE, RequestSpec, make_workload
-from jpaged.block_manager import BlockManager
 from jpaged.config import CacheConfig, SchedulerConfig
-from jpaged.scheduler import KVCacheManager, Scheduler, SchedulerOutput
+from jpaged.core.scheduler import KVCacheManager, Scheduler, SchedulerOutput
+from jpaged.memory.block_manager import BlockManager
 from jpaged.sequence import Sequence as Seq
 from jpaged.sequence import SequenceGroup, SequenceStatus
 

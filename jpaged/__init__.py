@@ -10,9 +10,9 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from jpaged.engine import EngineConfig, LLMEngine
+    from jpaged.engine.llm_engine import EngineConfig, LLMEngine
+    from jpaged.entrypoints.llm import LLM
     from jpaged.inputs import TextPrompt, TokensPrompt
-    from jpaged.llm import LLM
     from jpaged.outputs import (
         BeamSearchOutput,
         BeamSearchSequence,
@@ -23,13 +23,13 @@ if TYPE_CHECKING:
     from jpaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 _MODULE_OF = {
-    "LLM": "jpaged.llm",
+    "LLM": "jpaged.entrypoints.llm",
     "BeamSearchOutput": "jpaged.outputs",
     "BeamSearchParams": "jpaged.sampling_params",
     "BeamSearchSequence": "jpaged.outputs",
     "CompletionOutput": "jpaged.outputs",
-    "EngineConfig": "jpaged.engine",
-    "LLMEngine": "jpaged.engine",
+    "EngineConfig": "jpaged.engine.llm_engine",
+    "LLMEngine": "jpaged.engine.llm_engine",
     "Logprob": "jpaged.outputs",
     "RequestOutput": "jpaged.outputs",
     "RequestOutputKind": "jpaged.sampling_params",

@@ -8,7 +8,7 @@ import json
 import logging
 import sys
 
-from jpaged.llm import LLM
+from jpaged.entrypoints.llm import LLM
 from jpaged.sampling_params import SamplingParams
 
 # Failures the user can fix: bad arguments, model files missing or malformed, no network
@@ -102,7 +102,7 @@ def _chat(llm: LLM, args: argparse.Namespace) -> None:
 
 
 def _serve(llm: LLM, args: argparse.Namespace) -> None:
-    from jpaged.server import serve  # the HTTP stack loads only for this command
+    from jpaged.entrypoints.server import serve  # the HTTP stack loads only for this command
 
     serve(llm.engine, served_model_name=args.served_model_name or args.model, host=args.host,
           port=args.port, api_key=args.api_key, max_waiting=args.max_waiting)

@@ -23,8 +23,8 @@ import transformers
 from jax.experimental.compilation_cache import compilation_cache
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from jpaged.attention_metadata import AttentionMetadata
-from jpaged.loader import default_model_directory, load_model
+from jpaged.core.attention_metadata import AttentionMetadata
+from jpaged.model.loader import default_model_directory, load_model
 
 TINY_MERGES = [("t", "h"), ("th", "e"), ("Ġ", "th"), ("i", "n"), ("e", "r"), ("Ġ", "a")]
 END_OF_TEXT = "<|endoftext|>"

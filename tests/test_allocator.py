@@ -18,8 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from jpaged.allocator import AllocatorState, ChunkedArray, Transaction
-from jpaged.prefix_cache import NO_HASH
+from jpaged.memory.allocator import AllocatorState, ChunkedArray, Transaction
+from jpaged.memory.prefix_cache import NO_HASH
 
 HASHES = st.integers(1, 12)
 KEYS = st.tuples(st.integers(0, 2), st.sampled_from([None, "", "a"]), st.sampled_from([b"0", b"1"]))
@@ -408,7 +408,7 @@ def test_misuse_of_a_transaction_raises_and_changes_nothing():
 def test_a_double_free_raises_with_asserts_stripped():
     """Under `python -O` an assert would let the refcount go negative silently."""
     code = (
-        "from jpaged.allocator import AllocatorState, Transaction\n"
+        "from jpaged.memory.allocator import AllocatorState, Transaction\n"
         "txn = Transaction(AllocatorState.create(num_blocks=3, num_host_blocks=0))\n"
         "(block,) = txn.allocate(1)\n"
         "txn.free(block)\n"

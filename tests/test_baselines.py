@@ -6,8 +6,8 @@ import pytest
 
 from experiments.baselines import ContiguousKVManager
 from experiments.simulator import MemoryBreakdown, kv_breakdown
-from jpaged.block_manager import AllocStatus, BlockManager
 from jpaged.config import CacheConfig
+from jpaged.memory.block_manager import AllocStatus, BlockManager
 from jpaged.sequence import Sequence, SequenceGroup, SequenceStatus
 
 

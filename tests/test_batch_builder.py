@@ -5,9 +5,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jpaged.batch_builder import BucketSizes, build_model_input
-from jpaged.block_manager import BlockManager, BlockTable
 from jpaged.config import CacheConfig
+from jpaged.core.batch_builder import BucketSizes, build_model_input
+from jpaged.memory.block_manager import BlockManager, BlockTable
 from jpaged.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
@@ -29,7 +29,7 @@ def padded_size(n, minimum, linear_step=0):
 
 
 def oracle(scheduled, tables, block_size, buckets, min_rows=0):
-    """Every array built entry by entry, padding per jpaged.attention_metadata."""
+    """Every array built entry by entry, padding per jpaged.core.attention_metadata."""
     num_tokens = sum(n for _, n in scheduled)
     context_lens = [seq.num_computed_tokens + n for seq, n in scheduled]
     blocks = [-(-length // block_size) for length in context_lens]

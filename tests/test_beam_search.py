@@ -18,10 +18,10 @@ import pytest
 import torch
 import transformers
 
-from jpaged.batch_builder import BucketSizes
-from jpaged.beam_search import vllm_score
-from jpaged.llm import LLM
-from jpaged.loader import load_model
+from jpaged.core.batch_builder import BucketSizes
+from jpaged.engine.beam_search import vllm_score
+from jpaged.entrypoints.llm import LLM
+from jpaged.model.loader import load_model
 from jpaged.sampling_params import BeamSearchParams, SamplingParams
 from jpaged.sequence import SequenceStatus
 

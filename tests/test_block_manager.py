@@ -19,8 +19,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from jpaged.block_manager import AllocStatus, BlockManager, BlockTable
 from jpaged.config import CacheConfig
+from jpaged.memory.block_manager import AllocStatus, BlockManager, BlockTable
 from jpaged.sequence import Sequence, SequenceGroup, SequenceStatus
 
 TOKENS = st.lists(st.integers(0, 2), min_size=1, max_size=14)

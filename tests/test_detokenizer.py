@@ -17,14 +17,14 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from jpaged.detokenizer import (
+from jpaged.engine.detokenizer import (
     REPLACEMENT_CHAR,
     IncrementalDetokenizer,
     StopMatch,
     find_stop_string,
     held_back_length,
 )
-from jpaged.loader import default_model_directory
+from jpaged.model.loader import default_model_directory
 
 TINY = tiny_tokenizer()
 MULTILINGUAL = [

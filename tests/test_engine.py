@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 from conftest import greedy_continuations
 
-from jpaged.batch_builder import BucketSizes
-from jpaged.engine import default_buckets, step_shapes
-from jpaged.llm import LLM
-from jpaged.loader import load_model
+from jpaged.core.batch_builder import BucketSizes
+from jpaged.engine.llm_engine import default_buckets, step_shapes
+from jpaged.engine.stats import num_compilations
+from jpaged.entrypoints.llm import LLM
+from jpaged.model.loader import load_model
 from jpaged.sampling_params import SamplingParams
-from jpaged.stats import num_compilations
 
 MAX_TOKENS = 12
 SMALL_BUCKETS = BucketSizes(min_num_tokens=8, min_num_seqs=4, min_blocks_per_seq=2)

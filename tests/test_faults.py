@@ -18,13 +18,13 @@ import numpy as np
 import pytest
 from conftest import greedy_continuations
 
-from jpaged.batch_builder import BucketSizes
-from jpaged.block_manager import BlockManager
 from jpaged.config import CacheConfig, SchedulerConfig
-from jpaged.llm import LLM
-from jpaged.loader import load_model
+from jpaged.core.batch_builder import BucketSizes
+from jpaged.core.scheduler import Scheduler
+from jpaged.entrypoints.llm import LLM
+from jpaged.memory.block_manager import BlockManager
+from jpaged.model.loader import load_model
 from jpaged.sampling_params import SamplingParams
-from jpaged.scheduler import Scheduler
 from jpaged.sequence import Sequence, SequenceGroup, SequenceStatus
 
 MAX_TOKENS = 8
@@ -238,7 +238,7 @@ def break_pallas_kernels(monkeypatch) -> None:
 
 
 def test_the_default_kernel_falls_back_to_xla(loaded, prompts, expected, monkeypatch, caplog):
-    monkeypatch.setattr("jpaged.engine.default_attention_backend", lambda: "pallas")
+    monkeypatch.setattr("jpaged.engine.llm_engine.default_attention_backend", lambda: "pallas")
     break_pallas_kernels(monkeypatch)
     with caplog.at_level(logging.WARNING, logger="jpaged"):
         llm = _llm(loaded, interpret=True)
@@ -258,7 +258,7 @@ def test_kernel_limits_are_checked_at_start(loaded, monkeypatch, caplog):
     monkeypatch.setattr("jax.default_backend", lambda: "cpu")
     with pytest.raises(ValueError, match="Triton kernel needs block_size a power of two, got 12"):
         _llm(loaded, attention_backend="pallas", interpret=True, block_size=12)
-    monkeypatch.setattr("jpaged.engine.default_attention_backend", lambda: "pallas")
+    monkeypatch.setattr("jpaged.engine.llm_engine.default_attention_backend", lambda: "pallas")
     with caplog.at_level(logging.WARNING, logger="jpaged"):
         llm = _llm(loaded, interpret=True, block_size=12)
     assert llm.engine.runner.attention_backend == "xla"

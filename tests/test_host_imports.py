@@ -14,10 +14,10 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[1]
 HEAVY = ("jax", "flax", "transformers", "torch")
 HOST_MODULES = (
-    "jpaged.allocator",
-    "jpaged.block_manager",
-    "jpaged.scheduler",
-    "jpaged.batch_builder",
+    "jpaged.memory.allocator",
+    "jpaged.memory.block_manager",
+    "jpaged.core.scheduler",
+    "jpaged.core.batch_builder",
     "experiments.simulator",
 )
 
@@ -46,7 +46,7 @@ def test_package_loads_its_names_on_first_use():
 
 def test_package_lists_and_resolves_every_public_name():
     import jpaged
-    from jpaged.llm import LLM
+    from jpaged.entrypoints.llm import LLM
 
     assert set(jpaged.__all__) <= set(dir(jpaged))
     for name in jpaged.__all__:

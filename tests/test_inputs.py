@@ -8,9 +8,9 @@ import math
 import numpy as np
 import pytest
 
-from jpaged.batch_builder import BucketSizes
-from jpaged.llm import LLM
-from jpaged.loader import load_model
+from jpaged.core.batch_builder import BucketSizes
+from jpaged.entrypoints.llm import LLM
+from jpaged.model.loader import load_model
 from jpaged.sampling_params import BeamSearchParams, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

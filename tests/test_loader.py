@@ -17,15 +17,15 @@ import transformers
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from jpaged import loader
-from jpaged.loader import (
+from jpaged.model import loader
+from jpaged.model.llama import forward, init_kv_caches
+from jpaged.model.loader import (
     cache_directory,
     convert_gguf,
     default_model_gguf,
     load_gguf,
     load_model,
 )
-from jpaged.model import forward, init_kv_caches
 
 BLOCK_SIZE = 4
 STEP = jax.jit(forward, static_argnums=0, donate_argnums=3)

@@ -11,9 +11,9 @@ import pytest
 import torch
 import transformers
 
-from jpaged.batch_builder import BucketSizes
-from jpaged.llm import LLM
-from jpaged.loader import load_model
+from jpaged.core.batch_builder import BucketSizes
+from jpaged.entrypoints.llm import LLM
+from jpaged.model.loader import load_model
 from jpaged.sampling_params import SamplingParams
 
 TOP = 5

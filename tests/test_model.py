@@ -16,8 +16,8 @@ import transformers
 from flax import nnx
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from jpaged.loader import load_model
-from jpaged.model import LlamaConfig, forward, init_kv_caches, rope_inverse_frequencies
+from jpaged.model.llama import LlamaConfig, forward, init_kv_caches, rope_inverse_frequencies
+from jpaged.model.loader import load_model
 
 BLOCK_SIZE = 4
 STEP = jax.jit(forward, static_argnums=0, donate_argnums=3)

@@ -26,8 +26,8 @@ from safetensors.numpy import load_file, save_file
 from test_loader import write_gguf
 
 from jpaged import __main__ as cli
-from jpaged.llm import LLM
-from jpaged.loader import ModelLoadError
+from jpaged.entrypoints.llm import LLM
+from jpaged.model.loader import ModelLoadError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -203,7 +203,7 @@ def test_cli_debug_shows_the_traceback(sources, tmp_path):
     result = run_cli("--debug", "--model", str(broken.model), "hi")
     assert result.returncode == 1
     assert result.stderr.startswith("Traceback (most recent call last):")
-    assert re.match(f"jpaged.loader.ModelLoadError: {broken.message}",
+    assert re.match(f"jpaged.model.loader.ModelLoadError: {broken.message}",
                     result.stderr.splitlines()[-1])
 
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jpaged.batch_builder import BucketSizes
-from jpaged.llm import LLM
-from jpaged.loader import load_model
+from jpaged.core.batch_builder import BucketSizes
+from jpaged.entrypoints.llm import LLM
+from jpaged.model.loader import load_model
 from jpaged.sampling_params import SamplingParams
 
 SMALL_BUCKETS = BucketSizes(min_num_tokens=8, min_num_seqs=4, min_blocks_per_seq=2)

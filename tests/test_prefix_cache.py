@@ -3,9 +3,9 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jpaged.block_manager import BlockManager
 from jpaged.config import CacheConfig
-from jpaged.prefix_cache import NO_HASH, HashIndex, hash_block, pack_tokens
+from jpaged.memory.block_manager import BlockManager
+from jpaged.memory.prefix_cache import NO_HASH, HashIndex, hash_block, pack_tokens
 from jpaged.sequence import Sequence, SequenceGroup, SequenceStatus
 
 

@@ -19,14 +19,14 @@ from hypothesis import strategies as st
 from hypothesis.stateful import initialize, run_state_machine_as_test
 from test_block_manager import BlockManagerMachine
 
-from jpaged import block_manager
-from jpaged.batch_builder import BucketSizes
-from jpaged.block_manager import BlockManager
 from jpaged.config import CacheConfig, SchedulerConfig
-from jpaged.llm import LLM
-from jpaged.loader import load_model
+from jpaged.core.batch_builder import BucketSizes
+from jpaged.core.scheduler import Scheduler
+from jpaged.entrypoints.llm import LLM
+from jpaged.memory import block_manager
+from jpaged.memory.block_manager import BlockManager
+from jpaged.model.loader import load_model
 from jpaged.sampling_params import SamplingParams
-from jpaged.scheduler import Scheduler
 from jpaged.sequence import Sequence, SequenceGroup, SequenceStatus
 
 THE_HASH = 12345

@@ -6,9 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jpaged.allocator import BlockOps
-from jpaged.loader import load_model
-from jpaged.runner import ModelRunner
+from jpaged.engine.runner import ModelRunner
+from jpaged.memory.allocator import BlockOps
+from jpaged.model.loader import load_model
 
 NUM_BLOCKS, NUM_HOST_BLOCKS, BLOCK_SIZE = 12, 6, 4
 

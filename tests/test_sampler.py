@@ -1,7 +1,7 @@
 """The device sampler against numpy definitions (float64) of vLLM's sampling steps.
 
 Every expected value comes from an oracle written here from the definitions in
-jpaged/sampler.py's docstring, never from the sampler's own output; the fast path is
+jpaged/model/sampler.py's docstring, never from the sampler's own output; the fast path is
 also held to the full sort bit for bit.
 """
 
@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jpaged.sampler import (
+from jpaged.model.sampler import (
     CANDIDATES,
     SamplerOutput,
     SamplingRow,

@@ -16,9 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from experiments.baselines import ContiguousKVManager
-from jpaged.block_manager import BlockManager
 from jpaged.config import CacheConfig, SchedulerConfig
-from jpaged.scheduler import Scheduler, SchedulerOutput
+from jpaged.core.scheduler import Scheduler, SchedulerOutput
+from jpaged.memory.block_manager import BlockManager
 from jpaged.sequence import Sequence, SequenceGroup, SequenceStatus
 
 

@@ -22,13 +22,13 @@ import openai
 import pytest
 import uvicorn
 
-from jpaged.async_engine import AsyncLLMEngine, EngineStoppedError
-from jpaged.batch_builder import BucketSizes
-from jpaged.engine import EngineConfig, LLMEngine
-from jpaged.llm import LLM
-from jpaged.loader import load_model
+from jpaged.core.batch_builder import BucketSizes
+from jpaged.engine.async_engine import AsyncLLMEngine, EngineStoppedError
+from jpaged.engine.llm_engine import EngineConfig, LLMEngine
+from jpaged.entrypoints.llm import LLM
+from jpaged.entrypoints.server import build_app
+from jpaged.model.loader import load_model
 from jpaged.sampling_params import SamplingParams
-from jpaged.server import build_app
 
 MODEL = "tiny"
 API_KEY = "test-key"

@@ -28,22 +28,22 @@ import jax.numpy as jnp
 import numpy as np
 
 import kernels_pallas
-from jpaged.batch_builder import BucketSizes, bucket, build_model_input, padded_sizes
-from jpaged.beam_search import Beam, BeamSearch, Hypothesis
-from jpaged.block_manager import BlockManager
 from jpaged.config import CacheConfig, SchedulerConfig
-from jpaged.detokenizer import IncrementalDetokenizer
+from jpaged.core.batch_builder import BucketSizes, bucket, build_model_input, padded_sizes
+from jpaged.core.scheduler import Scheduler, SchedulerOutput
+from jpaged.engine.beam_search import Beam, BeamSearch, Hypothesis
+from jpaged.engine.detokenizer import IncrementalDetokenizer
+from jpaged.engine.request import Request, Sample
+from jpaged.engine.runner import AttentionBackend, ModelRunner, default_attention_backend
+from jpaged.engine.stats import EngineStats
 from jpaged.inputs import PromptType, parse_prompt
-from jpaged.loader import cache_directory, load_model
-from jpaged.model import LlamaConfig
+from jpaged.memory.block_manager import BlockManager
+from jpaged.model.llama import LlamaConfig
+from jpaged.model.loader import cache_directory, load_model
+from jpaged.model.sampler import SamplerOutput, SamplingRow, sampling_tensors
 from jpaged.outputs import Logprob, RequestMetrics, RequestOutput
-from jpaged.request import Request, Sample
-from jpaged.runner import AttentionBackend, ModelRunner, default_attention_backend
-from jpaged.sampler import SamplerOutput, SamplingRow, sampling_tensors
 from jpaged.sampling_params import GREEDY_TEMPERATURE, BeamSearchParams, SamplingParams
-from jpaged.scheduler import Scheduler, SchedulerOutput
 from jpaged.sequence import Sequence, SequenceGroup, SequenceStatus
-from jpaged.stats import EngineStats
 
 logger = logging.getLogger("jpaged")
 

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from jpaged.engine import LLMEngine
+from jpaged.engine.llm_engine import LLMEngine
 from jpaged.inputs import PromptType
 from jpaged.outputs import RequestOutput
 from jpaged.sampling_params import RequestOutputKind, SamplingParams

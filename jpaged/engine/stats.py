@@ -16,9 +16,9 @@ from jax import monitoring
 from jpaged.outputs import RequestMetrics
 
 if TYPE_CHECKING:
-    from jpaged.block_manager import BlockManager
-    from jpaged.engine import LLMEngine
-    from jpaged.scheduler import SchedulerOutput
+    from jpaged.core.scheduler import SchedulerOutput
+    from jpaged.engine.llm_engine import LLMEngine
+    from jpaged.memory.block_manager import BlockManager
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _compilations = 0

@@ -43,14 +43,13 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from jpaged.async_engine import (
+from jpaged.engine.async_engine import (
     AsyncLLMEngine,
     EngineStoppedError,
     QueueFullError,
 )
-from jpaged.engine import LLMEngine
-from jpaged.outputs import RequestOutput
-from jpaged.protocol import (
+from jpaged.engine.llm_engine import LLMEngine
+from jpaged.entrypoints.protocol import (
     ChatCompletionRequest,
     ChatJob,
     CompletionJob,
@@ -61,6 +60,7 @@ from jpaged.protocol import (
     SamplingFields,
     next_text_offset,
 )
+from jpaged.outputs import RequestOutput
 from jpaged.sampling_params import SamplingParams
 
 T = TypeVar("T")

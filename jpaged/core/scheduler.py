@@ -31,9 +31,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from jpaged.allocator import BlockOps
-from jpaged.block_manager import AllocStatus
 from jpaged.config import SchedulerConfig
+from jpaged.memory.allocator import BlockOps
+from jpaged.memory.block_manager import AllocStatus
 from jpaged.sequence import Sequence, SequenceGroup, SequenceStatus
 
 logger = logging.getLogger(__name__)

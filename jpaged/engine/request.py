@@ -13,8 +13,8 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from jpaged.beam_search import Beam, BeamSearch, Hypothesis
-from jpaged.detokenizer import IncrementalDetokenizer, find_stop_string, held_back_length
+from jpaged.engine.beam_search import Beam, BeamSearch, Hypothesis
+from jpaged.engine.detokenizer import IncrementalDetokenizer, find_stop_string, held_back_length
 from jpaged.outputs import (
     FINISH_REASONS,
     CompletionOutput,

@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from jpaged.allocator import AllocatorState, BlockOps, Transaction
 from jpaged.config import CacheConfig
-from jpaged.prefix_cache import (
+from jpaged.memory.allocator import AllocatorState, BlockOps, Transaction
+from jpaged.memory.prefix_cache import (
     NO_HASH,
     NO_PARENT,
     PrefixCacheStats,

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from jpaged.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 
 if TYPE_CHECKING:
-    from jpaged.async_engine import RequestStream
+    from jpaged.engine.async_engine import RequestStream
 
 # What JSON cannot hold (-inf) is reported as this, as vLLM does.
 MIN_LOGPROB = -9999.0

@@ -14,7 +14,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from jpaged.engine import EngineConfig, LLMEngine
+from jpaged.engine.llm_engine import EngineConfig, LLMEngine
 from jpaged.inputs import PromptType, as_prompt_list
 from jpaged.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from jpaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams

@@ -3,7 +3,7 @@
 Runs on the host every step, so it does O(tokens + blocks of the scheduled
 sequences) work, vectorised with numpy. Shapes are bucketed to powers of two
 (with minimums) so the jit-compiled step sees few distinct shapes; padding
-follows jpaged.attention_metadata (null block 0, empty padding sequences).
+follows jpaged.core.attention_metadata (null block 0, empty padding sequences).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Protocol
 
 import numpy as np
 
-from jpaged.attention_metadata import AttentionMetadata
-from jpaged.block_manager import BlockTable
+from jpaged.core.attention_metadata import AttentionMetadata
+from jpaged.memory.block_manager import BlockTable
 from jpaged.sequence import Sequence
 
 

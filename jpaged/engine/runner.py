@@ -23,11 +23,11 @@ import numpy as np
 from flax import nnx
 
 import kernels_pallas
-from jpaged.allocator import BlockOps
-from jpaged.attention_metadata import AttentionMetadata
-from jpaged.batch_builder import bucket
-from jpaged.model import LlamaConfig, LlamaForCausalLM, init_kv_caches
-from jpaged.sampler import SamplerOutput, SamplingTensors, logprob_outputs, sample
+from jpaged.core.attention_metadata import AttentionMetadata
+from jpaged.core.batch_builder import bucket
+from jpaged.memory.allocator import BlockOps
+from jpaged.model.llama import LlamaConfig, LlamaForCausalLM, init_kv_caches
+from jpaged.model.sampler import SamplerOutput, SamplingTensors, logprob_outputs, sample
 
 AttentionBackend = Literal["pallas", "xla", "reference"]
 KVCaches = list[tuple[jax.Array, jax.Array]]

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jpaged.prefix_cache import NO_HASH, CachedBlock, HashIndex
+from jpaged.memory.prefix_cache import NO_HASH, CachedBlock, HashIndex
 
 
 def _readonly(array: np.ndarray) -> np.ndarray:

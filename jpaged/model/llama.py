@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jpaged.attention_metadata import AttentionMetadata
+from jpaged.core.attention_metadata import AttentionMetadata
 from kernels_pallas.reference import ragged_paged_attention_reference, write_kv_reference
 
 KVCache = tuple[jax.Array, jax.Array]

@@ -1,0 +1,5 @@
+"""Scheduling on the host: the scheduler, and the batch builder that
+turns a step's schedule into the index arrays the device consumes.
+
+numpy only; imports nothing of jpaged's device code.
+"""

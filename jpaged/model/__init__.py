@@ -1,0 +1,1 @@
+"""The device side of a step: the Llama-family model, its loaders, the sampler."""
