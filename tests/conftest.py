@@ -30,7 +30,7 @@ TINY_MERGES = [("t", "h"), ("th", "e"), ("Ġ", "th"), ("i", "n"), ("e", "r"), ("
 END_OF_TEXT = "<|endoftext|>"
 TINY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-# Fixtures that load the default model; tests named test_smollm2_* load it themselves.
+# Fixtures that load the default model; a test that loads it itself carries the marker.
 DEFAULT_MODEL_FIXTURES = {"smollm2", "smollm2_oracle"}
 
 
@@ -60,7 +60,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def needs_default_model(item: pytest.Item) -> bool:
     fixtures = set(getattr(item, "fixturenames", ()))
-    return bool(fixtures & DEFAULT_MODEL_FIXTURES) or item.name.startswith("test_smollm2")
+    return bool(fixtures & DEFAULT_MODEL_FIXTURES)
 
 
 def shuffled_by_module(items: list[pytest.Item], rng: random.Random) -> list[pytest.Item]:

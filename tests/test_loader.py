@@ -299,6 +299,7 @@ def jpaged_greedy(model, config, prompts: list[list[int]], book_factory, num_new
     return outputs
 
 
+@pytest.mark.default_model
 def test_smollm2_greedy_matches_transformers(paged_cache_book):
     model, config, tokenizer = load_model("smollm2")
     gguf_path = default_model_gguf()
@@ -324,6 +325,7 @@ def test_smollm2_greedy_matches_transformers(paged_cache_book):
     assert "Paris" in tokenizer.decode(ours[0])
 
 
+@pytest.mark.default_model
 def test_smollm2_is_converted_once(monkeypatch):
     load_model("smollm2")  # downloads and converts on first use
     monkeypatch.setattr(loader, "convert_gguf", lambda *_: pytest.fail("converted again"))
