@@ -15,7 +15,6 @@ import base64
 import json
 import os
 import re
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -35,7 +34,8 @@ def kernel(tmp_path, monkeypatch) -> str:
     """A kernel spec for this interpreter that imports this checkout's jpaged, found first."""
     write_kernel_spec(tmp_path / "kernels" / KERNEL)
     monkeypatch.setenv("JUPYTER_PATH", str(tmp_path))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), *sys.path]))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     return KERNEL
 
 
