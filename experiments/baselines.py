@@ -5,8 +5,10 @@ token slots, reserved when the request is admitted and freed when it ends
 (the vLLM paper, Section 2.3 and Figure 2). The slab size is the policy:
 
 - "max":    max_model_len slots, whatever the request needs;
-- "pow2":   the next power of two of the request's true total length
-            (prompt + output), as if the system knew it within a factor of two;
+- "pow2":   the prompt plus the next power of two of the request's true
+            output length (a 25-token output reserves 32 output slots): the
+            output over-reserved by less than 2x, as the paper defines it;
+            never more than max_model_len;
 - "oracle": exactly the true total length, as if it knew the output length.
 
 Slabs are placed first-fit in a single arena, so freed slabs leave holes and a
@@ -39,7 +41,8 @@ class ContiguousKVManager:
     """First-fit contiguous slabs in an arena of `num_slots` token slots.
 
     total_len_of(group) is the request's true total length (prompt + output),
-    known in advance to the "pow2" and "oracle" policies.
+    known in advance to the "pow2" and "oracle" policies; the prompt is the
+    group's first sequence's.
     """
 
     num_host_blocks = 0
@@ -69,7 +72,16 @@ class ContiguousKVManager:
         if self.policy == "max":
             return self.max_model_len
         total = self.total_len_of(group)
-        return 1 << (total - 1).bit_length() if self.policy == "pow2" else total
+        if self.policy == "oracle":
+            return total
+        prompt_len = group.seqs[0].num_prompt_tokens
+        if total <= prompt_len:
+            raise ValueError(
+                f"request {group.request_id!r}: total length {total} must exceed its "
+                f"{prompt_len} prompt tokens (every request outputs at least one token)"
+            )
+        output_slots = 1 << (total - prompt_len - 1).bit_length()  # next power of two
+        return min(prompt_len + output_slots, self.max_model_len)
 
     # Scheduler interface.
 

@@ -28,15 +28,51 @@ def admit(manager, group: SequenceGroup) -> Sequence:
 
 
 @pytest.mark.parametrize(
-    "policy,total,reserved",
-    [("max", 5, 40), ("pow2", 5, 8), ("pow2", 8, 8), ("pow2", 9, 16), ("oracle", 9, 9)],
+    "policy,prompt_len,total,reserved",
+    [
+        ("max", 3, 5, 40),
+        ("oracle", 3, 9, 9),
+        # Pow2 rounds the output only: the paper's 25-token output reserves 32 slots.
+        ("pow2", 5, 30, 5 + 32),
+        ("pow2", 3, 5, 3 + 2),
+        ("pow2", 3, 4, 3 + 1),
+        ("pow2", 8, 16, 8 + 8),
+        ("pow2", 8, 17, 8 + 16),
+        # Never more than the request could ever hold.
+        ("pow2", 20, 38, 40),
+    ],
 )
-def test_reservation_policies(policy, total, reserved):
-    group, _ = request(1, 3, total)
+def test_reservation_policies(policy, prompt_len, total, reserved):
+    group, _ = request(1, prompt_len, total)
     manager = arena(100, policy, {"r1": total})
     assert manager.reservation(group) == reserved
     assert manager.allocated_slots(admit(manager, group)) == reserved
     assert manager.num_free_slots == 100 - reserved
+
+
+def brute_force_pow2_slots(prompt_len: int, output_len: int, max_model_len: int) -> int:
+    """Prompt plus the smallest of 1, 2, 4, ... that holds the output, capped."""
+    output_slots = 1
+    while output_slots < output_len:
+        output_slots *= 2
+    return min(prompt_len + output_slots, max_model_len)
+
+
+def test_pow2_over_reserves_the_output_less_than_twice():
+    max_model_len = 300
+    for prompt_len in (1, 7, 64, 200):
+        for output_len in range(1, max_model_len - prompt_len + 1):
+            group, total = request(1, prompt_len, prompt_len + output_len)
+            manager = arena(1000, "pow2", {"r1": total}, max_model_len)
+            reserved = manager.reservation(group)
+            assert reserved == brute_force_pow2_slots(prompt_len, output_len, max_model_len)
+            assert total <= reserved < prompt_len + 2 * output_len
+
+
+def test_pow2_rejects_a_request_without_output():
+    group, total = request(1, 5, 5)
+    with pytest.raises(ValueError, match="total length 5 must exceed its 5 prompt tokens"):
+        arena(100, "pow2", {"r1": total}).reservation(group)
 
 
 def test_first_fit_leaves_holes_and_coalesces_them():
@@ -77,15 +113,16 @@ def test_appends_stay_inside_the_slab():
 
 
 def test_contiguous_breakdown_by_hand():
-    # Two requests in a 64-slot arena under Pow2: totals 30 and 10 reserve 32 and 16.
+    # Two requests in a 64-slot arena under Pow2: prompts 10 and 4 with outputs 20
+    # and 6 reserve 10 + 32 and 4 + 8 slots.
     (a, total_a), (b, total_b) = request(1, 10, 30), request(2, 4, 10)
-    manager = arena(64, "pow2", {"r1": total_a, "r2": total_b})
+    manager = arena(64, "pow2", {"r1": total_a, "r2": total_b}, max_model_len=64)
     seq_a, seq_b = admit(manager, a), admit(manager, b)
     seq_a.num_computed_tokens, seq_b.num_computed_tokens = 15, 4
     seqs = [(seq_a, total_a), (seq_b, total_b)]
-    # token states 15 + 4; reserved (30 - 15) + (10 - 4); internal 2 + 6; free 16.
-    assert kv_breakdown(manager, seqs, requests_waiting=True) == MemoryBreakdown(19, 21, 8, 16)
-    assert kv_breakdown(manager, seqs, requests_waiting=False) == MemoryBreakdown(19, 21, 8, 0)
+    # token states 15 + 4; reserved (30 - 15) + (10 - 4); internal 12 + 2; free 10.
+    assert kv_breakdown(manager, seqs, requests_waiting=True) == MemoryBreakdown(19, 21, 14, 10)
+    assert kv_breakdown(manager, seqs, requests_waiting=False) == MemoryBreakdown(19, 21, 14, 0)
 
 
 def test_paged_breakdown_by_hand():

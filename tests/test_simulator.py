@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 
 import pytest
 
@@ -95,6 +96,27 @@ def test_figure2_orderings_on_sharegpt():
     assert results["orca-max"].num_preemptions == 0
     assert results["orca-max"].peak_running_seqs == 16384 // 2048
     assert results["jpaged"].mean_running_seqs > results["orca-oracle"].mean_running_seqs
+
+
+@pytest.mark.parametrize("allocator", ["orca-pow2", "orca-oracle"])
+@pytest.mark.parametrize("admitted", [3, 10])
+def test_orca_slabs_as_the_paper_sizes_them(allocator, admitted):
+    """An arena that holds exactly the first `admitted` requests' slabs, sized by hand
+    (Pow2: the prompt plus the output rounded up to a power of two; Oracle: prompt
+    plus output), runs exactly that many at once, and one more request waits."""
+    def slots(r) -> int:
+        if allocator == "orca-oracle":
+            return r.total_len
+        return len(r.prompt_token_ids) + 2 ** math.ceil(math.log2(r.output_len))
+
+    workload = make_workload("alpaca", 40, seed=6)
+    arena = sum(slots(r) for r in workload[:admitted])
+    # The next request that fits the arena alone (a larger one would be refused).
+    extra = next(r for r in workload[admitted:] if slots(r) <= arena)
+    requests = [*workload[:admitted], extra]
+    result = simulate(requests, SimConfig(allocator=allocator, num_kv_slots=arena))
+    assert result.peak_running_seqs == admitted
+    assert output_lengths_match(result, requests)
 
 
 def test_prefix_caching_hits_the_shared_prefix():
