@@ -300,14 +300,12 @@ class Scheduler:
         queue, self.running = self.running, deque()
         while queue:
             group = queue.popleft()
+            if self._schedule_decode(group, plan):
+                self.running.append(group)
+                continue
             seqs = group.seqs_with(_RUNNING)
             if not seqs:
                 continue  # finished since the last step
-            if len(group.seqs) == 1 and group.num_samples == 1 and self._schedule_decode(
-                seqs[0], plan
-            ):
-                self.running.append(group)
-                continue
             chunk = self._next_chunk(group, seqs, plan)
             if chunk is None:
                 self.running.append(group)
@@ -317,13 +315,18 @@ class Scheduler:
                 self.running.append(group)
                 self._schedule_chunk(chunk, plan)
 
-    def _schedule_decode(self, seq: Sequence, plan: _StepPlan) -> bool:
-        """The common case, cheaply: a lone sequence decodes into a slot it already owns.
+    def _schedule_decode(self, group: SequenceGroup, plan: _StepPlan) -> bool:
+        """The common case, cheaply: a lone running sequence decodes into a slot it
+        already owns.
 
         False, with nothing planned, when the general path must decide.
         """
+        if len(group.seqs) != 1 or group.num_samples != 1:
+            return False
+        seq = group.seqs[0]
         if (
-            seq.num_uncomputed_tokens != 1
+            seq.status is not _RUNNING
+            or len(seq) - seq.num_computed_tokens != 1
             or plan.seqs_left < 1
             or plan.tokens_left < 1
             or not self.block_manager.has_decode_slot(seq)

@@ -89,16 +89,19 @@ class ChunkedArray:
         """A new array with array[k] = v for each change (`self` if there are none)."""
         if not changes:
             return self
-        by_chunk: dict[int, list[int]] = {}
-        for index in changes:
-            by_chunk.setdefault(index >> self.chunk_bits, []).append(index)
-        mask = (1 << self.chunk_bits) - 1
+        bits, mask = self.chunk_bits, (1 << self.chunk_bits) - 1
+        copies: dict[int, np.ndarray] = {}
+        for index, value in changes.items():
+            chunk = copies.get(index >> bits)
+            if chunk is None:
+                chunk = copies[index >> bits] = self.chunks[index >> bits].copy()
+            # Scalar stores: a step changes a few entries per chunk, and fancy
+            # indexing with lists costs more than the copy itself.
+            chunk[index & mask] = value
         chunks = list(self.chunks)
-        for chunk_id, indices in by_chunk.items():
-            chunk = chunks[chunk_id].copy()
-            chunk[[index & mask for index in indices]] = [changes[index] for index in indices]
+        for chunk_id, chunk in copies.items():
             chunks[chunk_id] = _readonly(chunk)
-        return ChunkedArray(tuple(chunks), self.chunk_bits, self.size)
+        return ChunkedArray(tuple(chunks), bits, self.size)
 
 
 @dataclass(frozen=True)

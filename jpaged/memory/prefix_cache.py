@@ -92,12 +92,8 @@ class HashIndex(Generic[Value]):
         node = (MappingProxyType({}),) * _LEAVES_PER_NODE
         return cls((node,) * (num_leaves // _LEAVES_PER_NODE))
 
-    def _path(self, block_hash: int) -> tuple[int, int]:
-        leaf = block_hash & (len(self.root) * _LEAVES_PER_NODE - 1)
-        return leaf >> _LEAF_BITS, leaf & (_LEAVES_PER_NODE - 1)
-
     def get(self, block_hash: int) -> Value | None:
-        # `_path` inlined: this runs for every block of every prefix-cache lookup.
+        # The leaf is the hash's low bits: node = leaf >> _LEAF_BITS, then the leaf's index in it.
         leaf = block_hash & (len(self.root) * _LEAVES_PER_NODE - 1)
         return self.root[leaf >> _LEAF_BITS][leaf & (_LEAVES_PER_NODE - 1)].get(block_hash)
 
@@ -111,22 +107,24 @@ class HashIndex(Generic[Value]):
         """A new index with `changes` applied (a None value removes the hash)."""
         if not changes:
             return self
-        leaves: dict[tuple[int, int], dict[int, Value]] = {}
+        last_leaf = len(self.root) * _LEAVES_PER_NODE - 1
+        leaves: dict[int, dict[int, Value]] = {}
         for block_hash, value in changes.items():
-            path = self._path(block_hash)
-            entries = leaves.get(path)
+            leaf = block_hash & last_leaf
+            entries = leaves.get(leaf)
             if entries is None:
-                node, leaf = path
-                entries = leaves[path] = self.root[node][leaf].copy()
+                entries = self.root[leaf >> _LEAF_BITS][leaf & (_LEAVES_PER_NODE - 1)].copy()
+                leaves[leaf] = entries
             if value is None:
                 entries.pop(block_hash, None)
             else:
                 entries[block_hash] = value
         nodes: dict[int, list[Mapping[int, Value]]] = {}
-        for (node, leaf), entries in leaves.items():
-            if node not in nodes:
-                nodes[node] = list(self.root[node])
-            nodes[node][leaf] = MappingProxyType(entries)
+        for leaf, entries in leaves.items():
+            node_leaves = nodes.get(leaf >> _LEAF_BITS)
+            if node_leaves is None:
+                node_leaves = nodes[leaf >> _LEAF_BITS] = list(self.root[leaf >> _LEAF_BITS])
+            node_leaves[leaf & (_LEAVES_PER_NODE - 1)] = MappingProxyType(entries)
         root = list(self.root)
         for node, node_leaves in nodes.items():
             root[node] = tuple(node_leaves)
