@@ -49,8 +49,13 @@ def _readonly(array: np.ndarray) -> np.ndarray:
     return array
 
 
+_NO_PAIRS = _readonly(np.zeros((0, 2), np.int32))
+
+
 def _pairs(pairs: list[tuple[int, int]]) -> np.ndarray:
-    """int32 [K, 2] array of (source, destination) block pairs."""
+    """int32 [K, 2] array of (source, destination) block pairs, read-only."""
+    if not pairs:
+        return _NO_PAIRS  # most steps move nothing; building an empty array costs a microsecond
     return _readonly(np.array(pairs, dtype=np.int32).reshape(len(pairs), 2))
 
 
