@@ -16,6 +16,7 @@ Each `step()` is one iteration of the serving loop:
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -26,6 +27,7 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 import kernels_pallas
 from jpaged.config import CacheConfig, SchedulerConfig
@@ -49,18 +51,37 @@ logger = logging.getLogger("jpaged")
 
 
 @dataclass(frozen=True)
+class MachineDefaults:
+    """The limits an engine takes when its config leaves them as None."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    kv_cache_fraction: float
+
+
+# A CPU runs a step's matrix products on a few cores: a 256-token budget keeps
+# decode steps of 64 sequences short enough to interleave with prefill chunks.
+# The pool there is bounded by the weights (see `kv_cache_budget`).
+CPU_DEFAULTS = MachineDefaults(max_num_seqs=64, max_num_batched_tokens=256,
+                               kv_cache_fraction=0.25)
+# vLLM's defaults on an accelerator (its gpu_memory_utilization is 0.9).
+ACCELERATOR_DEFAULTS = MachineDefaults(max_num_seqs=256, max_num_batched_tokens=2048,
+                                       kv_cache_fraction=0.9)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything an engine needs to start.
 
-    The KV pool is `num_blocks` blocks if given, else `kv_cache_memory` bytes if
-    given, else `kv_cache_fraction` of the device memory free after loading the
-    model; never more than max_num_seqs full-length sequences can use. Step
-    shapes pad to `buckets`, by default `default_buckets` of the attention backend.
-    max_logprobs caps `logprobs` and `prompt_logprobs` (the sampler returns that
-    many top tokens per row) and so the beam-search candidates per beam.
-    share_blocks=False makes forked samples and beams copy all their parent's
-    blocks before their first write instead of sharing them: the no-sharing
-    baseline.
+    max_num_seqs, max_num_batched_tokens and kv_cache_fraction left as None
+    take the machine's defaults: CPU_DEFAULTS on a CPU, ACCELERATOR_DEFAULTS on
+    a device that reports its memory (a GPU or TPU). The KV pool's size is the
+    rule of `kv_cache_budget`. Step shapes pad to `buckets`, by default
+    `default_buckets` of the attention backend. max_logprobs caps `logprobs`
+    and `prompt_logprobs` (the sampler returns that many top tokens per row)
+    and so the beam-search candidates per beam. share_blocks=False makes forked
+    samples and beams copy all their parent's blocks before their first write
+    instead of sharing them: the no-sharing baseline.
     """
 
     model: str = "smollm2"
@@ -68,10 +89,10 @@ class EngineConfig:
     block_size: int = 16
     num_blocks: int | None = None
     kv_cache_memory: int | None = None
-    kv_cache_fraction: float = 0.25
+    kv_cache_fraction: float | None = None
     num_host_blocks: int = 0
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 512
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -85,12 +106,29 @@ class EngineConfig:
     share_blocks: bool = True
 
     def __post_init__(self):
-        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
-            raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
-        if not 0.0 < self.kv_cache_fraction <= 1.0:
-            raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
-        if self.max_logprobs < 1:
-            raise ValueError(f"max_logprobs must be >= 1, got {self.max_logprobs}")
+        minimums = {"block_size": 1, "num_blocks": 2, "kv_cache_memory": 1, "max_num_seqs": 1,
+                    "max_num_batched_tokens": 1, "max_model_len": 1, "max_logprobs": 1}
+        for name, minimum in minimums.items():
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int | np.integer):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+            if value < minimum:
+                unit = " bytes" if name == "kv_cache_memory" else ""
+                raise ValueError(f"{name} must be >= {minimum}{unit}, got {value}")
+        fraction = self.kv_cache_fraction
+        if fraction is not None and (isinstance(fraction, bool)
+                                     or not isinstance(fraction, int | float)
+                                     or not 0.0 < fraction <= 1.0):
+            raise ValueError(f"kv_cache_fraction must be in (0, 1], got {fraction!r}")
+
+    def with_machine_defaults(self, defaults: MachineDefaults) -> EngineConfig:
+        """This config with each limit left as None taken from `defaults`."""
+        return dataclasses.replace(self, **{
+            name: getattr(defaults, name) if getattr(self, name) is None else getattr(self, name)
+            for name in ("max_num_seqs", "max_num_batched_tokens")
+        })
 
 
 @dataclass(frozen=True)
@@ -124,25 +162,74 @@ def use_persistent_compilation_cache() -> None:
         jax.config.update("jax_compilation_cache_dir", str(cache_directory() / "xla"))
 
 
+def on_accelerator() -> bool:
+    """Whether the default device reports its own memory (a GPU or TPU, not the host)."""
+    stats = jax.devices()[0].memory_stats()
+    return bool(stats) and "bytes_limit" in stats
+
+
+def machine_defaults() -> MachineDefaults:
+    return ACCELERATOR_DEFAULTS if on_accelerator() else CPU_DEFAULTS
+
+
 def free_device_memory() -> int:
-    """Bytes free on the default device (host RAM when the device is a CPU)."""
+    """Bytes free on the default device (free host RAM when the device is a CPU)."""
     stats = jax.devices()[0].memory_stats()
     if stats and "bytes_limit" in stats:
         return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+@dataclass(frozen=True)
+class MemoryFigures:
+    """What the KV pool's size depends on, measured once the model is loaded."""
+
+    free_bytes: int
+    weight_bytes: int
+    on_accelerator: bool
+
+
+def kv_cache_budget(config: EngineConfig, memory: MemoryFigures, sequence_bytes: int) -> int:
+    """Bytes the KV pool may take, the first rule that applies:
+
+    1. `kv_cache_memory` bytes, if given;
+    2. `kv_cache_fraction` of the free memory, if given;
+    3. on an accelerator, ACCELERATOR_DEFAULTS.kv_cache_fraction (0.9) of the
+       device memory free after loading the model, as vLLM's gpu_memory_utilization;
+    4. on a CPU, as many bytes as the model's weights (at least one full-length
+       sequence, `sequence_bytes`), at most CPU_DEFAULTS.kv_cache_fraction (0.25)
+       of the free host memory: the pool and the weights share the host's RAM,
+       so a process holds about twice its weights, whatever the machine's size.
+    """
+    if config.kv_cache_memory is not None:
+        return config.kv_cache_memory
+    if config.kv_cache_fraction is not None:
+        return int(config.kv_cache_fraction * memory.free_bytes)
+    if memory.on_accelerator:
+        return int(ACCELERATOR_DEFAULTS.kv_cache_fraction * memory.free_bytes)
+    return min(max(memory.weight_bytes, sequence_bytes),
+               int(CPU_DEFAULTS.kv_cache_fraction * memory.free_bytes))
+
+
 def kv_cache_num_blocks(
-    config: EngineConfig, model_config: LlamaConfig, max_model_len: int, bytes_per_token: int
+    config: EngineConfig, max_model_len: int, bytes_per_token: int,
+    memory: MemoryFigures | None,
 ) -> int:
-    """Blocks in the device pool (the null block included), from the config's budget."""
+    """Blocks in the device pool (the null block included): `num_blocks` if given, else
+    the budget of `kv_cache_budget` in whole blocks, never more than max_num_seqs
+    full-length sequences can use (plus the null block).
+
+    config must have its machine defaults (`with_machine_defaults`); memory may be
+    None only when num_blocks is given.
+    """
     blocks_per_seq = -(-max_model_len // config.block_size)
     if config.num_blocks is not None:
         num_blocks = config.num_blocks
     else:
-        budget = config.kv_cache_memory or int(config.kv_cache_fraction * free_device_memory())
+        block_bytes = bytes_per_token * config.block_size
+        budget = kv_cache_budget(config, memory, blocks_per_seq * block_bytes)
         useful = config.max_num_seqs * blocks_per_seq + 1
-        num_blocks = min(budget // (bytes_per_token * config.block_size), useful)
+        num_blocks = min(budget // block_bytes, useful)
     if num_blocks - 1 < blocks_per_seq:
         raise ValueError(
             f"the KV pool holds {max(num_blocks - 1, 0)} blocks of {config.block_size} tokens "
@@ -150,6 +237,10 @@ def kv_cache_num_blocks(
             "give more num_blocks / kv_cache_memory or a smaller max_model_len"
         )
     return num_blocks
+
+
+def _weight_bytes(model) -> int:
+    return sum(leaf.nbytes for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
 def default_buckets(attention_backend: AttentionBackend, max_blocks_per_seq: int) -> BucketSizes:
@@ -171,6 +262,7 @@ class LLMEngine:
         self, config: EngineConfig, *, loaded: tuple[Any, LlamaConfig, Any] | None = None
     ):
         """loaded: (model, model_config, tokenizer) already in memory, else config.model loads."""
+        config = config.with_machine_defaults(machine_defaults())
         self.config = config
         model, self.model_config, self.tokenizer = loaded or load_model(config.model, config.dtype)
         # Only once the model loaded: a failed LLM(...) leaves the process-wide setting alone.
@@ -183,8 +275,9 @@ class LLMEngine:
             2 * self.model_config.num_layers * self.model_config.num_kv_heads
             * self.model_config.head_dim * dtype.itemsize
         )
-        num_blocks = kv_cache_num_blocks(config, self.model_config, self.max_model_len,
-                                         bytes_per_token)
+        memory = None if config.num_blocks is not None else MemoryFigures(
+            free_device_memory(), _weight_bytes(model), on_accelerator())
+        num_blocks = kv_cache_num_blocks(config, self.max_model_len, bytes_per_token, memory)
         self.kv_cache_info = KVCacheInfo(num_blocks, config.block_size, bytes_per_token)
         logger.info("%s", self.kv_cache_info)
         self.block_manager = BlockManager(CacheConfig(
