@@ -36,17 +36,17 @@ MAX_TOTAL_LEN = 512
 
 
 def mixed_workload(num_requests: int, scale: float, vocab_size: int, seed: int, token_seed: int,
-                   dataset: str = "sharegpt"):
+                   dataset: str = "sharegpt", max_total_len: int = MAX_TOTAL_LEN):
     """[(prompt token ids, output length)], the dataset's lengths (ShareGPT-like or
-    Alpaca-like) scaled by `scale` and clipped to MAX_TOTAL_LEN.
+    Alpaca-like) scaled by `scale` and clipped to max_total_len.
 
     The lengths come from `seed`, the token ids from `token_seed`: a warm-up run
     with other tokens takes the same steps (so compiles the same shapes) but
     gets no prefix-cache hits from the timed run's prompts.
     """
     lengths = sample_lengths(dataset, num_requests, np.random.default_rng(seed))
-    prompt_lens = np.clip((lengths[:, 0] * scale).astype(int), 4, MAX_TOTAL_LEN // 2)
-    output_lens = np.clip((lengths[:, 1] * scale).astype(int), 4, MAX_TOTAL_LEN - prompt_lens)
+    prompt_lens = np.clip((lengths[:, 0] * scale).astype(int), 4, max_total_len // 2)
+    output_lens = np.clip((lengths[:, 1] * scale).astype(int), 4, max_total_len - prompt_lens)
     tokens = np.random.default_rng(token_seed)
     return [
         (tokens.integers(0, vocab_size, p).tolist(), int(o))

@@ -74,9 +74,9 @@ def attention_functions(backend: AttentionBackend, interpret: bool = False):
     return ragged, _decode_as_ragged(decode)
 
 
-def _step(graphdef, params, input_ids, kv_caches, metadata, *, attention_fn):
+def _step(graphdef, params_def, param_leaves, input_ids, kv_caches, metadata, *, attention_fn):
     """One model step as a pure function: (logits [B, vocab], hidden [T, hidden], kv_caches)."""
-    model = nnx.merge(graphdef, params)
+    model = nnx.merge(graphdef, jax.tree.unflatten(params_def, param_leaves))
     hidden, kv_caches = model.hidden_states(
         input_ids, kv_caches, metadata, attention_fn, kernels_pallas.write_kv
     )
@@ -142,6 +142,9 @@ class ModelRunner:
         self.block_size = block_size
         self.attention_backend = attention_backend or default_attention_backend()
         self.graphdef, self.params = nnx.split(model)
+        # The step takes the parameters as a flat list and the graph as a constant:
+        # flattening NNX state and hashing a static graph cost milliseconds per call.
+        self._param_leaves, params_def = jax.tree.flatten(self.params)
         self._new_kv_caches = functools.partial(init_kv_caches, config, num_blocks, block_size,
                                                 kv_dtype)
         self.kv_caches = self._new_kv_caches()
@@ -153,8 +156,8 @@ class ModelRunner:
         ragged, decode = attention_functions(self.attention_backend, interpret)
 
         def step(attention_fn):
-            fn = functools.partial(_step, attention_fn=attention_fn)
-            return jax.jit(fn, static_argnums=0, donate_argnums=3)
+            fn = functools.partial(_step, self.graphdef, params_def, attention_fn=attention_fn)
+            return jax.jit(fn, donate_argnums=2)
 
         self._mixed_step = step(ragged)
         self._decode_step = step(decode)
@@ -185,9 +188,8 @@ class ModelRunner:
         """Run one step. input_ids int32 [T] -> (logits f32 [B, vocab] at each sequence's
         last new token, final hidden states [T, hidden]), both still on the device."""
         step = self._decode_step if decode_only else self._mixed_step
-        logits, hidden, self.kv_caches = step(
-            self.graphdef, self.params, input_ids, self.kv_caches, metadata
-        )
+        logits, hidden, self.kv_caches = step(self._param_leaves, input_ids, self.kv_caches,
+                                              metadata)
         return logits, hidden
 
     def sample(
@@ -195,7 +197,8 @@ class ModelRunner:
     ) -> SamplerOutput:
         """Draw one token per entry of `rows` (int32 [B], rows of logits [B, vocab] to
         draw from; a row may repeat: parallel samples of one prompt) -> numpy outputs."""
-        return jax.tree.map(np.asarray, _sample_rows(logits, rows, tensors, num_top=num_top))
+        # One transfer for all outputs, not one wait per array.
+        return jax.device_get(_sample_rows(logits, rows, tensors, num_top=num_top))
 
     def token_logprobs(
         self, hidden: jax.Array, targets: np.ndarray, num_top: int

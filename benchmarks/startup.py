@@ -1,0 +1,380 @@
+"""What a new user meets: `LLM()` with its defaults against transformers, same run.
+
+    python -m benchmarks.startup [--only mixed,batch1,bf16,cli] [--quick] [--model DIR]
+
+Figures (each peer measured in this run, each system in its own process, so
+each one's peak memory is its own):
+
+- mixed_ratio_vs_transformers: output tok/s of `LLM()` with its defaults
+  against transformers `generate` in static batches of --hf-batch-size (greedy,
+  ignore_eos, the same requests, as benchmarks.throughput), on a ShareGPT-like
+  and an Alpaca-like workload (experiments.workloads). jpaged runs a warm-up
+  pass with other tokens first (it compiles the workload's step shapes).
+- peak_rss_ratio_vs_transformers: peak RSS of each process after loading its
+  model and serving the ShareGPT-like workload.
+- batch1_ratio_vs_transformers: batch-1 decode tok/s (a 64-token prompt),
+  with a profile of jpaged's step: the whole engine step against the jitted
+  model step alone, sampling alone and the host's scheduling and batch building.
+- bf16: batch-1 decode in bfloat16 (weights and KV) against float32, and greedy
+  agreement with float32 over --bf16-prompts prompts: the first position where
+  the two differ, per prompt.
+- generate_cli_s: `python -m jpaged generate "What is the capital of France?"`,
+  wall time with the model cached and an empty compilation cache, median of 3.
+- cold_warmup_s: `LLMEngine.warmup()` with an empty compilation cache (not
+  measured by this script yet: `cold_warmup` below returns None).
+
+--quick runs every code path with a few short requests (a smoke test, not a
+measurement). Prints one JSON object last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from benchmarks.throughput import _hf_generate, mixed_workload
+
+FIGURES = ("mixed", "batch1", "bf16", "cli", "cold_warmup")
+DATASETS = ("sharegpt", "alpaca")
+CLI_PROMPT = "What is the capital of France?"
+TOPICS = ["the moon", "rivers", "bread", "volcanoes", "chess", "honey bees", "glass", "rain",
+          "the printing press", "penguins", "copper", "tea", "bridges", "clocks", "deserts",
+          "music", "salt", "owls", "maps", "paper", "the ocean", "trains", "cheese", "snow",
+          "lighthouses", "bicycles", "coral reefs", "ink", "wind", "castles", "mushrooms",
+          "the alphabet"]
+
+
+def _progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _settings(args) -> dict:
+    """Workload sizes: --quick shrinks everything to a smoke run."""
+    if args.quick:
+        return {"num_requests": 6, "scale": 0.05, "batch1_tokens": 8, "bf16_prompts": 2,
+                "bf16_tokens": 8, "cli_runs": 1, "max_total_len": 64}
+    return {"num_requests": args.num_requests, "scale": args.scale, "batch1_tokens": 128,
+            "bf16_prompts": args.bf16_prompts, "bf16_tokens": 32, "cli_runs": 3,
+            "max_total_len": 512}
+
+
+def _workload(args, vocab: int, dataset: str, token_seed_offset: int):
+    s = _settings(args)
+    return mixed_workload(s["num_requests"], s["scale"], vocab, args.seed,
+                          args.seed + token_seed_offset, dataset, s["max_total_len"])
+
+
+# jpaged's side, in its own process.
+
+
+def jpaged_mixed(llm, args, dataset: str) -> dict:
+    """Output tok/s of a warm-up pass (compiling) and of the timed pass."""
+    from jpaged import SamplingParams
+
+    vocab = llm.engine.model_config.vocab_size
+    workload = _workload(args, vocab, dataset, 1)
+    params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for _, o in workload]
+    started = time.perf_counter()
+    llm.generate([p for p, _ in _workload(args, vocab, dataset, 2)], params)
+    warmup_s = time.perf_counter() - started
+    started = time.perf_counter()
+    outputs = llm.generate([p for p, _ in workload], params)
+    elapsed = time.perf_counter() - started
+    num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    assert num_tokens == sum(o for _, o in workload), "a request lost tokens"
+    _progress(f"jpaged {dataset}: warm-up {warmup_s:.1f} s, timed {elapsed:.1f} s")
+    return {"warmup_s": warmup_s, "elapsed_s": elapsed, "output_tokens": num_tokens,
+            "output_tokens_per_s": num_tokens / elapsed}
+
+
+def _batch1_prompts(vocab: int, seed: int) -> list[list[int]]:
+    return np.random.default_rng(seed + 1).integers(0, vocab, (2, 64)).tolist()
+
+
+def jpaged_batch1(llm, args) -> dict:
+    """Batch-1 decode tok/s, and where a step's time goes."""
+    return {"output_tokens_per_s": jpaged_batch1_speed(llm, args),
+            "profile_ms": batch1_profile(llm, args)}
+
+
+def jpaged_batch1_speed(llm, args) -> float:
+    """Decode tok/s of one 64-token prompt (a warm-up prompt of the same length first)."""
+    from jpaged import SamplingParams
+
+    num_tokens = _settings(args)["batch1_tokens"]
+    prompt, warmup = _batch1_prompts(llm.engine.model_config.vocab_size, args.seed)
+    params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
+    llm.generate([warmup], params)
+    started = time.perf_counter()
+    llm.generate([prompt], params)
+    return num_tokens / (time.perf_counter() - started)
+
+
+def _mean_ms(fn, repeats: int) -> float:
+    started = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - started) / repeats * 1e3
+
+
+def batch1_profile(llm, args, repeats: int = 16) -> dict:
+    """Where a batch-1 decode step's time goes: the whole engine step; the jitted model
+    step alone (dispatch to result); sampling alone; scheduling plus batch building."""
+    from jpaged import SamplingParams
+    from jpaged.core.batch_builder import build_model_input
+    from jpaged.model.sampler import SamplingRow, sampling_tensors
+
+    engine = llm.engine
+    prompt, _ = _batch1_prompts(engine.model_config.vocab_size, args.seed)
+    engine.add_request("profile", prompt, SamplingParams(temperature=0.0, max_tokens=4 * repeats,
+                                                         ignore_eos=True))
+    engine.step()  # the prompt, in one chunk: every step after it decodes
+    step_ms = _mean_ms(engine.step, repeats)
+    plan = engine.scheduler.schedule()
+    inputs = build_model_input(plan.scheduled, engine.block_manager, engine.buckets, 1)
+    runner = engine.runner
+
+    def model_step():
+        return runner.execute(inputs.input_ids, inputs.metadata, decode_only=True)[0]
+
+    logits = model_step().block_until_ready()
+    model_ms = _mean_ms(lambda: model_step().block_until_ready(), repeats)
+    rows = np.zeros(logits.shape[0], np.int32)
+    tensors = sampling_tensors([SamplingRow.greedy(position=len(prompt))], logits.shape[0],
+                               engine.model_config.vocab_size)
+    sample_ms = _mean_ms(lambda: runner.sample(logits, rows, tensors, engine.config.max_logprobs),
+                         repeats)
+    seq = plan.scheduled[0][0]
+    host_ms = _mean_ms(lambda: build_model_input([(seq, 1)], engine.block_manager,
+                                                 engine.buckets, 1), repeats)
+    engine.abort("profile")
+    return {"engine_step": step_ms, "jitted_model_step": model_ms, "sample": sample_ms,
+            "build_model_input": host_ms,
+            "rest_of_engine_step": step_ms - model_ms - sample_ms - host_ms}
+
+
+def _bf16_prompts(count: int) -> list[str]:
+    return [f"Question: What do you know about {TOPICS[i % len(TOPICS)]}?\nAnswer:"
+            for i in range(count)]
+
+
+def jpaged_bf16(llm, args) -> dict:
+    """bfloat16 weights and KV against float32: batch-1 decode speed (interleaved,
+    best of two each) and the first position where greedy outputs differ, per prompt."""
+    from jpaged import LLM, SamplingParams
+
+    s = _settings(args)
+    bf16 = LLM(args.model, dtype="bfloat16")
+    speed = {"float32": 0.0, "bfloat16": 0.0}
+    for _ in range(2):
+        for name, engine in (("float32", llm), ("bfloat16", bf16)):
+            speed[name] = max(speed[name], jpaged_batch1_speed(engine, args))
+    params = SamplingParams(temperature=0.0, max_tokens=s["bf16_tokens"], ignore_eos=True)
+    prompts = _bf16_prompts(s["bf16_prompts"])
+    ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    theirs = [o.outputs[0].token_ids for o in bf16.generate(prompts, params)]
+    first_diff = [next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), None)
+                  for x, y in zip(ours, theirs, strict=True)]
+    same = [d is None for d in first_diff]
+    return {"batch1_tokens_per_s": speed,
+            "speedup_vs_float32": speed["bfloat16"] / speed["float32"],
+            "prompts": len(prompts), "tokens_per_prompt": s["bf16_tokens"],
+            "identical_outputs_rate": sum(same) / len(same),
+            "first_differing_position": first_diff,
+            "matching_prefix_mean": float(np.mean(
+                [s["bf16_tokens"] if d is None else d for d in first_diff]))}
+
+
+def run_jpaged(args, figures: list[str]) -> dict:
+    from jpaged import LLM
+
+    llm = LLM(args.model)  # the defaults, as a new user gets them
+    result = {"kv_cache": str(llm.engine.kv_cache_info),
+              "limits": {"max_num_seqs": llm.engine.config.max_num_seqs,
+                         "max_num_batched_tokens": llm.engine.config.max_num_batched_tokens,
+                         "max_model_len": llm.engine.max_model_len}}
+    if "mixed" in figures:
+        result["mixed"] = {}
+        for dataset in DATASETS:
+            result["mixed"][dataset] = jpaged_mixed(llm, args, dataset)
+            if dataset == "sharegpt":
+                result["peak_rss_mib"] = _peak_rss_mib()
+    if "batch1" in figures:
+        result["batch1"] = jpaged_batch1(llm, args)
+    if "bf16" in figures:
+        result["bf16"] = jpaged_bf16(llm, args)
+    return result
+
+
+# transformers' side, in its own process.
+
+
+def _hf_directory(model: str) -> str:
+    from jpaged.model.loader import default_model_directory
+
+    return str(default_model_directory()) if model == "smollm2" else model
+
+
+def transformers_mixed(model, torch, args, dataset: str) -> dict:
+    s = _settings(args)
+    workload = _workload(args, model.config.vocab_size, dataset, 1)
+    started = time.perf_counter()
+    for start in range(0, len(workload), args.hf_batch_size):
+        batch = workload[start : start + args.hf_batch_size]
+        _hf_generate(model, torch, [p for p, _ in batch], max(o for _, o in batch), 0)
+    elapsed = time.perf_counter() - started
+    num_tokens = sum(o for _, o in workload)
+    _progress(f"transformers {dataset}: {elapsed:.1f} s ({s['num_requests']} requests)")
+    return {"elapsed_s": elapsed, "output_tokens": num_tokens,
+            "output_tokens_per_s": num_tokens / elapsed}
+
+
+def transformers_batch1(model, torch, args) -> dict:
+    num_tokens = _settings(args)["batch1_tokens"]
+    prompt, warmup = _batch1_prompts(model.config.vocab_size, args.seed)
+    _hf_generate(model, torch, [warmup], num_tokens, 0)
+    started = time.perf_counter()
+    _hf_generate(model, torch, [prompt], num_tokens, 0)
+    return {"output_tokens_per_s": num_tokens / (time.perf_counter() - started)}
+
+
+def run_transformers(args, figures: list[str]) -> dict:
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        _hf_directory(args.model), dtype=torch.float32).eval()
+    _hf_generate(model, torch, [[1, 2, 3, 4]], 4, 0)
+    result = {"torch_threads": torch.get_num_threads()}
+    if "mixed" in figures:
+        result["mixed"] = {}
+        for dataset in DATASETS:
+            result["mixed"][dataset] = transformers_mixed(model, torch, args, dataset)
+            if dataset == "sharegpt":
+                result["peak_rss_mib"] = _peak_rss_mib()
+    if "batch1" in figures:
+        result["batch1"] = transformers_batch1(model, torch, args)
+    return result
+
+
+# Figures measured from the parent.
+
+
+def generate_cli_s(args) -> dict:
+    """Wall time of the README's command, each run with an empty compilation cache."""
+    command = [sys.executable, "-m", "jpaged", "generate", CLI_PROMPT, "--model", args.model]
+    if args.model != "smollm2":
+        command.append("--raw")  # a test model may have no chat template
+    times = []
+    for _ in range(_settings(args)["cli_runs"]):
+        with tempfile.TemporaryDirectory() as cache:
+            env = os.environ | {"JAX_COMPILATION_CACHE_DIR": cache}
+            started = time.perf_counter()
+            answer = subprocess.run(command, check=True, env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.DEVNULL, text=True).stdout
+            times.append(time.perf_counter() - started)
+    return {"median_s": statistics.median(times), "runs_s": times,
+            "answer": answer.strip()[:200]}
+
+
+def cold_warmup(args) -> float | None:
+    """`LLMEngine.warmup()` with an empty compilation cache, in seconds."""
+    return None
+
+
+def _child_result(system: str) -> dict:
+    command = [sys.executable, "-m", "benchmarks.startup", "--system", system, *sys.argv[1:]]
+    _progress(f"running {system} ...")
+    lines = subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True).stdout
+    return json.loads(lines.strip().splitlines()[-1])
+
+
+def _ratio(ours: dict, theirs: dict, *keys: str) -> float:
+    def get(d):
+        for key in keys:
+            d = d[key]
+        return d
+
+    return get(ours) / get(theirs)
+
+
+def _versions() -> dict:
+    from importlib.metadata import version
+
+    return {name: version(name) for name in ("jax", "jaxlib", "flax", "torch", "transformers")}
+
+
+def _report(args, figures: list[str]) -> dict:
+    report = {"benchmark": "startup",
+              "machine": {"platform": platform.platform(), "processor": platform.machine(),
+                          "cpus": len(os.sched_getaffinity(0)),
+                          "load_average": os.getloadavg()},
+              "versions": _versions(), "settings": vars(args) | _settings(args)}
+    peers = [f for f in figures if f in ("mixed", "batch1")]
+    ours = _child_result("jpaged") if {"mixed", "batch1", "bf16"} & set(figures) else {}
+    theirs = _child_result("transformers") if peers else {}
+    report |= {"jpaged": ours, "transformers": theirs}
+    if "mixed" in figures:
+        report["mixed_ratio_vs_transformers"] = {
+            dataset: _ratio(ours, theirs, "mixed", dataset, "output_tokens_per_s")
+            for dataset in DATASETS}
+        report["peak_rss_ratio_vs_transformers"] = _ratio(ours, theirs, "peak_rss_mib")
+    if "batch1" in figures:
+        report["batch1_ratio_vs_transformers"] = _ratio(ours, theirs, "batch1",
+                                                        "output_tokens_per_s")
+    if "bf16" in figures:
+        report["bf16"] = ours["bf16"]
+    if "cli" in figures:
+        report["generate_cli_s"] = generate_cli_s(args)
+    if "cold_warmup" in figures:
+        report["cold_warmup_s"] = cold_warmup(args)
+    report["targets"] = {"mixed_ratio_vs_transformers": ">= 3.5 on each workload",
+                         "peak_rss_ratio_vs_transformers": "<= 1.25",
+                         "batch1_ratio_vs_transformers": ">= 1.5",
+                         "generate_cli_s": "<= 10", "cold_warmup_s": "<= 30"}
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", default=",".join(FIGURES),
+                        help=f"comma-separated figures among {', '.join(FIGURES)}")
+    parser.add_argument("--quick", action="store_true", help="a smoke run of every code path")
+    parser.add_argument("--model", default="smollm2",
+                        help="smollm2, or a Hugging Face directory both systems can load")
+    parser.add_argument("--num-requests", type=int, default=128)
+    parser.add_argument("--scale", type=float, default=0.25,
+                        help="factor on the datasets' lengths, to fit a CPU")
+    parser.add_argument("--hf-batch-size", type=int, default=32)
+    parser.add_argument("--bf16-prompts", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--system", choices=["jpaged", "transformers"], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    figures = [f for f in args.only.split(",") if f]
+    unknown = sorted(set(figures) - set(FIGURES))
+    if unknown:
+        parser.error(f"unknown figures {unknown}; choose among {', '.join(FIGURES)}")
+    if args.system:
+        run = run_jpaged if args.system == "jpaged" else run_transformers
+        print(json.dumps(run(args, figures)))
+        return
+    print(json.dumps(_report(args, figures), indent=2))
+
+
+if __name__ == "__main__":
+    main()
