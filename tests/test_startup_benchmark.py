@@ -1,0 +1,73 @@
+"""benchmarks.startup --quick on a tiny model: every code path runs, and the report's
+figures agree with the workload and with each other."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import tiny_tokenizer
+
+from benchmarks.throughput import mixed_workload
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def report(tiny_llama_dir) -> dict:
+    command = [sys.executable, "-m", "benchmarks.startup", "--quick", "--model",
+               str(tiny_llama_dir)]
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH",
+                                                                                  "")])}
+    stdout = subprocess.run(command, check=True, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            text=True, timeout=600).stdout
+    return json.loads(stdout)  # the script prints its JSON alone on stdout
+
+
+def test_mixed_workloads_count_every_requested_token(report, tiny_llama_dir):
+    settings = report["settings"]
+    for dataset in ("sharegpt", "alpaca"):
+        workload = mixed_workload(settings["num_requests"], settings["scale"],
+                                  len(tiny_tokenizer()),
+                                  settings["seed"], settings["seed"] + 1, dataset,
+                                  settings["max_total_len"])
+        expected = sum(output_len for _, output_len in workload)
+        for system in ("jpaged", "transformers"):
+            assert report[system]["mixed"][dataset]["output_tokens"] == expected
+
+
+def test_ratios_are_jpaged_over_transformers(report):
+    ours, theirs = report["jpaged"], report["transformers"]
+    for dataset, ratio in report["mixed_ratio_vs_transformers"].items():
+        assert ratio == pytest.approx(ours["mixed"][dataset]["output_tokens_per_s"]
+                                      / theirs["mixed"][dataset]["output_tokens_per_s"])
+    assert report["peak_rss_ratio_vs_transformers"] == pytest.approx(
+        ours["peak_rss_mib"] / theirs["peak_rss_mib"])
+    assert report["batch1_ratio_vs_transformers"] == pytest.approx(
+        ours["batch1"]["output_tokens_per_s"] / theirs["batch1"]["output_tokens_per_s"])
+
+
+def test_step_profile_parts_fit_in_the_step(report):
+    profile = report["jpaged"]["batch1"]["profile_ms"]
+    parts = ("jitted_model_step", "sample", "build_model_input", "rest_of_engine_step")
+    assert all(profile[p] > 0 for p in parts[:3])
+    assert sum(profile[p] for p in parts) == pytest.approx(profile["engine_step"])
+
+
+def test_bf16_agreement_is_reported_per_prompt(report):
+    bf16 = report["bf16"]
+    positions = bf16["first_differing_position"]
+    assert len(positions) == bf16["prompts"]
+    assert all(p is None or 0 <= p < bf16["tokens_per_prompt"] for p in positions)
+    assert bf16["identical_outputs_rate"] == sum(p is None for p in positions) / len(positions)
+
+
+def test_cli_time_is_the_median_of_its_runs(report):
+    cli = report["generate_cli_s"]
+    assert len(cli["runs_s"]) == report["settings"]["cli_runs"]
+    assert cli["median_s"] == statistics.median(cli["runs_s"]) > 0
