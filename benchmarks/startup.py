@@ -2,8 +2,9 @@
 
     python -m benchmarks.startup [--only mixed,batch1,bf16,cli] [--quick] [--model DIR]
 
-Figures (each peer measured in this run, each system in its own process, so
-each one's peak memory is its own):
+Figures, each peer measured in this run. Every section runs in a fresh process
+per system, transformers right after jpaged, so the two meet about the same
+load on a shared machine and each one's peak memory is its own:
 
 - mixed_ratio_vs_transformers: output tok/s of `LLM()` with its defaults
   against transformers `generate` in static batches of --hf-batch-size (greedy,
@@ -124,47 +125,47 @@ def jpaged_batch1_speed(llm, args) -> float:
     return num_tokens / (time.perf_counter() - started)
 
 
-def _mean_ms(fn, repeats: int) -> float:
-    started = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    return (time.perf_counter() - started) / repeats * 1e3
-
-
-def batch1_profile(llm, args, repeats: int = 16) -> dict:
-    """Where a batch-1 decode step's time goes: the whole engine step; the jitted model
-    step alone (dispatch to result); sampling alone; scheduling plus batch building."""
+def batch1_profile(llm, args, rounds: int = 16) -> dict:
+    """Where a batch-1 decode step's time goes, in ms: building a step's padded inputs;
+    then the whole engine step, the jitted model step alone (dispatch to result) and
+    sampling alone, medians over interleaved rounds (a load change hits all alike)."""
     from jpaged import SamplingParams
     from jpaged.core.batch_builder import build_model_input
     from jpaged.model.sampler import SamplingRow, sampling_tensors
 
-    engine = llm.engine
-    prompt, _ = _batch1_prompts(engine.model_config.vocab_size, args.seed)
-    engine.add_request("profile", prompt, SamplingParams(temperature=0.0, max_tokens=4 * repeats,
+    engine, runner = llm.engine, llm.engine.runner
+    # 60 tokens: the first decode position has its block already (60 is no multiple
+    # of 8, 16 or 32), so its inputs can be built without scheduling.
+    prompt = _batch1_prompts(engine.model_config.vocab_size, args.seed)[0][:60]
+    engine.add_request("profile", prompt, SamplingParams(temperature=0.0, max_tokens=4 * rounds,
                                                          ignore_eos=True))
     engine.step()  # the prompt, in one chunk: every step after it decodes
-    step_ms = _mean_ms(engine.step, repeats)
-    plan = engine.scheduler.schedule()
-    inputs = build_model_input(plan.scheduled, engine.block_manager, engine.buckets, 1)
-    runner = engine.runner
-
-    def model_step():
-        return runner.execute(inputs.input_ids, inputs.metadata, decode_only=True)[0]
-
-    logits = model_step().block_until_ready()
-    model_ms = _mean_ms(lambda: model_step().block_until_ready(), repeats)
+    seq = engine.scheduler.running[0].seqs[0]
+    started = time.perf_counter()
+    for _ in range(rounds):
+        inputs = build_model_input([(seq, 1)], engine.block_manager, engine.buckets, 1)
+    build_ms = (time.perf_counter() - started) / rounds * 1e3
+    # Rewrites position 60's K/V with the same values: harmless to the request.
+    logits = runner.execute(inputs.input_ids, inputs.metadata, decode_only=True)[0]
     rows = np.zeros(logits.shape[0], np.int32)
     tensors = sampling_tensors([SamplingRow.greedy(position=len(prompt))], logits.shape[0],
                                engine.model_config.vocab_size)
-    sample_ms = _mean_ms(lambda: runner.sample(logits, rows, tensors, engine.config.max_logprobs),
-                         repeats)
-    seq = plan.scheduled[0][0]
-    host_ms = _mean_ms(lambda: build_model_input([(seq, 1)], engine.block_manager,
-                                                 engine.buckets, 1), repeats)
+    parts = {
+        "engine_step": engine.step,
+        "jitted_model_step": lambda: runner.execute(
+            inputs.input_ids, inputs.metadata, decode_only=True)[0].block_until_ready(),
+        "sample": lambda: runner.sample(logits, rows, tensors, engine.config.max_logprobs),
+    }
+    times = {name: [] for name in parts}
+    for _ in range(rounds):
+        for name, part in parts.items():
+            started = time.perf_counter()
+            part()
+            times[name].append((time.perf_counter() - started) * 1e3)
     engine.abort("profile")
-    return {"engine_step": step_ms, "jitted_model_step": model_ms, "sample": sample_ms,
-            "build_model_input": host_ms,
-            "rest_of_engine_step": step_ms - model_ms - sample_ms - host_ms}
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    return medians | {"build_model_input": build_ms, "rest_of_engine_step": (
+        medians["engine_step"] - medians["jitted_model_step"] - medians["sample"] - build_ms)}
 
 
 def _bf16_prompts(count: int) -> list[str]:
@@ -199,7 +200,8 @@ def jpaged_bf16(llm, args) -> dict:
                 [s["bf16_tokens"] if d is None else d for d in first_diff]))}
 
 
-def run_jpaged(args, figures: list[str]) -> dict:
+def run_jpaged(args, section: str) -> dict:
+    """One section ("mixed:<dataset>", "batch1" or "bf16") with `LLM()`'s defaults."""
     from jpaged import LLM
 
     llm = LLM(args.model)  # the defaults, as a new user gets them
@@ -207,17 +209,11 @@ def run_jpaged(args, figures: list[str]) -> dict:
               "limits": {"max_num_seqs": llm.engine.config.max_num_seqs,
                          "max_num_batched_tokens": llm.engine.config.max_num_batched_tokens,
                          "max_model_len": llm.engine.max_model_len}}
-    if "mixed" in figures:
-        result["mixed"] = {}
-        for dataset in DATASETS:
-            result["mixed"][dataset] = jpaged_mixed(llm, args, dataset)
-            if dataset == "sharegpt":
-                result["peak_rss_mib"] = _peak_rss_mib()
-    if "batch1" in figures:
-        result["batch1"] = jpaged_batch1(llm, args)
-    if "bf16" in figures:
-        result["bf16"] = jpaged_bf16(llm, args)
-    return result
+    if section.startswith("mixed:"):
+        return result | jpaged_mixed(llm, args, section.removeprefix("mixed:"))
+    if section == "batch1":
+        return result | jpaged_batch1(llm, args)
+    return result | jpaged_bf16(llm, args)
 
 
 # transformers' side, in its own process.
@@ -252,7 +248,8 @@ def transformers_batch1(model, torch, args) -> dict:
     return {"output_tokens_per_s": num_tokens / (time.perf_counter() - started)}
 
 
-def run_transformers(args, figures: list[str]) -> dict:
+def run_transformers(args, section: str) -> dict:
+    """One section ("mixed:<dataset>" or "batch1") with transformers' `generate`."""
     import torch
     import transformers
 
@@ -260,15 +257,9 @@ def run_transformers(args, figures: list[str]) -> dict:
         _hf_directory(args.model), dtype=torch.float32).eval()
     _hf_generate(model, torch, [[1, 2, 3, 4]], 4, 0)
     result = {"torch_threads": torch.get_num_threads()}
-    if "mixed" in figures:
-        result["mixed"] = {}
-        for dataset in DATASETS:
-            result["mixed"][dataset] = transformers_mixed(model, torch, args, dataset)
-            if dataset == "sharegpt":
-                result["peak_rss_mib"] = _peak_rss_mib()
-    if "batch1" in figures:
-        result["batch1"] = transformers_batch1(model, torch, args)
-    return result
+    if section.startswith("mixed:"):
+        return result | transformers_mixed(model, torch, args, section.removeprefix("mixed:"))
+    return result | transformers_batch1(model, torch, args)
 
 
 # Figures measured from the parent.
@@ -296,11 +287,40 @@ def cold_warmup(args) -> float | None:
     return None
 
 
-def _child_result(system: str) -> dict:
-    command = [sys.executable, "-m", "benchmarks.startup", "--system", system, *sys.argv[1:]]
-    _progress(f"running {system} ...")
+def _child_result(system: str, section: str) -> dict:
+    """Run one section in a fresh process: its peak RSS is that section's alone."""
+    command = [sys.executable, "-m", "benchmarks.startup", "--system", system,
+               "--section", section, *sys.argv[1:]]
+    _progress(f"running {system} {section} ...")
     lines = subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True).stdout
     return json.loads(lines.strip().splitlines()[-1])
+
+
+def _child(args) -> None:
+    run = run_jpaged if args.system == "jpaged" else run_transformers
+    result = run(args, args.section)
+    result |= {"peak_rss_mib": _peak_rss_mib(), "load_average": os.getloadavg()}
+    print(json.dumps(result))
+
+
+def _run_sections(figures: list[str]) -> tuple[dict, dict]:
+    """Each peer right after jpaged on the same section, so both meet the same load.
+    -> (jpaged's results, transformers' results) by figure."""
+    ours, theirs = {}, {}
+    if "mixed" in figures:
+        ours["mixed"], theirs["mixed"] = {}, {}
+        for dataset in DATASETS:
+            for system, results in (("jpaged", ours), ("transformers", theirs)):
+                results["mixed"][dataset] = _child_result(system, f"mixed:{dataset}")
+        # Peak memory of the ShareGPT-like run: model, pool, compiled steps, workload.
+        for results in (ours, theirs):
+            results["peak_rss_mib"] = results["mixed"]["sharegpt"]["peak_rss_mib"]
+    if "batch1" in figures:
+        for system, results in (("jpaged", ours), ("transformers", theirs)):
+            results["batch1"] = _child_result(system, "batch1")
+    if "bf16" in figures:
+        ours["bf16"] = _child_result("jpaged", "bf16")
+    return ours, theirs
 
 
 def _ratio(ours: dict, theirs: dict, *keys: str) -> float:
@@ -324,9 +344,7 @@ def _report(args, figures: list[str]) -> dict:
                           "cpus": len(os.sched_getaffinity(0)),
                           "load_average": os.getloadavg()},
               "versions": _versions(), "settings": vars(args) | _settings(args)}
-    peers = [f for f in figures if f in ("mixed", "batch1")]
-    ours = _child_result("jpaged") if {"mixed", "batch1", "bf16"} & set(figures) else {}
-    theirs = _child_result("transformers") if peers else {}
+    ours, theirs = _run_sections(figures)
     report |= {"jpaged": ours, "transformers": theirs}
     if "mixed" in figures:
         report["mixed_ratio_vs_transformers"] = {
@@ -364,14 +382,14 @@ def main() -> None:
     parser.add_argument("--bf16-prompts", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--system", choices=["jpaged", "transformers"], help=argparse.SUPPRESS)
+    parser.add_argument("--section", help=argparse.SUPPRESS)
     args = parser.parse_args()
     figures = [f for f in args.only.split(",") if f]
     unknown = sorted(set(figures) - set(FIGURES))
     if unknown:
         parser.error(f"unknown figures {unknown}; choose among {', '.join(FIGURES)}")
     if args.system:
-        run = run_jpaged if args.system == "jpaged" else run_transformers
-        print(json.dumps(run(args, figures)))
+        _child(args)
         return
     print(json.dumps(_report(args, figures), indent=2))
 
