@@ -7,10 +7,16 @@ exercises the same files a user would hand to jpaged.
 drawn from N, to show tests that depend on others' side effects. Tests that need
 the default model (downloaded on first use) carry the `default_model` marker, so
 an offline run can deselect them with `-m "not default_model"`.
+
+The Pallas kernels run in interpret mode, so that every one of them runs on a CPU.
+`JPAGED_TEST_COMPILED=1` compiles instead the kernel of the machine's own backend
+(the Triton kernel on a GPU, the Mosaic kernel on a TPU) and skips the tests of
+another backend's kernel: the run that checks the kernels on an accelerator.
 """
 
 from __future__ import annotations
 
+import os
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +29,7 @@ import transformers
 from jax.experimental.compilation_cache import compilation_cache
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
+import kernels_pallas
 from jpaged.core.attention_metadata import AttentionMetadata
 from jpaged.model.loader import default_model_directory, load_model
 
@@ -32,6 +39,7 @@ TINY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 # Fixtures that load the default model; a test that loads it itself carries the marker.
 DEFAULT_MODEL_FIXTURES = {"smollm2", "smollm2_oracle"}
+COMPILED_KERNELS = os.environ.get("JPAGED_TEST_COMPILED") == "1"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -56,6 +64,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     seed = config.getoption("--shuffle-seed")
     if seed is not None:
         items[:] = shuffled_by_module(items, random.Random(seed))
+
+
+def kernel_interpret(implementation: str | None) -> bool:
+    """`interpret=` for a test that runs the Pallas kernel `implementation` (None: the
+    backend's own). True, unless JPAGED_TEST_COMPILED=1: then False, and a test of
+    another backend's kernel is skipped (it cannot compile here)."""
+    if not COMPILED_KERNELS:
+        return True
+    native = kernels_pallas.default_implementation(False)
+    if implementation in ("triton", "tpu") and implementation != native:
+        pytest.skip(f"the {implementation} kernel does not compile on {jax.default_backend()}")
+    return False
 
 
 def needs_default_model(item: pytest.Item) -> bool:

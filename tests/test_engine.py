@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from conftest import greedy_continuations
+from conftest import greedy_continuations, kernel_interpret
 
 from jpaged.core.batch_builder import BucketSizes
 from jpaged.engine.llm_engine import default_buckets, step_shapes
@@ -106,8 +106,9 @@ def test_chunked_prefill_on_and_off(loaded, prompts, expected, chunked):
 
 @pytest.mark.parametrize("backend", ["pallas", "reference"])
 def test_other_attention_backends(loaded, prompts, expected, backend):
-    # The default on CPU is "xla"; the Pallas kernels run here in interpret mode.
-    llm = _llm(loaded, attention_backend=backend, interpret=backend == "pallas")
+    # The default on CPU is "xla"; there the Pallas kernels run in interpret mode.
+    llm = _llm(loaded, attention_backend=backend,
+               interpret=backend == "pallas" and kernel_interpret(None))
     picked = [0, 3, 6]
     outputs = llm.generate([prompts[i] for i in picked], GREEDY)
     assert _tokens(outputs) == [expected[i] for i in picked]

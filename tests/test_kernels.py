@@ -1,4 +1,5 @@
-"""Paged-attention kernels in plain interpret mode against the pure-JAX reference.
+"""Paged-attention kernels in plain interpret mode (compiled under JPAGED_TEST_COMPILED=1,
+see conftest) against the pure-JAX reference.
 
 Every kernel run reads a NaN-poisoned pool (every slot that no sequence owns,
 the null block included, is NaN) while the reference reads the clean pool, so
@@ -16,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import kernel_interpret
 from jax.experimental.pallas import tpu as pltpu
 
 import kernels_pallas as kp
@@ -148,7 +150,7 @@ def test_decode_matches_reference(
         pool.block_tables,
         pool.context_lens,
         implementation=implementation,
-        interpret=True,
+        interpret=kernel_interpret(implementation),
         num_kv_splits=splits,
         pages_per_chunk=pages_per_chunk,
     )
@@ -247,7 +249,7 @@ def test_ragged_matches_reference(
         pool.context_lens,
         query_start_loc,
         implementation=implementation,
-        interpret=True,
+        interpret=kernel_interpret(implementation),
         block_q=block_q,
         num_kv_splits=splits,
     )
@@ -278,7 +280,8 @@ def test_scale_and_soft_cap(implementation, op):
     uncapped = reference(q, pool.k, pool.v, *tables, scale=0.3)
     assert np.abs(np.asarray(expected - uncapped)).max() > 1e-2
     out = kernel(
-        q, pool.k_nan, pool.v_nan, *tables, implementation=implementation, interpret=True, **knobs
+        q, pool.k_nan, pool.v_nan, *tables, implementation=implementation,
+        interpret=kernel_interpret(implementation), **knobs
     )
     assert_close(out, expected, F32)
 
@@ -294,7 +297,8 @@ def test_nan_poisoned_pool_changes_nothing(implementation):
     decode_q = q[: len(batch.context_lens)]
     for k, v in ((pool.k, pool.v), (pool.k_nan, pool.v_nan)):
         kwargs = dict(implementation=implementation,
-                      interpret=implementation not in ("reference", "xla"))
+                      interpret=implementation in ("triton", "tpu")
+                      and kernel_interpret(implementation))
         ragged = kp.ragged_paged_attention(
             q, k, v, pool.block_tables, pool.context_lens, query_start_loc, **kwargs
         )
@@ -511,6 +515,7 @@ def test_write_kv_rejects_mismatched_shapes():
 @pytest.mark.parametrize("implementation", ["triton", "tpu"])
 def test_step_with_donated_cache_writes_then_attends(implementation):
     """The runner's pattern: one jitted step, cache donated, write K/V then attend."""
+    interpret = kernel_interpret(implementation)
     rng = np.random.default_rng(8)
     block_size, num_kv_heads, head_dim = 8, 2, 64
     prefixes, new_tokens = [11, 0, 3], [1, 6, 9]
@@ -559,7 +564,7 @@ def test_step_with_donated_cache_writes_then_attends(implementation):
             pool.context_lens,
             query_start_loc,
             implementation=implementation,
-            interpret=True,
+            interpret=interpret,
         )
         return out, k_cache, v_cache
 
