@@ -151,7 +151,8 @@ def run_child(command: list[str], timeout_s: float, env: dict) -> ChildRun:
         output, _ = process.communicate(timeout=max(timeout_s, 1.0))
         returncode = process.returncode
     except BaseException as error:
-        os.killpg(process.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
         output, _ = process.communicate()
         if not isinstance(error, subprocess.TimeoutExpired):
             raise
@@ -636,6 +637,11 @@ def run_own_section(name: str, plan: Plan) -> int:
     return 0
 
 
+def exit_on_sigterm(signum, frame) -> None:
+    """SIGTERM as SystemExit, so that run_child kills the running section on its way out."""
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true",
@@ -652,6 +658,7 @@ def main(argv: list[str] | None = None) -> int:
     time_limit = plan.time_limit_s if args.time_limit is None else args.time_limit
     if time_limit <= 0:
         parser.error(f"--time-limit must be > 0 seconds, got {time_limit}")
+    signal.signal(signal.SIGTERM, exit_on_sigterm)
     report = orchestrate(plan, args.smoke, args.out.resolve(), time_limit)
     print(json.dumps(report))
     return 1 if "error" in report else 0
