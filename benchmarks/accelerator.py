@@ -148,7 +148,7 @@ def run_child(command: list[str], timeout_s: float, env: dict) -> ChildRun:
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
                                text=True, env=env, cwd=REPO_ROOT, start_new_session=True)
     try:
-        output, _ = process.communicate(timeout=max(timeout_s, 1.0))
+        output, _ = process.communicate(timeout=timeout_s)
         returncode = process.returncode
     except BaseException as error:
         with contextlib.suppress(ProcessLookupError):
@@ -204,7 +204,8 @@ def run_tests(plan: Plan, timeout_s: float, env: dict) -> dict:
 
 
 def child_environment(smoke: bool) -> dict:
-    env = dict(os.environ)
+    # Unbuffered: a section killed at its time limit has printed all it did.
+    env = dict(os.environ) | {"PYTHONUNBUFFERED": "1"}
     if smoke:
         # On CPU even where there is an accelerator: the smoke run checks code paths.
         env |= {"JAX_PLATFORMS": "cpu", "CUDA_VISIBLE_DEVICES": ""}
@@ -230,27 +231,33 @@ def orchestrate(plan: Plan, smoke: bool, out: Path, time_limit_s: float) -> dict
     report = {"benchmark": "accelerator", "smoke": smoke, "out": str(out),
               "settings": asdict(plan) | {"time_limit_s": time_limit_s}, "sections": {}}
 
-    def budget(name: str) -> float:
+    def within_budget(name: str, run: Callable[[float], dict]) -> dict:
+        """run(its time limit): the section's own limit or what is left, if a second is."""
         left = deadline - time.monotonic()
-        return min(plan.limits_s.get(name, left), left)
+        if left < 1:
+            return {"skipped": "the run's time limit was reached"}
+        return run(min(plan.limits_s.get(name, left), left))
+
+    def section(name: str, env: dict) -> dict:
+        return within_budget(name, lambda limit: run_section(name, smoke, limit, env))
 
     def record(name: str, result: dict) -> None:
         report["sections"][name] = result
         write_report(out, report)
 
-    record("machine", run_section("machine", smoke, budget("machine"), env))
+    record("machine", section("machine", env))
     if report["sections"]["machine"].get("backend") == "cpu" and not smoke:
         report["error"] = "no GPU or TPU here; `--smoke` runs the same code paths on CPU"
     else:
-        record("tests", run_tests(plan, budget("tests"), env))
-        record("kernels", run_section("kernels", smoke, budget("kernels"), env))
+        record("tests", within_budget("tests", lambda limit: run_tests(plan, limit, env)))
+        record("kernels", section("kernels", env))
         engine = {}
         # transformers first: jpaged, the subject, gets whatever time is left.
         for side in ("transformers", "jpaged"):
             # Importing jpaged loads jax; it must not take GPU memory from torch.
             side_env = (env | {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
                         if side == "transformers" else env)
-            engine[side] = run_section(side, smoke, budget(side), side_env)
+            engine[side] = section(side, side_env)
             engine["output_tokens_per_s_ratio"] = engine_ratio(engine)
             record("engine", engine)
     report["elapsed_s"] = time_limit_s - (deadline - time.monotonic())
