@@ -37,7 +37,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
 import kernels_pallas as kp
 
@@ -195,6 +194,9 @@ def pallas_write_kv(k_cache, v_cache, k, v, slot_mapping, *, interpret):
 
     k/v_cache: [Hkv, N, bs, D]; k, v: [T, Hkv, D]; slot_mapping: int32 [T].
     """
+    # Imported on use: the rest of this module runs on a JAX without the Triton backend.
+    from jax.experimental.pallas import triton as pltriton
+
     whole = pl.BlockSpec()
     return pl.pallas_call(
         _aliased_write_kernel,

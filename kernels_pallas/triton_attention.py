@@ -32,7 +32,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
 from kernels_pallas import online_softmax
 from kernels_pallas.tiles import QueryTiles
@@ -125,6 +124,10 @@ def tile_attention(
     tiles:        QueryTiles of NT tiles
     returns       [NT, Hkv, rows, D] in q_tiles.dtype.
     """
+    # Imported on use: a JAX without the Triton backend (deprecated from 0.11) still
+    # runs the other kernels, and an engine falls back from this one to "xla".
+    from jax.experimental.pallas import triton as pltriton
+
     num_tiles, num_kv_heads, rows, head_dim = q_tiles.shape
     chunk_bytes = pages_per_chunk * k_cache.shape[2] * head_dim * k_cache.dtype.itemsize
     num_stages = 2 if chunk_bytes <= PIPELINED_CHUNK_BYTES else 1

@@ -11,7 +11,10 @@ parametrization is a separate compilation.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -409,6 +412,37 @@ def test_default_implementation_follows_the_backend():
     assert kp.default_implementation(False) == native
     assert kp.default_implementation(True) == interpreted
     assert kp.default_implementation(pltpu.InterpretParams()) == "tpu"
+
+
+WITHOUT_TRITON = """
+import sys
+
+class NoTriton:
+    def find_spec(self, name, path, target=None):
+        if name == "jax.experimental.pallas.triton":
+            raise ImportError("this jax has no Triton backend")
+
+sys.meta_path.insert(0, NoTriton())
+import jax.numpy as jnp
+import kernels_pallas as kp
+
+q, cache = jnp.ones((1, 2, 16)), jnp.ones((1, 2, 16, 16))
+args = (q, cache, cache, jnp.array([[1]], jnp.int32), jnp.array([5], jnp.int32))
+assert kp.paged_decode_attention(*args, implementation="xla").shape == q.shape
+try:
+    kp.paged_decode_attention(*args, implementation="triton", interpret=True)
+except ImportError as error:
+    print(error)
+"""
+
+
+def test_kernels_import_without_the_triton_backend():
+    # JAX deprecates its Triton backend from 0.11: the other kernels must still load and
+    # run, and the Triton kernel fail on use (the engine then falls back to "xla").
+    result = subprocess.run([sys.executable, "-c", WITHOUT_TRITON], capture_output=True,
+                            text=True, cwd=Path(__file__).resolve().parents[1])
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "this jax has no Triton backend" in result.stdout
 
 
 def _decode_args(dtype=F32, block_size=8, num_q_heads=4):
