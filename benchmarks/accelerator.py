@@ -165,7 +165,7 @@ def run_child(command: list[str], timeout_s: float, env: dict) -> ChildRun:
 
 
 def with_outcome(result: dict, run: ChildRun) -> dict:
-    result["elapsed_s"] = run.elapsed_s
+    result["section_s"] = run.elapsed_s
     if run.returncode is None:
         result["timed_out"] = True
     elif run.returncode:
