@@ -9,6 +9,7 @@ import logging
 import sys
 
 from jpaged.entrypoints.llm import LLM
+from jpaged.memory.reservation import ALLOCATIONS
 from jpaged.sampling_params import SamplingParams
 
 # Failures the user can fix: bad arguments, model files missing or malformed, no network
@@ -43,6 +44,8 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("--top-p", type=float, default=1.0)
         sub.add_argument("--top-k", type=int, default=0)
         sub.add_argument("--seed", type=int, default=None)
+        sub.add_argument("--ignore-eos", action="store_true",
+                         help="generate max-tokens tokens whatever the model says")
     for sub in (generate, chat, serve):
         sub.add_argument("--model", default="smollm2",
                          help="'smollm2', a Hugging Face model directory or a .gguf file")
@@ -52,6 +55,10 @@ def _parser() -> argparse.ArgumentParser:
                          help="KV cache budget in GiB (default: a fraction of free memory)")
         sub.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks")
         sub.add_argument("--max-model-len", type=int, default=None)
+        sub.add_argument("--allocation", choices=ALLOCATIONS, default="paged",
+                         help="KV allocation: paged, or an Orca baseline reserving each "
+                         "request's max_model_len, prompt + pow2(output) or true length "
+                         "(orca-pow2 and orca-oracle need --ignore-eos)")
         sub.add_argument("--attention-backend", choices=["pallas", "xla", "reference"],
                          default=None, help="default: pallas on TPU/GPU, xla on CPU")
         sub.add_argument("--debug", action="store_true",
@@ -63,12 +70,12 @@ def _llm(args: argparse.Namespace) -> LLM:
     memory = None if args.kv_cache_memory is None else int(args.kv_cache_memory * 2**30)
     return LLM(args.model, dtype=args.dtype, block_size=args.block_size, num_blocks=args.num_blocks,
                kv_cache_memory=memory, max_model_len=args.max_model_len,
-               attention_backend=args.attention_backend)
+               attention_backend=args.attention_backend, allocation=args.allocation)
 
 
 def _sampling_params(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                          seed=args.seed, max_tokens=args.max_tokens)
+                          seed=args.seed, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
 
 
 def _generate(llm: LLM, args: argparse.Namespace) -> None:

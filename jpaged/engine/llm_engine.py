@@ -38,6 +38,7 @@ from jpaged.engine.runner import AttentionBackend, ModelRunner, default_attentio
 from jpaged.engine.stats import EngineStats
 from jpaged.inputs import PromptType, parse_prompt
 from jpaged.memory.block_manager import BlockManager
+from jpaged.memory.reservation import Allocation, check_allocation, reserved_tokens
 from jpaged.model.llama import LlamaConfig
 from jpaged.model.loader import cache_directory, load_model
 from jpaged.model.sampler import SamplerOutput, SamplingRow, sampling_tensors
@@ -61,6 +62,19 @@ class EngineConfig:
     share_blocks=False makes forked samples and beams copy all their parent's
     blocks before their first write instead of sharing them: the no-sharing
     baseline.
+
+    allocation: "paged" allocates blocks as tokens arrive. "orca-max",
+    "orca-pow2" and "orca-oracle" are the paper's Orca baselines on the same
+    model, kernels and pool: each sequence reserves blocks for max_model_len
+    tokens, for its prompt plus the next power of two of its output, or for its
+    true length, when its request is admitted, and holds them until the request
+    ends (jpaged.memory.reservation). Pow2 and Oracle need the output length in
+    advance: requests must set ignore_eos=True and no stop strings or stop token
+    ids (max_tokens, or else max_model_len, is then the length). Orca has no
+    prefix cache, so these allocations run without one, and each parallel
+    sample or beam holds a reservation of its own. Reserved blocks fragment
+    nothing outside a sequence, unlike Orca's contiguous slabs: these policies
+    flatter Orca.
     """
 
     model: str = "smollm2"
@@ -83,8 +97,10 @@ class EngineConfig:
     seed: int = 0
     max_logprobs: int = 20
     share_blocks: bool = True
+    allocation: Allocation = "paged"
 
     def __post_init__(self):
+        check_allocation(self.allocation)
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
         if not 0.0 < self.kv_cache_fraction <= 1.0:
@@ -191,7 +207,7 @@ class LLMEngine:
             block_size=config.block_size,
             num_blocks=num_blocks,
             num_host_blocks=config.num_host_blocks,
-            enable_prefix_caching=config.enable_prefix_caching,
+            enable_prefix_caching=config.enable_prefix_caching and config.allocation == "paged",
             share_blocks=config.share_blocks,
         ))
         self.scheduler = Scheduler(
@@ -297,7 +313,9 @@ class LLMEngine:
             cache_salt=cache_salt if cache_salt is not None else parsed.cache_salt,
             num_samples=params.n if sampling else params.beam_width,
             use_prefix_cache=not sampling or params.prompt_logprobs is None,
+            reserved_len=self._reserved_len(request_id, params, len(token_ids)),
         )
+        self._check_reservation_fits(group)
         self.scheduler.add_request(group)
         seed = params.seed if sampling and params.seed is not None else int(
             self._seeds.integers(2**32))
@@ -317,6 +335,38 @@ class LLMEngine:
             request.beams[seq.seq_id] = Beam()
         self._requests[request_id] = request
         self._request_of_seq[seq.seq_id] = request
+
+    def _reserved_len(self, request_id: str, params: SamplingParams | BeamSearchParams,
+                      prompt_len: int) -> int:
+        """Tokens each sequence of the request reserves under the engine's allocation."""
+        try:
+            return reserved_tokens(self.config.allocation, prompt_len,
+                                   self._known_output_len(params, prompt_len), self.max_model_len)
+        except ValueError as error:
+            raise ValueError(f"request {request_id!r}: {error}") from None
+
+    def _known_output_len(self, params: SamplingParams | BeamSearchParams,
+                          prompt_len: int) -> int | None:
+        """The output length the request will have, or None if EOS or a stop may end it
+        sooner."""
+        if not params.ignore_eos:
+            return None
+        if isinstance(params, SamplingParams) and (params.stop or params.stop_token_ids):
+            return None
+        # A prompt of max_model_len tokens still samples one.
+        room = max(self.max_model_len - prompt_len, 1)
+        return room if params.max_tokens is None else min(params.max_tokens, room)
+
+    def _check_reservation_fits(self, group: SequenceGroup) -> None:
+        if not group.reserved_len:
+            return
+        required = self.block_manager.reservation_blocks(group)
+        if required > self.block_manager.num_device_blocks:
+            raise ValueError(
+                f"request {group.request_id!r}: allocation={self.config.allocation!r} reserves "
+                f"{group.num_samples} x {group.reserved_len} tokens = {required} blocks, more "
+                f"than the pool's {self.block_manager.num_device_blocks} blocks"
+            )
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks now; unknown ids are ignored."""
@@ -444,8 +494,9 @@ class LLMEngine:
         """Check the KV blocks against the live sequences; RuntimeError on a violation.
 
         Every device and host block's reference count equals the number of live
-        block tables holding it (so a block is free exactly when none does), the
-        free counts agree, and the logical block count is the tables' total.
+        block tables (or reservations) holding it (so a block is free exactly
+        when none does), the free counts agree, and the logical block count is
+        the tables' total.
         """
         manager, step = self.block_manager, self.block_manager.step
         held = np.zeros(manager.num_device_blocks + 1, np.int64)
@@ -459,6 +510,7 @@ class LLMEngine:
                     logical += len(table)
                 elif seq.status is SequenceStatus.SWAPPED:
                     np.add.at(held_on_host, manager.host_block_table(seq).array, 1)
+        np.add.at(held, manager.spare_blocks, 1)  # reserved for the sequences to come
         refcounts = np.array([step.refcount(b) for b in range(1, len(held))])
         host_refcounts = np.array([step.host_refcount(b) for b in range(len(held_on_host))])
         problems = [
