@@ -12,13 +12,16 @@ after every step.
 
 from __future__ import annotations
 
+import logging
 import math
 import random
+import re
 
 import numpy as np
 import pytest
 
 from experiments.baselines import ContiguousKVManager
+from jpaged import __main__ as cli
 from jpaged.config import CacheConfig, SchedulerConfig
 from jpaged.core.batch_builder import BucketSizes
 from jpaged.core.scheduler import Scheduler
@@ -397,3 +400,23 @@ def test_a_reservation_over_the_pool_is_rejected(loaded):
 def test_the_engine_rejects_an_unknown_allocation(loaded):
     with pytest.raises(ValueError, match="allocation.*'orca'"):
         _llm(loaded, "orca")
+
+
+@pytest.fixture
+def cli_logger_restored():
+    """The CLI sends the jpaged logger to stderr; leave no handler behind."""
+    logger = logging.getLogger("jpaged")
+    handlers, level = list(logger.handlers), logger.level
+    yield
+    logger.handlers[:] = handlers
+    logger.setLevel(level)
+
+
+def test_cli_allocation_flag(tiny_llama_dir, capsys, cli_logger_restored):
+    args = ["generate", "--raw", "--model", str(tiny_llama_dir), "--num-blocks", "40",
+            "--max-model-len", "32", "--block-size", "4", "--max-tokens", "3",
+            "--allocation", "orca-oracle", "the"]
+    assert cli.main(args) == 1
+    assert re.fullmatch(r"error: request '[^']*': allocation='orca-oracle' .*ignore_eos.*\n",
+                        capsys.readouterr().err.splitlines(keepends=True)[-1])
+    assert cli.main([*args, "--ignore-eos"]) == 0

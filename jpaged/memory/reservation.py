@@ -33,11 +33,6 @@ def check_allocation(allocation: str) -> None:
         raise ValueError(f"allocation must be one of {ALLOCATIONS}, got {allocation!r}")
 
 
-def needs_output_len(allocation: str) -> bool:
-    """Whether the policy sizes a reservation by the request's true output length."""
-    return allocation in ("orca-pow2", "orca-oracle")
-
-
 def next_power_of_two(n: int) -> int:
     """The least power of two >= n, for n >= 1."""
     return 1 << (n - 1).bit_length()
