@@ -287,7 +287,8 @@ def _reserved_blocks(policy: str, prompt: list[int], params) -> int:
 
 def _serve(llm: LLM, requests) -> tuple[dict[str, list[list[int]]], list[dict[str, int]], int]:
     """Every request's token ids per sequence, the blocks each running request holds
-    after every step, and the number of preemptions."""
+    after every step, and the number of preemptions. Every block must be free at the
+    end."""
     engine = llm.engine
     for request_id, (prompt, params) in requests.items():
         engine.add_request(request_id, prompt, params)
@@ -298,6 +299,8 @@ def _serve(llm: LLM, requests) -> tuple[dict[str, list[list[int]]], list[dict[st
                 outputs[output.request_id] = [c.token_ids for c in output.outputs]
         engine.check_invariants()
         held_per_step.append(_held_blocks(engine))
+    assert engine.block_manager.num_free_blocks == NUM_BLOCKS - 1
+    assert engine.block_manager.spare_blocks == []
     return outputs, held_per_step, engine.scheduler.num_preemptions
 
 
@@ -365,15 +368,6 @@ def test_engine_blocks_equal_the_simulators_slabs(runs, policy):
         slab = slabs.reservation(SequenceGroup(request_id, [Sequence(0, prompt)]))
         held = {step[request_id] for step in held_per_step if request_id in step}
         assert held == {math.ceil(slab / BLOCK_SIZE)}
-
-
-def test_every_block_is_free_after_the_run(loaded):
-    llm = _llm(loaded, "orca-pow2")
-    engine = llm.engine
-    llm.generate([[1, 2, 3]] * 5, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
-    assert engine.block_manager.num_free_blocks == NUM_BLOCKS - 1
-    assert engine.block_manager.spare_blocks == []
-    assert engine.scheduler.num_preemptions == 0
 
 
 @pytest.mark.parametrize("policy", ["orca-pow2", "orca-oracle"])
