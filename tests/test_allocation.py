@@ -414,3 +414,13 @@ def test_cli_allocation_flag(tiny_llama_dir, capsys, cli_logger_restored):
     assert re.fullmatch(r"error: request '[^']*': allocation='orca-oracle' .*ignore_eos.*\n",
                         capsys.readouterr().err.splitlines(keepends=True)[-1])
     assert cli.main([*args, "--ignore-eos"]) == 0
+
+
+def test_a_fork_beyond_the_reservation_is_refused():
+    driver = Driver(num_blocks=20)
+    group = driver.add("r0", 3, 5, reserved_len=8, n=2)
+    driver.scheduler.update_after_step(driver.scheduler.schedule())
+    parent = group.seqs[0]
+    driver.scheduler.fork(group, parent, 100)
+    with pytest.raises(ValueError, match="no blocks left for another sequence"):
+        driver.scheduler.fork(group, parent, 101)

@@ -532,8 +532,8 @@ class BlockManager:
         reservation = source.reservation
         if len(reservation.spare) < reservation.blocks_per_seq:
             raise ValueError(
-                f"sequence {parent.seq_id} cannot fork: its request reserved blocks for "
-                f"{len(reservation.members)} sequences and all are in use"
+                f"sequence {parent.seq_id} cannot fork: its request's reservation has no "
+                "blocks left for another sequence (it reserved for num_samples sequences)"
             )
         blocks = reservation.take()
         for i in range(_cdiv(parent.num_computed_tokens, self.block_size)):
