@@ -38,6 +38,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="require 'Authorization: Bearer KEY' on /v1 requests")
     serve.add_argument("--max-waiting", type=int, default=1024,
                        help="requests waiting for their first token before new ones get 503")
+    serve.add_argument("--warmup", action="store_true",
+                       help="compile every step shape before accepting requests (slower "
+                       "start-up; no compile pauses while serving)")
     for sub in (generate, chat):
         sub.add_argument("--max-tokens", type=int, default=128)
         sub.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
@@ -59,6 +62,11 @@ def _parser() -> argparse.ArgumentParser:
                          help="KV allocation: paged, or an Orca baseline reserving each "
                          "request's max_model_len, prompt + pow2(output) or true length "
                          "(orca-pow2 and orca-oracle need --ignore-eos)")
+        sub.add_argument("--max-num-seqs", type=int, default=None,
+                         help="sequences one step runs at most (default: the engine's)")
+        sub.add_argument("--max-num-batched-tokens", type=int, default=None,
+                         help="tokens one step runs at most, prefill chunks and decodes "
+                         "(default: the engine's)")
         sub.add_argument("--attention-backend", choices=["pallas", "xla", "reference"],
                          default=None, help="default: pallas on TPU/GPU, xla on CPU")
         sub.add_argument("--debug", action="store_true",
@@ -68,9 +76,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def _llm(args: argparse.Namespace) -> LLM:
     memory = None if args.kv_cache_memory is None else int(args.kv_cache_memory * 2**30)
+    limits = {name: getattr(args, name) for name in ("max_num_seqs", "max_num_batched_tokens")
+              if getattr(args, name) is not None}
     return LLM(args.model, dtype=args.dtype, block_size=args.block_size, num_blocks=args.num_blocks,
                kv_cache_memory=memory, max_model_len=args.max_model_len,
-               attention_backend=args.attention_backend, allocation=args.allocation)
+               attention_backend=args.attention_backend, allocation=args.allocation, **limits)
 
 
 def _sampling_params(args: argparse.Namespace) -> SamplingParams:
@@ -112,7 +122,8 @@ def _serve(llm: LLM, args: argparse.Namespace) -> None:
     from jpaged.entrypoints.server import serve  # the HTTP stack loads only for this command
 
     serve(llm.engine, served_model_name=args.served_model_name or args.model, host=args.host,
-          port=args.port, api_key=args.api_key, max_waiting=args.max_waiting)
+          port=args.port, api_key=args.api_key, max_waiting=args.max_waiting,
+          warmup=args.warmup)
 
 
 COMMANDS = {"generate": _generate, "chat": _chat, "serve": _serve}
