@@ -38,7 +38,7 @@ MAX_TOTAL_LEN = 512
 def mixed_workload(num_requests: int, scale: float, vocab_size: int, seed: int, token_seed: int,
                    dataset: str = "sharegpt", max_total_len: int = MAX_TOTAL_LEN):
     """[(prompt token ids, output length)], the dataset's lengths (ShareGPT-like or
-    Alpaca-like) scaled by `scale` and clipped to max_total_len.
+    Alpaca-like) scaled by `scale` and clipped to max_total_len (prompts to half of it).
 
     The lengths come from `seed`, the token ids from `token_seed`: a warm-up run
     with other tokens takes the same steps (so compiles the same shapes) but

@@ -16,8 +16,16 @@ another backend's kernel: the run that checks the kernels on an accelerator.
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import http.client
+import json
 import os
 import random
+import socket
+import threading
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,12 +39,22 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 import kernels_pallas
 from jpaged.core.attention_metadata import AttentionMetadata
+from jpaged.core.batch_builder import BucketSizes
 from jpaged.model.loader import default_model_directory, load_model
 
 TINY_MERGES = [("t", "h"), ("th", "e"), ("Ġ", "th"), ("i", "n"), ("e", "r"), ("Ġ", "a")]
 END_OF_TEXT = "<|endoftext|>"
 TINY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# The engine of the server tests and their offline oracle: one padded shape for mixed
+# steps and one for decode steps (64 tokens, 8 sequence rows, full-width block tables),
+# so each engine compiles only those two.
+SERVER_ENGINE = dict(block_size=8, num_blocks=160, max_num_seqs=8, max_num_batched_tokens=64,
+                     max_model_len=256, persistent_compilation_cache=False,
+                     buckets=BucketSizes(min_num_tokens=64, min_num_seqs=8,
+                                         min_blocks_per_seq=32))
 # Fixtures that load the default model; a test that loads it itself carries the marker.
 DEFAULT_MODEL_FIXTURES = {"smollm2", "smollm2_oracle"}
 COMPILED_KERNELS = os.environ.get("JPAGED_TEST_COMPILED") == "1"
@@ -263,3 +281,89 @@ def smollm2_oracle():
     """The default model in transformers, from the same converted float32 weights."""
     directory = default_model_directory()
     return transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+
+
+# The HTTP server on the tiny model.
+
+
+@pytest.fixture(scope="module")
+def tiny_chat_model(tiny_llama_dir):
+    """The tiny Llama as jpaged loads it, with a ChatML chat template: (model, config,
+    tokenizer)."""
+    model, config, tokenizer = load_model(tiny_llama_dir)
+    tokenizer.chat_template = CHATML
+    return model, config, tokenizer
+
+
+@contextlib.contextmanager
+def running_server(loaded: tuple, served_model_name: str, *, max_waiting: int, **app_kwargs
+                   ) -> Iterator[tuple[str, object]]:
+    """(base_url, AsyncLLMEngine) of the OpenAI server (uvicorn in a thread, on a free
+    loopback port) over a new SERVER_ENGINE engine; app_kwargs go to build_app. The
+    engine gets its own tokenizer copy, since an offline oracle's runs in the test thread."""
+    import uvicorn
+
+    from jpaged.engine.async_engine import AsyncLLMEngine
+    from jpaged.engine.llm_engine import EngineConfig, LLMEngine
+    from jpaged.entrypoints.server import build_app
+
+    model, config, tokenizer = loaded
+    engine = LLMEngine(EngineConfig(model=served_model_name, **SERVER_ENGINE),
+                       loaded=(model, config, copy.deepcopy(tokenizer)))
+    async_engine = AsyncLLMEngine(engine, max_waiting=max_waiting)
+    app = build_app(async_engine, served_model_name, **app_kwargs)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]})
+    thread.start()
+    while not server.started:
+        assert thread.is_alive(), "the server did not start"
+        time.sleep(0.01)
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}", async_engine
+    server.should_exit = True
+    thread.join(30)
+    assert not async_engine.is_running  # the lifespan's end shut the engine down
+
+
+@dataclass
+class Reply:
+    status: int
+    headers: dict[str, str]  # names in lower case
+    text: str
+
+    def json(self):
+        return json.loads(self.text)
+
+
+def http_connection(base_url: str, timeout: float = 60) -> http.client.HTTPConnection:
+    host, port = base_url.removeprefix("http://").split(":")
+    return http.client.HTTPConnection(host, int(port), timeout=timeout)
+
+
+def http_request(base_url: str, method: str, path: str, body: bytes | None = None,
+                 headers: dict | None = None) -> Reply:
+    connection = http_connection(base_url)
+    try:
+        connection.request(method, path, body=body, headers=headers or {})
+        response = connection.getresponse()
+        return Reply(response.status, {k.lower(): v for k, v in response.getheaders()},
+                     response.read().decode())
+    finally:
+        connection.close()
+
+
+def metric(base_url: str, name: str) -> float:
+    """One sample's value from /metrics."""
+    for line in http_request(base_url, "GET", "/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"no metric {name}")
+
+
+def wait_until_idle(engine, timeout: float = 10.0) -> None:
+    """Until the AsyncLLMEngine's published state shows no request and no block held."""
+    deadline = time.monotonic() + timeout
+    while engine.state.kv_blocks_used or engine.state.num_running or engine.state.num_waiting:
+        assert time.monotonic() < deadline, f"the engine is still busy: {engine.state}"
+        time.sleep(0.01)
