@@ -104,15 +104,15 @@ async def send_request(client: openai.AsyncOpenAI, model: str, prompt: list[int]
                          ended - started)
 
 
-async def run_load(base_url: str, model: str, workload: Workload, request_rate: float,
-                   seed: int) -> tuple[list[RequestResult], float]:
+async def run_load(base_url: str, api_key: str, model: str, workload: Workload,
+                   request_rate: float, seed: int) -> tuple[list[RequestResult], float]:
     """Send the workload with Poisson arrivals at request_rate (inf: all at once).
 
     returns (results in workload order, seconds from the first send to the last reply)."""
     import openai
 
     arrivals = arrival_times(len(workload), request_rate, np.random.default_rng(seed))
-    async with openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0,
+    async with openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key=api_key, max_retries=0,
                                   timeout=3600) as client:
         started = time.perf_counter()
 
@@ -124,6 +124,13 @@ async def run_load(base_url: str, model: str, workload: Workload, request_rate: 
                                          for arrival, (prompt, max_tokens)
                                          in zip(arrivals, workload, strict=True)))
     return list(results), time.perf_counter() - started
+
+
+def load(args, base_url: str, model: str, workload: Workload, request_rate: float
+         ) -> tuple[list[RequestResult], float]:
+    """run_load on its own event loop."""
+    return asyncio.run(run_load(base_url, args.api_key, model, workload, request_rate,
+                                args.seed))
 
 
 def distribution(values: list[float]) -> dict[str, float | None]:
@@ -177,7 +184,7 @@ def http_overhead(args, base_url: str, model: str, llm: LLM, workloads: list[Wor
     both up and is not counted)."""
     runs = []
     for index, workload in enumerate(workloads):
-        results, http_s = asyncio.run(run_load(base_url, model, workload, math.inf, args.seed))
+        results, http_s = load(args, base_url, model, workload, math.inf)
         check_complete(results, workload)
         texts, offline_s = run_offline(llm, workload)
         tokens = sum(n for _, n in workload)
@@ -210,17 +217,17 @@ def workload_for(args, vocab_size: int, token_seed: int) -> Workload:
 def measure(args, base_url: str, llm: LLM) -> dict:
     """Every rate, then the overhead runs, against the server at base_url; `llm` is the
     offline engine with the server's settings."""
-    model = served_model(base_url)
+    model = served_model(base_url, args.api_key)
     vocab_size = llm.engine.model_config.vocab_size
     token_seeds = iter(range(args.seed + 1, args.seed + 1000))
     warmup = workload_for(args, vocab_size, next(token_seeds))
     started = time.perf_counter()
-    asyncio.run(run_load(base_url, model, warmup, math.inf, args.seed))
+    load(args, base_url, model, warmup, math.inf)
     _progress(f"server warm-up burst: {time.perf_counter() - started:.1f} s")
     by_rate = {}
     for rate in args.request_rates:
         workload = workload_for(args, vocab_size, next(token_seeds))
-        results, duration = asyncio.run(run_load(base_url, model, workload, rate, args.seed))
+        results, duration = load(args, base_url, model, workload, rate)
         check_complete(results, workload)
         by_rate[str(rate)] = summarize(results, duration)
         _progress(f"rate {rate}: {duration:.1f} s, "
@@ -234,8 +241,10 @@ def measure(args, base_url: str, llm: LLM) -> dict:
                          "mean_output_tokens": float(np.mean([n for _, n in warmup]))}}
 
 
-def served_model(base_url: str) -> str:
-    with urllib.request.urlopen(f"{base_url}/v1/models", timeout=30) as response:
+def served_model(base_url: str, api_key: str) -> str:
+    request = urllib.request.Request(f"{base_url}/v1/models",
+                                     headers={"Authorization": f"Bearer {api_key}"})
+    with urllib.request.urlopen(request, timeout=30) as response:
         return json.load(response)["data"][0]["id"]
 
 
@@ -310,6 +319,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="'smollm2', a Hugging Face directory or a .gguf file")
     parser.add_argument("--base-url", default=None,
                         help="a running server (else one is started on --model)")
+    parser.add_argument("--api-key", default="unused", help="the --base-url server's API key")
     parser.add_argument("--request-rates", default="1,2,4,inf",
                         help="requests per second, comma-separated; inf sends all at once")
     parser.add_argument("--num-requests", type=int, default=64, help="requests per run")
@@ -318,7 +328,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--scale", type=float, default=0.25,
                         help="factor on ShareGPT-like lengths, to fit a CPU")
     parser.add_argument("--quick", action="store_true",
-                        help="a short run: 16 requests, rates 4 and inf")
+                        help="a short run: 16 requests, rates 4 and inf (flags given override)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=256)
@@ -326,9 +336,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="also the workload's limit on prompt + output tokens")
     parser.add_argument("--kv-cache-mib", type=float, default=384)
     parser.add_argument("--seed", type=int, default=0)
+    if parser.parse_known_args(argv)[0].quick:
+        parser.set_defaults(num_requests=16, request_rates="4,inf")
     args = parser.parse_args(argv)
-    if args.quick:
-        args.num_requests, args.request_rates = 16, "4,inf"
     args.request_rates = [float(rate) for rate in args.request_rates.split(",")]
     if args.num_requests < 1 or args.overhead_runs < 1:
         parser.error(f"--num-requests and --overhead-runs must be >= 1, got "

@@ -16,7 +16,6 @@ another backend's kernel: the run that checks the kernels on an accelerator.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import http.client
 import json
@@ -25,7 +24,6 @@ import random
 import socket
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,6 +46,10 @@ TINY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+SERVED_MODEL = "tiny"
+SERVER_API_KEY = "test-key"
+SERVER_MAX_BODY_BYTES = 64 * 1024
+SERVER_MAX_WAITING = 256  # above the load test's 128 concurrent clients
 # The engine of the server tests and their offline oracle: one padded shape for mixed
 # steps and one for decode steps (64 tokens, 8 sequence rows, full-width block tables),
 # so each engine compiles only those two.
@@ -286,7 +288,7 @@ def smollm2_oracle():
 # The HTTP server on the tiny model.
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tiny_chat_model(tiny_llama_dir):
     """The tiny Llama as jpaged loads it, with a ChatML chat template: (model, config,
     tokenizer)."""
@@ -295,33 +297,42 @@ def tiny_chat_model(tiny_llama_dir):
     return model, config, tokenizer
 
 
-@contextlib.contextmanager
-def running_server(loaded: tuple, served_model_name: str, *, max_waiting: int, **app_kwargs
-                   ) -> Iterator[tuple[str, object]]:
+@pytest.fixture(scope="session")
+def offline(tiny_chat_model):
+    """The server tests' oracle: an offline LLM with the server's engine settings."""
+    from jpaged.entrypoints.llm import LLM
+
+    return LLM(SERVED_MODEL, loaded=tiny_chat_model, **SERVER_ENGINE)
+
+
+@pytest.fixture(scope="session")
+def server(tiny_chat_model):
     """(base_url, AsyncLLMEngine) of the OpenAI server (uvicorn in a thread, on a free
-    loopback port) over a new SERVER_ENGINE engine; app_kwargs go to build_app. The
-    engine gets its own tokenizer copy, since an offline oracle's runs in the test thread."""
+    loopback port) over a SERVER_ENGINE engine, shared by the server tests: one engine
+    compiles its steps once. The engine gets its own tokenizer copy, since the offline
+    oracle's runs in the test thread. Tests that change max_waiting restore it."""
     import uvicorn
 
     from jpaged.engine.async_engine import AsyncLLMEngine
     from jpaged.engine.llm_engine import EngineConfig, LLMEngine
     from jpaged.entrypoints.server import build_app
 
-    model, config, tokenizer = loaded
-    engine = LLMEngine(EngineConfig(model=served_model_name, **SERVER_ENGINE),
+    model, config, tokenizer = tiny_chat_model
+    engine = LLMEngine(EngineConfig(model=SERVED_MODEL, **SERVER_ENGINE),
                        loaded=(model, config, copy.deepcopy(tokenizer)))
-    async_engine = AsyncLLMEngine(engine, max_waiting=max_waiting)
-    app = build_app(async_engine, served_model_name, **app_kwargs)
+    async_engine = AsyncLLMEngine(engine, max_waiting=SERVER_MAX_WAITING)
+    app = build_app(async_engine, SERVED_MODEL, api_key=SERVER_API_KEY,
+                    max_body_bytes=SERVER_MAX_BODY_BYTES)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]})
+    uvicorn_server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=uvicorn_server.run, kwargs={"sockets": [sock]})
     thread.start()
-    while not server.started:
+    while not uvicorn_server.started:
         assert thread.is_alive(), "the server did not start"
         time.sleep(0.01)
     yield f"http://127.0.0.1:{sock.getsockname()[1]}", async_engine
-    server.should_exit = True
+    uvicorn_server.should_exit = True
     thread.join(30)
     assert not async_engine.is_running  # the lifespan's end shut the engine down
 

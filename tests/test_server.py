@@ -3,8 +3,8 @@
 The oracle is the offline engine: the same model and configuration through
 `LLM.generate` / `LLM.chat` must give the same text, tokens and
 log-probabilities as the server. Errors are checked against OpenAI's error
-shape and the documented status codes. One server (uvicorn in a thread, on a
-free loopback port) serves the whole module.
+shape and the documented status codes. One server (conftest's `server`: uvicorn
+in a thread, on a free loopback port) serves every server test.
 """
 
 from __future__ import annotations
@@ -17,37 +17,25 @@ import time
 import openai
 import pytest
 from conftest import (
+    SERVED_MODEL,
+    SERVER_API_KEY,
     SERVER_ENGINE,
+    SERVER_MAX_BODY_BYTES,
     Reply,
     http_connection,
     http_request,
     metric,
-    running_server,
     wait_until_idle,
 )
 
 from jpaged.engine.async_engine import AsyncLLMEngine, EngineStoppedError
-from jpaged.entrypoints.llm import LLM
 from jpaged.sampling_params import SamplingParams
 
-MODEL = "tiny"
-API_KEY = "test-key"
-MAX_BODY_BYTES = 64 * 1024
+MODEL = SERVED_MODEL
+API_KEY = SERVER_API_KEY
+MAX_BODY_BYTES = SERVER_MAX_BODY_BYTES
 PROMPTS = ["the theater in the", "a thin"]
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the other"}]
-
-
-@pytest.fixture(scope="module")
-def offline(tiny_chat_model) -> LLM:
-    return LLM(MODEL, loaded=tiny_chat_model, **SERVER_ENGINE)
-
-
-@pytest.fixture(scope="module")
-def server(tiny_chat_model):
-    """(base_url, AsyncLLMEngine) of a running server."""
-    with running_server(tiny_chat_model, MODEL, max_waiting=64, api_key=API_KEY,
-                        max_body_bytes=MAX_BODY_BYTES) as started:
-        yield started
 
 
 @pytest.fixture(scope="module")

@@ -13,25 +13,21 @@ import asyncio
 
 import numpy as np
 import openai
-import pytest
-from conftest import SERVER_ENGINE, metric, running_server, wait_until_idle
+from conftest import (
+    SERVED_MODEL,
+    SERVER_API_KEY,
+    SERVER_ENGINE,
+    SERVER_MAX_WAITING,
+    metric,
+    wait_until_idle,
+)
 
 from jpaged.entrypoints.llm import LLM
 from jpaged.sampling_params import SamplingParams
 
-MODEL = "tiny"
+MODEL = SERVED_MODEL
 NUM_CLIENTS = 128
-
-
-@pytest.fixture(scope="module")
-def offline(tiny_chat_model) -> LLM:
-    return LLM(MODEL, loaded=tiny_chat_model, **SERVER_ENGINE)
-
-
-@pytest.fixture(scope="module")
-def server(tiny_chat_model):
-    with running_server(tiny_chat_model, MODEL, max_waiting=2 * NUM_CLIENTS) as started:
-        yield started
+assert SERVER_MAX_WAITING >= NUM_CLIENTS, "the load test's clients must all be admitted"
 
 
 def _requests(seed: int, count: int, vocab_size: int) -> list[tuple[list[int], int]]:
@@ -60,7 +56,7 @@ async def _leave_after_first_token(client: openai.AsyncOpenAI, prompt: list[int]
 
 
 def _client(base_url: str) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0,
+    return openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key=SERVER_API_KEY, max_retries=0,
                               timeout=120)
 
 
