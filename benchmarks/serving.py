@@ -6,7 +6,10 @@ over the offline `LLM` on the same requests, in the manner of vLLM's serving ben
 
 Unless --base-url is given, the server (`python -m jpaged serve`, the default model
 unless --model says otherwise) runs in a subprocess; this process is the load
-generator. Requests are seeded ShareGPT-like lengths (experiments.workloads,
+generator. With --warmup (the default) the server and the offline engine compile
+every step shape before the first timed run, so no run waits for a compile: the
+first time that takes minutes on a CPU, later runs load the shapes from the
+persistent compilation cache. Requests are seeded ShareGPT-like lengths (experiments.workloads,
 scaled and clipped as benchmarks.throughput scales them) with random token-id
 prompts, greedy with ignore_eos, so every request generates exactly its
 max_tokens. Each run draws new prompt tokens (same lengths), so no run hits the
@@ -58,7 +61,7 @@ if TYPE_CHECKING:
 
 Workload = list[tuple[list[int], int]]  # (prompt token ids, output tokens)
 TARGET_OVERHEAD_PCT = 10.0
-SERVER_START_TIMEOUT_S = 900
+SERVER_START_TIMEOUT_S = 3600  # a first --warmup on a CPU compiles every shape
 
 
 @dataclass(frozen=True)
@@ -261,7 +264,8 @@ def server_command(args, port: int) -> list[str]:
             "--max-num-seqs", str(args.max_num_seqs),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
             "--max-model-len", str(args.max_model_len),
-            "--kv-cache-memory", str(args.kv_cache_mib / 1024)]
+            "--kv-cache-memory", str(args.kv_cache_mib / 1024)] + (
+                ["--warmup"] if args.warmup else [])
 
 
 def free_port() -> int:
@@ -329,6 +333,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="factor on ShareGPT-like lengths, to fit a CPU")
     parser.add_argument("--quick", action="store_true",
                         help="a short run: 16 requests, rates 4 and inf (flags given override)")
+    parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                        help="compile every step shape in the server and the offline engine "
+                        "before timing")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=256)
@@ -369,6 +376,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     def run(base_url: str) -> dict:
         llm = LLM(args.model, **engine_settings(args))
+        if args.warmup:
+            llm.engine.warmup()
         return measure(args, base_url, llm)
 
     measured = run(args.base_url) if args.base_url else with_server(args, run)
