@@ -108,10 +108,10 @@ def test_concurrent_streaming_clients_equal_offline_and_free_every_block(server,
     assert metric(base_url, "jpaged:e2e_request_latency_seconds_count") - requests_before == (
         NUM_CLIENTS)
     assert metric(base_url, "jpaged:generation_tokens_total") - tokens_before == num_tokens
-    # They were concurrent: the engine ran full batches with most clients queued behind.
+    # They were concurrent: the engine ran full batches with more clients queued behind.
     summary = stats.summary()
     assert summary["running_peak"] == SERVER_ENGINE["max_num_seqs"]
-    assert summary["waiting_peak"] >= NUM_CLIENTS // 2
+    assert summary["waiting_peak"] > SERVER_ENGINE["max_num_seqs"]
 
 
 def test_clients_that_leave_mid_stream_free_their_blocks(server, offline):
