@@ -6,10 +6,11 @@ over the offline `LLM` on the same requests, in the manner of vLLM's serving ben
 
 Unless --base-url is given, the server (`python -m jpaged serve`, the default model
 unless --model says otherwise) runs in a subprocess; this process is the load
-generator. With --warmup (the default) the server and the offline engine compile
-every step shape before the first timed run, so no run waits for a compile: the
-first time that takes minutes on a CPU, later runs load the shapes from the
-persistent compilation cache. Requests are seeded ShareGPT-like lengths (experiments.workloads,
+generator. An untimed burst of the same lengths warms the server up first, and
+an untimed pair the overhead runs; the shapes other runs meet for the first time
+compile then (or load from the persistent compilation cache). --warmup instead
+compiles every step shape in the server and the offline engine before timing:
+all of them, so it takes long and holds every executable in memory. Requests are seeded ShareGPT-like lengths (experiments.workloads,
 scaled and clipped as benchmarks.throughput scales them) with random token-id
 prompts, greedy with ignore_eos, so every request generates exactly its
 max_tokens. Each run draws new prompt tokens (same lengths), so no run hits the
@@ -333,7 +334,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="factor on ShareGPT-like lengths, to fit a CPU")
     parser.add_argument("--quick", action="store_true",
                         help="a short run: 16 requests, rates 4 and inf (flags given override)")
-    parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+    parser.add_argument("--warmup", action="store_true",
                         help="compile every step shape in the server and the offline engine "
                         "before timing")
     parser.add_argument("--block-size", type=int, default=16)
