@@ -10,7 +10,9 @@ generator. An untimed burst of the same lengths warms the server up first, and
 an untimed pair the overhead runs; the shapes other runs meet for the first time
 compile then (or load from the persistent compilation cache). --warmup instead
 compiles every step shape in the server and the offline engine before timing:
-all of them, so it takes long and holds every executable in memory. Requests are seeded ShareGPT-like lengths (experiments.workloads,
+all of them, so it takes long and holds every executable in memory.
+
+Requests are seeded ShareGPT-like lengths (experiments.workloads,
 scaled and clipped as benchmarks.throughput scales them) with random token-id
 prompts, greedy with ignore_eos, so every request generates exactly its
 max_tokens. Each run draws new prompt tokens (same lengths), so no run hits the
