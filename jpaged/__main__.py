@@ -58,7 +58,9 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
         sub.add_argument("--block-size", type=int, default=16)
         sub.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
-                         help="KV cache budget in GiB (default: a fraction of free memory)")
+                         help="KV cache budget in GiB (default: a fraction of free memory, "
+                         "at most what the sequences that can run at once fill; generate "
+                         "runs its prompts, chat one conversation)")
         sub.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks")
         sub.add_argument("--max-model-len", type=int, default=None)
         sub.add_argument("--allocation", choices=ALLOCATIONS, default="paged",
