@@ -171,10 +171,10 @@ def test_first_run_of_the_cli_needs_no_torch_and_prints_only_the_answer(tiny_qwe
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     assert "Successfully downloaded" in result.stderr
-    assert result.stdout == _transformers_answer(tiny_qwen2_dir, prompt, 6) + "\n"
+    assert result.stdout == transformers_answer(tiny_qwen2_dir, prompt, 6) + "\n"
 
 
-def _transformers_answer(model_dir: Path, prompt: str, max_tokens: int) -> str:
+def transformers_answer(model_dir: Path, prompt: str, max_tokens: int) -> str:
     """Greedy decoding with transformers, stopped at EOS, decoded as the CLI prints it."""
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()

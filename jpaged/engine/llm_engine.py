@@ -145,6 +145,20 @@ def free_device_memory() -> int:
     stats = jax.devices()[0].memory_stats()
     if stats and "bytes_limit" in stats:
         return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    return available_host_memory()
+
+
+def available_host_memory() -> int:
+    """Bytes of host RAM a new allocation can get: Linux's MemAvailable, which counts the
+    page cache the kernel drops on demand (right after reading a checkpoint, most of
+    the free RAM is page cache); elsewhere the free pages."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
