@@ -1,6 +1,6 @@
 """Start-up: `python -m jpaged generate` end to end, as a new user runs it.
 
-    python -m benchmarks.startup [--repeats 3 --baseline REV]
+    python -m benchmarks.cli_start [--repeats 3 --baseline REV]
 
 Each run is a fresh process answering "What is the capital of France?" (the
 README's main command) on the default model, already downloaded and converted,
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
                       file=sys.stderr, flush=True)
     medians = {name: statistics.median(values) for name, values in seconds.items()}
     report = {
-        "benchmark": "startup",
+        "benchmark": "cli_start",
         "machine": {
             "platform": platform.platform(),
             "processor": platform.processor() or platform.machine(),
