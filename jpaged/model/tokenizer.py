@@ -267,8 +267,10 @@ def _compiled_template(source: str) -> Any:
     environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                                 extensions=[loopcontrols])
     # jinja2's own tojson escapes HTML; templates expect plain JSON.
-    environment.filters["tojson"] = lambda value, indent=None: json.dumps(
-        value, ensure_ascii=False, indent=indent)
+    environment.filters["tojson"] = (
+        lambda value, ensure_ascii=False, indent=None, separators=None, sort_keys=False:
+        json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                   sort_keys=sort_keys))
     environment.globals.update(raise_exception=raise_exception,
                                strftime_now=lambda fmt: datetime.now().strftime(fmt))
     return environment.from_string(source)
