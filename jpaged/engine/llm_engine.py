@@ -807,7 +807,7 @@ class LLMEngine:
                 tensors = sampling_tensors(sampling_rows, num_rows, vocab)
                 self.runner.sample(logits, rows, tensors, self.config.max_logprobs)
         for num_tokens in sorted({t for t, _, _, _ in shapes}):
-            hidden = jnp.zeros((num_tokens, hidden_size), self.runner.kv_caches[0][0].dtype)
+            hidden = jnp.zeros((num_tokens, hidden_size), self.runner.kv_caches[0].dtype)
             self.runner.token_logprobs(hidden, np.zeros(num_tokens, np.int32),
                                        self.config.max_logprobs)
         return len(shapes)

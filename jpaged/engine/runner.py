@@ -30,7 +30,8 @@ from jpaged.model.llama import LlamaConfig, LlamaForCausalLM, init_kv_caches
 from jpaged.model.sampler import SamplerOutput, SamplingTensors, logprob_outputs, sample
 
 AttentionBackend = Literal["pallas", "xla", "reference"]
-KVCaches = list[tuple[jax.Array, jax.Array]]
+# (k_cache, v_cache), each [num_layers, num_kv_heads, num_blocks, block_size, head_dim]
+KVCaches = tuple[jax.Array, jax.Array]
 
 
 def default_attention_backend() -> AttentionBackend:
@@ -46,12 +47,14 @@ def _decode_as_ragged(decode_fn):
     rows are the decode queries; rows past B (token padding) get zeros.
     """
 
-    def attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, *, scale):
+    def attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, *, layer,
+                  scale):
         num_tokens, num_seqs = q.shape[0], context_lens.shape[0]
         rows = jnp.zeros((num_seqs, *q.shape[1:]), q.dtype).at[: min(num_tokens, num_seqs)].set(
             q[:num_seqs]
         )
-        out = decode_fn(rows, k_cache, v_cache, block_tables, context_lens, scale=scale)
+        out = decode_fn(rows, k_cache, v_cache, block_tables, context_lens, layer=layer,
+                        scale=scale)
         return jnp.zeros_like(q).at[: min(num_tokens, num_seqs)].set(out[:num_tokens])
 
     return attention
@@ -111,16 +114,21 @@ def _copy_blocks(kv_caches: KVCaches, copies: jax.Array) -> KVCaches:
     copies: int32 [K, 2] (src, dst); padding rows are (0, 0).
     """
     src, dst = copies[:, 0], copies[:, 1]
-    return [(k.at[:, dst].set(k[:, src]), v.at[:, dst].set(v[:, src])) for k, v in kv_caches]
+    return tuple(cache.at[:, :, dst].set(cache[:, :, src]) for cache in kv_caches)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
-def _write_blocks(kv_caches: KVCaches, blocks: list, block_ids: jax.Array) -> KVCaches:
-    """Write host pages into device blocks. blocks: per layer (k, v) [Hkv, K, bs, D]."""
-    return [
-        (k.at[:, block_ids].set(hk), v.at[:, block_ids].set(hv))
-        for (k, v), (hk, hv) in zip(kv_caches, blocks, strict=True)
-    ]
+def _write_blocks(kv_caches: KVCaches, pages: KVCaches, block_ids: jax.Array) -> KVCaches:
+    """Write host pages into device blocks. pages: (k, v), each [L, Hkv, K, bs, D]."""
+    return tuple(
+        cache.at[:, :, block_ids].set(new) for cache, new in zip(kv_caches, pages, strict=True)
+    )
+
+
+@jax.jit
+def _read_blocks(cache: jax.Array, block_ids: jax.Array) -> jax.Array:
+    """cache [L, Hkv, N, bs, D], block_ids int32 [K] -> the blocks [L, Hkv, K, bs, D]."""
+    return cache[:, :, block_ids]
 
 
 class ModelRunner:
@@ -145,11 +153,9 @@ class ModelRunner:
         self._new_kv_caches = functools.partial(init_kv_caches, config, num_blocks, block_size,
                                                 kv_dtype)
         self.kv_caches = self._new_kv_caches()
-        kv_shape = (config.num_kv_heads, num_host_blocks, block_size, config.head_dim)
-        self.host_kv = [
-            (np.zeros(kv_shape, kv_dtype), np.zeros(kv_shape, kv_dtype))
-            for _ in range(config.num_layers)
-        ]
+        host_shape = (config.num_layers, config.num_kv_heads, num_host_blocks, block_size,
+                      config.head_dim)
+        self.host_kv = (np.zeros(host_shape, kv_dtype), np.zeros(host_shape, kv_dtype))
         ragged, decode = attention_functions(self.attention_backend, interpret)
 
         def step(attention_fn):
@@ -232,13 +238,12 @@ class ModelRunner:
     def _swap_out(self, pairs: np.ndarray) -> None:
         """Device blocks -> host blocks. pairs: int32 [K, 2] (device, host)."""
         device_ids = self._pad_pairs(pairs)[:, 0]
-        for (k, v), (hk, hv) in zip(self.kv_caches, self.host_kv, strict=True):
-            hk[:, pairs[:, 1]] = np.asarray(k[:, device_ids])[:, : len(pairs)]
-            hv[:, pairs[:, 1]] = np.asarray(v[:, device_ids])[:, : len(pairs)]
+        for cache, host in zip(self.kv_caches, self.host_kv, strict=True):
+            host[:, :, pairs[:, 1]] = np.asarray(_read_blocks(cache, device_ids))[:, :, :len(pairs)]
 
     def _swap_in(self, pairs: np.ndarray) -> None:
         """Host blocks -> device blocks. pairs: int32 [K, 2] (host, device)."""
         padded = self._pad_pairs(pairs)
         host_ids, device_ids = padded[:, 0], padded[:, 1]
-        pages = [(hk[:, host_ids], hv[:, host_ids]) for hk, hv in self.host_kv]
+        pages = tuple(host[:, :, host_ids] for host in self.host_kv)
         self.kv_caches = _write_blocks(self.kv_caches, pages, device_ids)

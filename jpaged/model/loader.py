@@ -155,20 +155,41 @@ class LazyTensors(Mapping[str, np.ndarray]):
 
 def build_model(config: LlamaConfig, tensors: LazyTensors, dtype: Any) -> LlamaForCausalLM:
     """A LlamaForCausalLM whose parameters come from Hugging Face-named tensors, all checked
-    by name and shape before the first is read."""
+    by name and shape before the first is read. A decoder-layer parameter stacks the
+    tensors of every layer on a leading [num_layers] axis."""
     abstract = nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     for path, variable in nnx.to_flat_state(state):
-        for name, shape in hf_tensor_shapes(config, path, variable.get_value().shape).items():
-            tensors.check(name, shape)
+        for part_path, shape in _per_layer(config, path, variable.get_value().shape):
+            for name, part_shape in hf_tensor_shapes(config, part_path, shape).items():
+                tensors.check(name, part_shape)
 
     def load(path: tuple, variable: nnx.Variable) -> nnx.Variable:
-        parts = [tensors[name] for name in hf_tensor_names(path)]
-        value = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
-        # Hugging Face [out, in] -> nnx.Linear [in, out]
-        return variable.replace(jnp.asarray(value.T if path[-1] == "kernel" else value, dtype))
+        parts = _per_layer(config, path, variable.get_value().shape)
+        values = [_hf_parameter(tensors, part_path) for part_path, _ in parts]
+        value = np.stack(values) if path[0] == "layers" else values[0]
+        return variable.replace(jnp.asarray(value, dtype))
 
     return nnx.merge(graphdef, nnx.map_state(load, state))
+
+
+def _per_layer(
+    config: LlamaConfig, path: tuple, shape: tuple[int, ...]
+) -> list[tuple[tuple, tuple[int, ...]]]:
+    """(path, shape) of each layer's slice of a parameter: ('layers', 'mlp', ...) of
+    shape [num_layers, *s] -> [(('layers', i, 'mlp', ...), s) for each layer i]; any
+    other parameter is its own single part."""
+    if path[0] != "layers":
+        return [(path, shape)]
+    return [(("layers", i, *path[1:]), shape[1:]) for i in range(config.num_layers)]
+
+
+def _hf_parameter(tensors: LazyTensors, path: tuple) -> np.ndarray:
+    """One layer's (or a global) parameter in jpaged's layout from its Hugging Face tensors."""
+    parts = [tensors[name] for name in hf_tensor_names(path)]
+    value = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
+    # Hugging Face [out, in] -> nnx.Linear [in, out]
+    return value.T if path[-1] == "kernel" else value
 
 
 # jpaged's fused projections and the Hugging Face projections they concatenate.
