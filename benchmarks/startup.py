@@ -11,7 +11,9 @@ default limits (`EngineConfig()`):
   the limits allow, the sampler with and without penalties for every row
   count, and the prompt log-probabilities for every token count;
 - step times after warm-up, on real requests: a 512-token prefill step, a
-  decode step of 32 sequences and a decode step of one sequence (medians).
+  decode step of 32 sequences and a decode step of one sequence (medians);
+- the compiled decode step's memory analysis beside the KV cache's size: the
+  cache aliased to the output, and scratch far below it (no copy per step).
 
 Prints one JSON object last.
 """
@@ -73,6 +75,18 @@ def _step_times(engine, vocab: int, prompt_len: int, seed: int) -> dict:
     }
 
 
+def _step_memory(engine) -> dict:
+    """Bytes of the largest decode step's memory analysis beside the KV cache's."""
+    from jpaged.core.batch_builder import bucket
+
+    config, buckets = engine.config, engine.buckets
+    num_seqs = bucket(config.max_num_seqs, buckets.min_num_seqs, buckets.linear_step)
+    num_blocks = bucket(-(-engine.max_model_len // config.block_size), buckets.min_blocks_per_seq)
+    memory = engine.runner.compile_step(num_seqs, num_seqs, num_blocks, True).memory_analysis()
+    return {"kv_cache_bytes": sum(cache.nbytes for cache in engine.runner.kv_caches),
+            "alias_bytes": memory.alias_size_in_bytes, "temp_bytes": memory.temp_size_in_bytes}
+
+
 def run_child(args) -> dict:
     import jax
 
@@ -103,6 +117,7 @@ def run_child(args) -> dict:
                    "max_model_len": engine.max_model_len, "block_size": config.block_size},
         "kv_cache": str(engine.kv_cache_info),
         "step_times": _step_times(engine, loaded[1].vocab_size, args.prompt_len, args.seed),
+        "decode_step_memory": _step_memory(engine),
     }
 
 

@@ -62,14 +62,17 @@ def tile_attention(
     size = min(TILES_PER_GROUP, num_tiles)
     num_groups = -(-num_tiles // size)
 
+    # Keys each tile reads: none for an empty tile, whatever its first_pos holds
+    # (ragged_tiles gives the tiles past the last sequence's far positions, and
+    # they would walk pages for nothing).
+    tile_kv_len = jnp.where(tiles.num_tokens > 0, tiles.first_pos + tiles.num_tokens, 0)
     # Longest first, padded with empty tiles to whole groups.
-    order = jnp.argsort(-(tiles.first_pos + tiles.num_tokens))
+    order = jnp.argsort(-tile_kv_len)
 
     def sort(x):
         return jnp.pad(x[order], [(0, num_groups * size - num_tiles)] + [(0, 0)] * (x.ndim - 1))
 
-    first_pos, num_tokens = sort(tiles.first_pos), sort(tiles.num_tokens)
-    kv_len = first_pos + num_tokens
+    first_pos, num_tokens, kv_len = sort(tiles.first_pos), sort(tiles.num_tokens), sort(tile_kv_len)
     row_pos, row_valid = jax.vmap(
         lambda first, count: online_softmax.row_positions(first, count, rows, group, block_q)
     )(first_pos, num_tokens)

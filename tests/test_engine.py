@@ -119,7 +119,7 @@ def test_default_buckets_pad_xla_tables_to_one_width(loaded, prompts, expected):
     llm = _llm(loaded, buckets=None, attention_backend="xla")
     shapes = step_shapes(llm.engine.buckets, 64, 8, 128 // 8)
     assert {width for _, _, width, _ in shapes} == {16}
-    reference_buckets = default_buckets("reference", 16)
+    reference_buckets = default_buckets("reference", 16, 8)
     assert {width for _, _, width, _ in step_shapes(reference_buckets, 64, 8, 16)} == {8, 16}
     assert _tokens(llm.generate(prompts, GREEDY)) == expected
 

@@ -67,3 +67,18 @@ def test_no_ops_leave_the_cache_alone(runner):
     runner.apply_block_ops(BlockOps(swap_out=_pairs(), swap_in=_pairs(), copies=_pairs()))
     for old, new in zip(device, _device(runner), strict=True):
         np.testing.assert_array_equal(old, new)
+
+
+@pytest.mark.parametrize("decode_only", [True, False])
+def test_compiled_step_writes_the_cache_in_place(tiny_qwen2_dir, decode_only):
+    """XLA's own memory analysis of the compiled step: the donated cache is the output
+    (aliased), and the step's scratch holds less than one layer's keys, so no layer,
+    let alone the whole cache, is copied."""
+    model, config, _ = load_model(tiny_qwen2_dir)
+    runner = ModelRunner(model, config, num_blocks=2048, block_size=16)
+    cache_bytes = sum(cache.nbytes for cache in runner.kv_caches)
+    one_layer_keys = runner.kv_caches[0].nbytes // config.num_layers
+    num_tokens = 8 if decode_only else 32
+    memory = runner.compile_step(num_tokens, 8, 16, decode_only).memory_analysis()
+    assert memory.alias_size_in_bytes == cache_bytes
+    assert memory.temp_size_in_bytes < one_layer_keys

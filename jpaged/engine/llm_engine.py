@@ -182,16 +182,22 @@ def kv_cache_num_blocks(
     return num_blocks
 
 
-def default_buckets(attention_backend: AttentionBackend, max_blocks_per_seq: int) -> BucketSizes:
+def default_buckets(
+    attention_backend: AttentionBackend, max_blocks_per_seq: int, max_num_seqs: int
+) -> BucketSizes:
     """Padded step shapes: token and sequence counts by powers of two, then multiples
-    of 16. The XLA loop stops each tile at its own context, so there the block
-    table can always have full width: one width instead of several, a fraction of
-    the compiles. The reference gathers the whole table and the TPU kernel
-    prefetches it into scalar memory, so other backends get power-of-two widths
-    from 8."""
+    of 16. Mixed steps pad their sequence rows to the largest row bucket, so they
+    vary by token count alone (empty rows cost the attention nothing and the
+    logits are taken for the rows in use only). The XLA loop stops each tile at
+    its own context, so there the block table can always have full width: one
+    width instead of several, a fraction of the compiles. The reference gathers
+    the whole table and the TPU kernel prefetches it into scalar memory, so other
+    backends get power-of-two widths from 8."""
+    linear_step = 16
     min_blocks = max_blocks_per_seq if attention_backend == "xla" else 8
     return BucketSizes(min_num_tokens=1, min_num_seqs=1, min_blocks_per_seq=min_blocks,
-                       linear_step=16)
+                       linear_step=linear_step,
+                       mixed_num_seqs=bucket(max_num_seqs, 1, linear_step))
 
 
 class LLMEngine:
@@ -286,11 +292,11 @@ class LLMEngine:
             attention_backend=backend, interpret=config.interpret,
         )
         self.buckets = config.buckets or default_buckets(
-            backend, -(-self.max_model_len // config.block_size)
+            backend, -(-self.max_model_len // config.block_size), config.max_num_seqs
         )
         if backend == "pallas":
             for num_tokens, decode_only in ((1, True), (2, False)):
-                num_tokens, num_seqs = padded_sizes(num_tokens, 1, self.buckets)
+                num_tokens, num_seqs, _ = padded_sizes(num_tokens, 1, self.buckets, decode_only)
                 runner.run_padding_step(num_tokens, num_seqs,
                                         bucket(1, self.buckets.min_blocks_per_seq), decode_only)
         return runner
@@ -607,9 +613,9 @@ class LLMEngine:
         self.runner.apply_block_ops(plan.block_ops)
         num_draws = sum(self._num_draws(seq, n) for seq, n in scheduled)
         model_input = build_model_input(scheduled, self.block_manager, self.buckets, num_draws)
-        decode_only = model_input.num_tokens == model_input.num_seqs
         logits, hidden = self.runner.execute(model_input.input_ids, model_input.metadata,
-                                             decode_only=decode_only)
+                                             decode_only=model_input.decode_only,
+                                             num_rows=model_input.num_rows)
         self._record_prompt_logprobs(scheduled, model_input.metadata.query_start_loc, hidden)
         ready = self.scheduler.update_after_step(plan)
         row_of = {seq.seq_id: row for row, (seq, _) in enumerate(scheduled)}
@@ -787,8 +793,8 @@ class LLMEngine:
 
     def warmup(self) -> int:
         """Compile every step shape the limits allow, so serving never compiles:
-        the model steps, the sampler (with and without penalties) for every row
-        count, and the prompt log-probabilities for every token count.
+        the model steps, the logits and the sampler (with and without penalties)
+        for every row count, and the prompt log-probabilities.
 
         returns the number of (token, sequence, block) bucket shapes run.
         """
@@ -799,17 +805,20 @@ class LLMEngine:
         for num_tokens, num_seqs, num_blocks, decode_only in shapes:
             self.runner.run_padding_step(num_tokens, num_seqs, num_blocks, decode_only)
         vocab, hidden_size = self.model_config.vocab_size, self.model_config.hidden_size
+        dtype = self.runner.kv_caches[0].dtype
+        row_counts = sorted({s for _, s, _, decode_only in shapes if decode_only})
+        mixed_rows = self.buckets.mixed_num_seqs
         penalised = SamplingRow.greedy(position=0, repetition_penalty=1.5)
-        for num_rows in sorted({s for _, s, _, _ in shapes}):
+        for num_rows in row_counts:
+            if mixed_rows >= num_rows:  # a mixed step's logits of its rows in use
+                self.runner.logits(jnp.zeros((mixed_rows, hidden_size), dtype), num_rows)
             logits = jnp.zeros((num_rows, vocab), jnp.float32)
             rows = np.zeros(num_rows, np.int32)
             for sampling_rows in ([], [penalised]):
                 tensors = sampling_tensors(sampling_rows, num_rows, vocab)
                 self.runner.sample(logits, rows, tensors, self.config.max_logprobs)
-        for num_tokens in sorted({t for t, _, _, _ in shapes}):
-            hidden = jnp.zeros((num_tokens, hidden_size), self.runner.kv_caches[0].dtype)
-            self.runner.token_logprobs(hidden, np.zeros(num_tokens, np.int32),
-                                       self.config.max_logprobs)
+        self.runner.token_logprobs(jnp.zeros((1, hidden_size), dtype), np.zeros(1, np.int32),
+                                   self.config.max_logprobs)
         return len(shapes)
 
 
@@ -827,12 +836,12 @@ def step_shapes(
                           for n in range(1, max_seqs + 1)})
     # A mixed step of t tokens may hold 1..t-1 sequences, and any rows up to max_seqs.
     mixed = {
-        (*padded_sizes(num_tokens, num_rows, buckets), False)
+        (*padded_sizes(num_tokens, num_rows, buckets, False)[:2], False)
         for num_tokens in range(2, max_tokens + 1)
         for num_rows in row_buckets
     }
     decode = {
-        (*padded_sizes(num_seqs, num_rows, buckets), True)
+        (*padded_sizes(num_seqs, num_rows, buckets, True)[:2], True)
         for num_seqs in range(1, min(max_seqs, max_tokens) + 1)
         for num_rows in row_buckets
         if num_rows >= num_seqs

@@ -1,11 +1,15 @@
 """ModelRunner: the jit-compiled device step and the KV cache it owns.
 
-One step is `step(params, kv_caches, input_ids, metadata) -> (logits, hidden, kv_caches)`
-with the cache donated, so XLA writes new K/V in place. Every array the step
-takes is padded to buckets by the batch builder; the runner adds nothing but a
-switch between decode-only steps (one token per sequence: the paged decode
-kernel) and mixed steps (the ragged kernel). The step's final hidden states
-stay on the device; `token_logprobs` reads them when a request asks for prompt
+One step is `step(params, kv_caches, input_ids, metadata) -> (last hidden, hidden,
+kv_caches)` with the cache donated, so XLA writes new K/V in place. Every array
+the step takes is padded to buckets by the batch builder; the runner adds
+nothing but a switch between decode-only steps (one token per sequence: the
+paged decode kernel) and mixed steps (the ragged kernel). The logits of the
+rows in use are a separate small jitted function of each sequence's last hidden
+state, so a mixed step's shape depends on its token count alone (the batch
+builder pads its sequence rows to one size) while the vocabulary-wide matmul
+still runs on the rows in use only. The step's final hidden states stay on the
+device; `token_logprobs` reads them when a request asks for prompt
 log-probabilities. Block copies for copy-on-write and swaps to and from a host
 pool, and token sampling, run as small separate jitted functions, so they never
 multiply the step's shapes.
@@ -14,7 +18,6 @@ multiply the step's shapes.
 from __future__ import annotations
 
 import functools
-import math
 from typing import Literal
 
 import jax
@@ -78,12 +81,19 @@ def attention_functions(backend: AttentionBackend, interpret: bool = False):
 
 
 def _step(graphdef, params, input_ids, kv_caches, metadata, *, attention_fn):
-    """One model step as a pure function: (logits [B, vocab], hidden [T, hidden], kv_caches)."""
+    """One model step as a pure function: (each sequence's last hidden state [B, hidden],
+    hidden [T, hidden], kv_caches)."""
     model = nnx.merge(graphdef, params)
     hidden, kv_caches = model.hidden_states(
         input_ids, kv_caches, metadata, attention_fn, kernels_pallas.write_kv
     )
-    return model.compute_logits(hidden[metadata.logits_indices]), hidden, kv_caches
+    return hidden[metadata.logits_indices], hidden, kv_caches
+
+
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("num_rows",))
+def _logits(graphdef, params, last_hidden, *, num_rows):
+    """last_hidden [B, hidden] -> logits f32 [num_rows, vocab] of its first num_rows rows."""
+    return nnx.merge(graphdef, params).compute_logits(last_hidden[:num_rows])
 
 
 @functools.partial(jax.jit, static_argnames=("num_top",))
@@ -92,19 +102,16 @@ def _sample_rows(logits, rows, tensors, *, num_top):
 
 
 # Rows of logits materialised at once by `_token_logprobs`: bounds its memory to
-# this many vocabulary-sized rows whatever the step's token count.
+# this many vocabulary-sized rows, and it compiles for this one shape whatever
+# the step's token count.
 _LOGPROB_ROWS = 16
 
 
 @functools.partial(jax.jit, static_argnums=0, static_argnames=("num_top",))
 def _token_logprobs(graphdef, params, hidden, targets, *, num_top):
+    """hidden [_LOGPROB_ROWS, hidden], targets int32 [_LOGPROB_ROWS] -> logprob_outputs."""
     model = nnx.merge(graphdef, params)
-    rows = math.gcd(hidden.shape[0], _LOGPROB_ROWS)
-    chunks = (hidden.reshape(-1, rows, hidden.shape[-1]), targets.reshape(-1, rows))
-    outputs = jax.lax.map(
-        lambda chunk: logprob_outputs(model.compute_logits(chunk[0]), chunk[1], num_top), chunks
-    )
-    return jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), outputs)
+    return logprob_outputs(model.compute_logits(hidden), targets, num_top)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -186,15 +193,22 @@ class ModelRunner:
             self.kv_caches = _copy_blocks(self.kv_caches, self._pad_pairs(ops.copies))
 
     def execute(
-        self, input_ids: np.ndarray, metadata: AttentionMetadata, *, decode_only: bool
+        self, input_ids: np.ndarray, metadata: AttentionMetadata, *, decode_only: bool,
+        num_rows: int,
     ) -> tuple[jax.Array, jax.Array]:
-        """Run one step. input_ids int32 [T] -> (logits f32 [B, vocab] at each sequence's
-        last new token, final hidden states [T, hidden]), both still on the device."""
+        """Run one step. input_ids int32 [T] -> (logits f32 [num_rows, vocab] at the last
+        new token of the first num_rows sequence rows, final hidden states [T, hidden]),
+        both still on the device."""
         step = self._decode_step if decode_only else self._mixed_step
-        logits, hidden, self.kv_caches = step(
+        last_hidden, hidden, self.kv_caches = step(
             self.graphdef, self.params, input_ids, self.kv_caches, metadata
         )
-        return logits, hidden
+        return self.logits(last_hidden, num_rows), hidden
+
+    def logits(self, last_hidden: jax.Array, num_rows: int) -> jax.Array:
+        """Final-normed hidden states [B, hidden] -> logits f32 [num_rows, vocab] of the
+        first num_rows rows (num_rows <= B)."""
+        return _logits(self.graphdef, self.params, last_hidden, num_rows=num_rows)
 
     def sample(
         self, logits: jax.Array, rows: np.ndarray, tensors: SamplingTensors, num_top: int
@@ -209,13 +223,41 @@ class ModelRunner:
         """Log-probabilities of `targets` (int32 [T]) under the logits of each token's
         hidden state [T, hidden], with ranks and the top `num_top`:
         (f32 [T], int32 [T], int32 [T, num_top], f32 [T, num_top])."""
-        outputs = _token_logprobs(self.graphdef, self.params, hidden, targets, num_top=num_top)
-        return tuple(np.asarray(x) for x in outputs)
+        num_tokens = len(targets)
+        padded = -(-num_tokens // _LOGPROB_ROWS) * _LOGPROB_ROWS
+        # Chunks cut on the host: slicing the device array would compile per offset.
+        rows = np.zeros((padded, hidden.shape[-1]), hidden.dtype)
+        rows[:num_tokens] = np.asarray(hidden)
+        padded_targets = np.zeros(padded, np.int32)
+        padded_targets[:num_tokens] = targets
+        chunks = [
+            _token_logprobs(self.graphdef, self.params, rows[i : i + _LOGPROB_ROWS],
+                            padded_targets[i : i + _LOGPROB_ROWS], num_top=num_top)
+            for i in range(0, padded, _LOGPROB_ROWS)
+        ]
+        return tuple(jax.tree.map(lambda *parts: np.concatenate(parts)[:num_tokens], *chunks))
 
     def run_padding_step(
         self, num_tokens: int, num_seqs: int, num_blocks: int, decode_only: bool
     ) -> None:
         """Run (and so compile) a step of the given padded shape that only writes the null block."""
+        input_ids, metadata = self._padding_inputs(num_tokens, num_seqs, num_blocks)
+        logits, _ = self.execute(input_ids, metadata, decode_only=decode_only, num_rows=num_seqs)
+        logits.block_until_ready()
+
+    def compile_step(
+        self, num_tokens: int, num_seqs: int, num_blocks: int, decode_only: bool
+    ) -> jax.stages.Compiled:
+        """The compiled model step of the given padded shape, for its `memory_analysis()`."""
+        step = self._decode_step if decode_only else self._mixed_step
+        input_ids, metadata = self._padding_inputs(num_tokens, num_seqs, num_blocks)
+        return step.lower(self.graphdef, self.params, input_ids, self.kv_caches,
+                          metadata).compile()
+
+    def _padding_inputs(
+        self, num_tokens: int, num_seqs: int, num_blocks: int
+    ) -> tuple[np.ndarray, AttentionMetadata]:
+        """(input_ids, metadata) of a step of empty sequences whose tokens write the null block."""
         metadata = AttentionMetadata(
             slot_mapping=np.arange(num_tokens, dtype=np.int32) % self.block_size,
             positions=np.zeros(num_tokens, np.int32),
@@ -224,9 +266,7 @@ class ModelRunner:
             query_start_loc=np.zeros(num_seqs + 1, np.int32),
             logits_indices=np.zeros(num_seqs, np.int32),
         )
-        logits, _ = self.execute(np.zeros(num_tokens, np.int32), metadata,
-                                 decode_only=decode_only)
-        logits.block_until_ready()
+        return np.zeros(num_tokens, np.int32), metadata
 
     @staticmethod
     def _pad_pairs(pairs: np.ndarray) -> np.ndarray:
