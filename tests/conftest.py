@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import http.client
 import json
+import logging
 import os
 import random
 import socket
@@ -249,6 +250,16 @@ class PagedCacheBook:
             logits_indices=np.array(logits_indices + [0] * pad_seqs, np.int32),
         )
         return np.array(ids + [0] * padding, np.int32), metadata
+
+
+@pytest.fixture
+def jpaged_logger_restored():
+    """The CLI sends the jpaged logger to stderr; leave no handler behind for other tests."""
+    logger = logging.getLogger("jpaged")
+    handlers, level = list(logger.handlers), logger.level
+    yield
+    logger.handlers[:] = handlers
+    logger.setLevel(level)
 
 
 @pytest.fixture

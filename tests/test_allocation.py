@@ -12,7 +12,6 @@ after every step.
 
 from __future__ import annotations
 
-import logging
 import math
 import random
 import re
@@ -396,17 +395,8 @@ def test_the_engine_rejects_an_unknown_allocation(loaded):
         _llm(loaded, "orca")
 
 
-@pytest.fixture
-def cli_logger_restored():
-    """The CLI sends the jpaged logger to stderr; leave no handler behind."""
-    logger = logging.getLogger("jpaged")
-    handlers, level = list(logger.handlers), logger.level
-    yield
-    logger.handlers[:] = handlers
-    logger.setLevel(level)
 
-
-def test_cli_allocation_flag(tiny_llama_dir, capsys, cli_logger_restored):
+def test_cli_allocation_flag(tiny_llama_dir, capsys, jpaged_logger_restored):
     args = ["generate", "--raw", "--model", str(tiny_llama_dir), "--num-blocks", "40",
             "--max-model-len", "32", "--block-size", "4", "--max-tokens", "3",
             "--allocation", "orca-oracle", "the"]

@@ -3,26 +3,14 @@ prompts it runs, sized from the memory the host can give, and stdout for answers
 
 from __future__ import annotations
 
-import logging
 import math
 
 import psutil
-import pytest
 from test_tokenizer import transformers_answer
 
 from jpaged import __main__ as cli
 from jpaged.engine.llm_engine import available_host_memory
 from jpaged.model.loader import read_hf_config
-
-
-@pytest.fixture
-def jpaged_logger_restored():
-    """main() sends the jpaged logger to stderr; leave no handler behind for other tests."""
-    logger = logging.getLogger("jpaged")
-    handlers, level = list(logger.handlers), logger.level
-    yield
-    logger.handlers[:] = handlers
-    logger.setLevel(level)
 
 
 def test_available_host_memory_counts_what_the_kernel_can_reclaim():

