@@ -109,8 +109,8 @@ def serve(engine, workload: Workload, case: Case, scoring: str = "vllm") -> dict
         "logical_block_steps": stats.logical_block_steps,
         "physical_block_steps": stats.physical_block_steps,
         "preemptions": stats.num_preemptions,
-        "running_requests_mean": float(np.mean(stats.num_running)),
-        "kv_utilization_mean": float(np.mean(stats.kv_utilization)),
+        "running_requests_mean": stats.num_running.mean,
+        "kv_utilization_mean": stats.kv_utilization.mean,
     }
 
 

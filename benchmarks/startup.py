@@ -21,8 +21,9 @@ load on a shared machine and each one's peak memory is its own:
   the two differ, per prompt.
 - generate_cli_s: `python -m jpaged generate "What is the capital of France?"`,
   wall time with the model cached and an empty compilation cache, median of 3.
-- cold_warmup_s: `LLMEngine.warmup()` with an empty compilation cache (not
-  measured by this script yet: `cold_warmup` below returns None).
+- cold_warmup_s: `LLMEngine.warmup()` with an empty compilation cache and the
+  default limits (`python -m benchmarks.warmup`, whose whole report lands
+  under "warmup": step shapes, step times, the decode step's memory analysis).
 
 --quick runs every code path with a few short requests (a smoke test, not a
 measurement). Prints one JSON object last.
@@ -43,7 +44,7 @@ import time
 
 import numpy as np
 
-from benchmarks.throughput import _hf_generate, mixed_workload
+from benchmarks.throughput import hf_generate, mixed_workload
 
 FIGURES = ("mixed", "batch1", "bf16", "cli", "cold_warmup")
 DATASETS = ("sharegpt", "alpaca")
@@ -146,14 +147,16 @@ def batch1_profile(llm, args, rounds: int = 16) -> dict:
         inputs = build_model_input([(seq, 1)], engine.block_manager, engine.buckets, 1)
     build_ms = (time.perf_counter() - started) / rounds * 1e3
     # Rewrites position 60's K/V with the same values: harmless to the request.
-    logits = runner.execute(inputs.input_ids, inputs.metadata, decode_only=True)[0]
+    logits = runner.execute(inputs.input_ids, inputs.metadata, decode_only=True,
+                            num_rows=inputs.num_rows)[0]
     rows = np.zeros(logits.shape[0], np.int32)
     tensors = sampling_tensors([SamplingRow.greedy(position=len(prompt))], logits.shape[0],
                                engine.model_config.vocab_size)
     parts = {
         "engine_step": engine.step,
         "jitted_model_step": lambda: runner.execute(
-            inputs.input_ids, inputs.metadata, decode_only=True)[0].block_until_ready(),
+            inputs.input_ids, inputs.metadata, decode_only=True,
+            num_rows=inputs.num_rows)[0].block_until_ready(),
         "sample": lambda: runner.sample(logits, rows, tensors, engine.config.max_logprobs),
     }
     times = {name: [] for name in parts}
@@ -231,7 +234,7 @@ def transformers_mixed(model, torch, args, dataset: str) -> dict:
     started = time.perf_counter()
     for start in range(0, len(workload), args.hf_batch_size):
         batch = workload[start : start + args.hf_batch_size]
-        _hf_generate(model, torch, [p for p, _ in batch], max(o for _, o in batch), 0)
+        hf_generate(model, torch, [p for p, _ in batch], max(o for _, o in batch), 0)
     elapsed = time.perf_counter() - started
     num_tokens = sum(o for _, o in workload)
     _progress(f"transformers {dataset}: {elapsed:.1f} s ({s['num_requests']} requests)")
@@ -242,9 +245,9 @@ def transformers_mixed(model, torch, args, dataset: str) -> dict:
 def transformers_batch1(model, torch, args) -> dict:
     num_tokens = _settings(args)["batch1_tokens"]
     prompt, warmup = _batch1_prompts(model.config.vocab_size, args.seed)
-    _hf_generate(model, torch, [warmup], num_tokens, 0)
+    hf_generate(model, torch, [warmup], num_tokens, 0)
     started = time.perf_counter()
-    _hf_generate(model, torch, [prompt], num_tokens, 0)
+    hf_generate(model, torch, [prompt], num_tokens, 0)
     return {"output_tokens_per_s": num_tokens / (time.perf_counter() - started)}
 
 
@@ -255,7 +258,7 @@ def run_transformers(args, section: str) -> dict:
 
     model = transformers.AutoModelForCausalLM.from_pretrained(
         _hf_directory(args.model), dtype=torch.float32).eval()
-    _hf_generate(model, torch, [[1, 2, 3, 4]], 4, 0)
+    hf_generate(model, torch, [[1, 2, 3, 4]], 4, 0)
     result = {"torch_threads": torch.get_num_threads()}
     if section.startswith("mixed:"):
         return result | transformers_mixed(model, torch, args, section.removeprefix("mixed:"))
@@ -282,9 +285,15 @@ def generate_cli_s(args) -> dict:
             "answer": answer.strip()[:200]}
 
 
-def cold_warmup(args) -> float | None:
-    """`LLMEngine.warmup()` with an empty compilation cache, in seconds."""
-    return None
+def cold_warmup(args) -> dict:
+    """`python -m benchmarks.warmup` on the same model: `LLMEngine.warmup()` with an empty
+    compilation cache and the default limits, then step times."""
+    command = [sys.executable, "-m", "benchmarks.warmup", "--model", args.model]
+    if args.quick:
+        command += ["--prompt-len", "16"]
+    _progress("running the cold warm-up ...")
+    lines = subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True).stdout
+    return json.loads(lines.strip().splitlines()[-1])
 
 
 def _child_result(system: str, section: str) -> dict:
@@ -359,7 +368,8 @@ def _report(args, figures: list[str]) -> dict:
     if "cli" in figures:
         report["generate_cli_s"] = generate_cli_s(args)
     if "cold_warmup" in figures:
-        report["cold_warmup_s"] = cold_warmup(args)
+        report["warmup"] = cold_warmup(args)
+        report["cold_warmup_s"] = report["warmup"]["cold_warmup_s"]
     report["targets"] = {"mixed_ratio_vs_transformers": ">= 3.5 on each workload",
                          "peak_rss_ratio_vs_transformers": "<= 1.25",
                          "batch1_ratio_vs_transformers": ">= 1.5",

@@ -38,7 +38,7 @@ MAX_TOTAL_LEN = 512
 def mixed_workload(num_requests: int, scale: float, vocab_size: int, seed: int, token_seed: int,
                    dataset: str = "sharegpt", max_total_len: int = MAX_TOTAL_LEN):
     """[(prompt token ids, output length)], the dataset's lengths (ShareGPT-like or
-    Alpaca-like) scaled by `scale` and clipped to max_total_len.
+    Alpaca-like) scaled by `scale` and clipped to max_total_len (prompts to half of it).
 
     The lengths come from `seed`, the token ids from `token_seed`: a warm-up run
     with other tokens takes the same steps (so compiles the same shapes) but
@@ -125,13 +125,14 @@ class _StepTimes:
         return scores
 
 
-def _hf_generate(model, torch, prompts: list[list[int]], max_new_tokens: int, pad_id: int):
+def hf_generate(model, torch, prompts: list[list[int]], max_new_tokens: int, pad_id: int):
     """Left-padded greedy generation of exactly max_new_tokens; returns step times."""
     from transformers import LogitsProcessorList
 
     width = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=model.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts],
+                        device=model.device)
     step_times = _StepTimes()
     with torch.no_grad():
         model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
@@ -152,13 +153,13 @@ def run_transformers(args) -> dict:
     vocab = model.config.vocab_size
     workload = mixed_workload(args.num_requests, args.scale, vocab, args.seed, args.seed + 1)
     pad_id = 0
-    _hf_generate(model, torch, [workload[0][0]], 4, pad_id)
+    hf_generate(model, torch, [workload[0][0]], 4, pad_id)
 
     started = time.perf_counter()
     ttft, tpot = [], []
     for start in range(0, len(workload), args.hf_batch_size):
         batch = workload[start : start + args.hf_batch_size]
-        times = _hf_generate(model, torch, [p for p, _ in batch], max(o for _, o in batch), pad_id)
+        times = hf_generate(model, torch, [p for p, _ in batch], max(o for _, o in batch), pad_id)
         _progress(f"transformers batch {start // args.hf_batch_size}: {times[-1] - started:.1f} s")
         for _, num_out in batch:
             ttft.append(times[0] - started)
@@ -171,9 +172,9 @@ def run_transformers(args) -> dict:
              "ttft_s": percentiles(ttft), "tpot_s": percentiles(tpot)}
 
     prompt, warmup = np.random.default_rng(args.seed + 1).integers(0, vocab, (2, 64)).tolist()
-    _hf_generate(model, torch, [warmup], 128, pad_id)
+    hf_generate(model, torch, [warmup], 128, pad_id)
     started = time.perf_counter()
-    times = _hf_generate(model, torch, [prompt], 128, pad_id)
+    times = hf_generate(model, torch, [prompt], 128, pad_id)
     elapsed = time.perf_counter() - started
     batch1 = {"elapsed_s": elapsed, "output_tokens_per_s": 128 / elapsed,
               "ttft_s": times[0] - started, "tpot_s": (times[-1] - times[0]) / 127}

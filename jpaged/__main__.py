@@ -7,9 +7,13 @@ import argparse
 import json
 import logging
 import sys
+from typing import TYPE_CHECKING
 
-from jpaged.entrypoints.llm import LLM
+from jpaged.memory.reservation import ALLOCATIONS
 from jpaged.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from jpaged.entrypoints.llm import LLM
 
 # Failures the user can fix: bad arguments, model files missing or malformed, no network
 # (DownloadError), a missing optional package, a kernel or step the device cannot run
@@ -37,12 +41,17 @@ def _parser() -> argparse.ArgumentParser:
                        help="require 'Authorization: Bearer KEY' on /v1 requests")
     serve.add_argument("--max-waiting", type=int, default=1024,
                        help="requests waiting for their first token before new ones get 503")
+    serve.add_argument("--warmup", action="store_true",
+                       help="compile every step shape before accepting requests (slower "
+                       "start-up; no compile pauses while serving)")
     for sub in (generate, chat):
         sub.add_argument("--max-tokens", type=int, default=128)
         sub.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
         sub.add_argument("--top-p", type=float, default=1.0)
         sub.add_argument("--top-k", type=int, default=0)
         sub.add_argument("--seed", type=int, default=None)
+        sub.add_argument("--ignore-eos", action="store_true",
+                         help="generate max-tokens tokens whatever the model says")
     for sub in (generate, chat, serve):
         sub.add_argument("--model", default="smollm2",
                          help="'smollm2', a Hugging Face model directory or a .gguf file")
@@ -50,9 +59,20 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("--block-size", type=int, default=16)
         sub.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
                          help="KV cache budget in GiB (default: 0.9 of free accelerator "
-                         "memory; on a CPU the weights' size, at most 1/4 of free RAM)")
+                         "memory; on a CPU the weights' size, at most 1/4 of free RAM; never "
+                         "more than the sequences that can run at once fill: generate runs "
+                         "its prompts, chat one conversation)")
         sub.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks")
         sub.add_argument("--max-model-len", type=int, default=None)
+        sub.add_argument("--allocation", choices=ALLOCATIONS, default="paged",
+                         help="KV allocation: paged, or an Orca baseline reserving each "
+                         "request's max_model_len, prompt + pow2(output) or true length "
+                         "(orca-pow2 and orca-oracle need --ignore-eos)")
+        sub.add_argument("--max-num-seqs", type=int, default=None,
+                         help="sequences one step runs at most (default: the engine's)")
+        sub.add_argument("--max-num-batched-tokens", type=int, default=None,
+                         help="tokens one step runs at most, prefill chunks and decodes "
+                         "(default: the engine's)")
         sub.add_argument("--attention-backend", choices=["pallas", "xla", "reference"],
                          default=None, help="default: pallas on TPU/GPU, xla on CPU")
         sub.add_argument("--debug", action="store_true",
@@ -61,15 +81,31 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _llm(args: argparse.Namespace) -> LLM:
+    from jpaged.entrypoints.llm import LLM  # after parsing, so --help and bad flags need no jax
+
     memory = None if args.kv_cache_memory is None else int(args.kv_cache_memory * 2**30)
+    limits = {name: getattr(args, name) for name in ("max_num_seqs", "max_num_batched_tokens")
+              if getattr(args, name) is not None}
     return LLM(args.model, dtype=args.dtype, block_size=args.block_size, num_blocks=args.num_blocks,
                kv_cache_memory=memory, max_model_len=args.max_model_len,
-               attention_backend=args.attention_backend)
+               attention_backend=args.attention_backend, allocation=args.allocation,
+               **(_batch_limit(args) | limits))
+
+
+def _batch_limit(args: argparse.Namespace) -> dict[str, int]:
+    """generate runs its prompts as one batch and chat one conversation: no more sequences
+    than that ever run, so the KV pool (sized for max_num_seqs full-length sequences when
+    no budget is given) holds just those, instead of taking a share of free memory."""
+    if args.command == "generate":
+        return {"max_num_seqs": len(args.prompts)}
+    if args.command == "chat":
+        return {"max_num_seqs": 1}
+    return {}
 
 
 def _sampling_params(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                          seed=args.seed, max_tokens=args.max_tokens)
+                          seed=args.seed, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
 
 
 def _generate(llm: LLM, args: argparse.Namespace) -> None:
@@ -106,7 +142,8 @@ def _serve(llm: LLM, args: argparse.Namespace) -> None:
     from jpaged.entrypoints.server import serve  # the HTTP stack loads only for this command
 
     serve(llm.engine, served_model_name=args.served_model_name or args.model, host=args.host,
-          port=args.port, api_key=args.api_key, max_waiting=args.max_waiting)
+          port=args.port, api_key=args.api_key, max_waiting=args.max_waiting,
+          warmup=args.warmup)
 
 
 COMMANDS = {"generate": _generate, "chat": _chat, "serve": _serve}

@@ -91,6 +91,10 @@ class SequenceGroup:
                       that step draws a token for each, from the same logits.
     use_prefix_cache: False for a request that needs the logits of every prompt
                       token (prompt logprobs): cached blocks would skip them.
+    reserved_len:     token slots each of its sequences (up to num_samples of them)
+                      holds from admission until the request ends, as Orca
+                      reserves (jpaged.memory.reservation); 0 allocates blocks as
+                      tokens arrive (paging).
     """
 
     request_id: str
@@ -99,6 +103,7 @@ class SequenceGroup:
     cache_salt: str | None = None
     num_samples: int = 1
     use_prefix_cache: bool = True
+    reserved_len: int = 0
 
     def seqs_with(self, status: SequenceStatus) -> list[Sequence]:
         return [s for s in self.seqs if s.status is status]

@@ -1,18 +1,23 @@
 """Paged attention in Pallas, with pure-JAX references.
 
-KV cache of one layer, for keys and for values alike:
+KV cache, for keys and for values alike: the stacked cache of every layer
 
-    [num_kv_heads, num_blocks, block_size, head_dim]
+    [num_layers, num_kv_heads, num_blocks, block_size, head_dim]
+
+with an int32 scalar `layer` naming the layer an op reads or writes (a model
+scanning over its layers carries the whole cache and passes its layer index, so
+no layer is sliced out and a donated cache is updated in place), or the cache
+of one layer [num_kv_heads, num_blocks, block_size, head_dim] with no `layer`.
 
 Flat slot `s` is block `s // block_size`, offset `s % block_size`; block 0 is
 the reserved null block that padding points at.
 
 Why this layout:
 
-- Head outermost. A kernel instance serves one KV head, so every page it reads
-  lies in one [num_blocks, block_size, head_dim] slab and a page's address is
-  one multiply-add on its id. Sharding the cache over heads (tensor
-  parallelism) splits the leading axis.
+- Head outermost within a layer. A kernel instance serves one KV head, so
+  every page it reads lies in one [num_blocks, block_size, head_dim] slab and a
+  page's address is one multiply-add on its id. Sharding the cache over heads
+  (tensor parallelism) splits the head axis.
 - A page of one head is one contiguous [block_size, head_dim] run. On TPU the
   two minor dimensions are the (sublane, lane) plane of the (8, 128) memory
   tiles (16 sublanes for bfloat16): head_dim spans the lanes, tokens the

@@ -24,6 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kernels_pallas import reference, tiles, tpu_attention, triton_attention, xla_attention
+from kernels_pallas.write_kv import check_cache_shapes
 
 Implementation = Literal["tpu", "triton", "xla", "reference"]
 IMPLEMENTATIONS = ("tpu", "triton", "xla", "reference")
@@ -51,21 +52,18 @@ def default_implementation(interpret: bool | pltpu.InterpretParams) -> Implement
     return "xla"
 
 
-def _check_common(q, k_cache, v_cache, block_tables, context_lens, implementation, knobs):
+def _check_common(q, k_cache, v_cache, block_tables, context_lens, layer, implementation,
+                  knobs):
     """Checks both ops share (shapes as in their docstrings); raises before any work."""
     if implementation not in (None, *IMPLEMENTATIONS):
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
-    if k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(
-            "k_cache and v_cache must both be [num_kv_heads, num_blocks, block_size, head_dim], "
-            f"got {k_cache.shape} and {v_cache.shape}"
-        )
+    check_cache_shapes(k_cache, v_cache, layer)
     if not jnp.issubdtype(q.dtype, jnp.floating) or not q.dtype == k_cache.dtype == v_cache.dtype:
         raise TypeError(
             "q, k_cache and v_cache must share one floating dtype (no silent casts), "
             f"got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
         )
-    num_kv_heads, _, _, head_dim = k_cache.shape
+    num_kv_heads, head_dim = k_cache.shape[-4], k_cache.shape[-1]
     if q.shape[-1] != head_dim:
         raise ValueError(f"q head_dim {q.shape[-1]} != cache head_dim {head_dim}")
     if q.shape[1] % num_kv_heads:
@@ -157,6 +155,7 @@ def _attend_tiles(
     q: jax.Array,
     k_cache: jax.Array,
     v_cache: jax.Array,
+    layer: jax.Array,
     block_tables: jax.Array,
     query_tiles: tiles.QueryTiles,
     *,
@@ -166,11 +165,11 @@ def _attend_tiles(
 ) -> jax.Array:
     """Lay q out tile by tile, run the kernel, and put the outputs back per token.
 
-    q: [T, Hq, D]; k/v_cache: [Hkv, num_blocks, block_size, D];
-    block_tables: int32 [B, max_blocks]; query_tiles: tiles of block_q tokens.
-    Returns [T, Hq, D] in q.dtype.
+    q: [T, Hq, D]; k/v_cache: [L, Hkv, num_blocks, block_size, D]; layer: int32
+    scalar; block_tables: int32 [B, max_blocks]; query_tiles: tiles of block_q
+    tokens. Returns [T, Hq, D] in q.dtype.
     """
-    num_kv_heads = k_cache.shape[0]
+    num_kv_heads = k_cache.shape[1]
     group = q.shape[1] // num_kv_heads
     rows = _tile_rows(implementation, group, block_q)
     q_tiles = tiles.gather_query_tiles(q, query_tiles, num_kv_heads, block_q, rows)
@@ -185,6 +184,7 @@ def _attend_tiles(
         q_tiles,
         k_cache,
         v_cache,
+        layer,
         block_tables,
         query_tiles,
         group=group,
@@ -222,6 +222,7 @@ def paged_decode_attention(
     block_tables: jax.Array,
     context_lens: jax.Array,
     *,
+    layer: jax.Array | None = None,
     scale: float | None = None,
     soft_cap: float | None = None,
     implementation: Implementation | None = None,
@@ -232,10 +233,13 @@ def paged_decode_attention(
     """Attention of one new token per sequence to its paged KV cache.
 
     q:            [B, Hq, D]   (Hq a multiple of Hkv), dtype of the cache
-    k/v_cache:    [Hkv, num_blocks, block_size, D]
+    k/v_cache:    [Hkv, num_blocks, block_size, D], or the stacked cache of every
+                  layer [L, Hkv, num_blocks, block_size, D] with `layer`
     block_tables: int32 [B, max_blocks]  physical block of each logical block
     context_lens: int32 [B]    cached tokens including this one; 0 for padding
                   rows, whose output is 0
+    layer:        int32 scalar (traced or not), the layer of a stacked cache to
+                  read; None for a one-layer cache
     scale:        score scale, default D ** -0.5
     soft_cap:     if set, scores become soft_cap * tanh(scores / soft_cap)
     implementation, interpret: see the module docstring.
@@ -246,14 +250,16 @@ def paged_decode_attention(
     if q.ndim != 3 or q.shape[0] != context_lens.shape[0]:
         raise ValueError(f"q must be [B, Hq, D] with B = {context_lens.shape[0]}, got {q.shape}")
     knobs = {"pages_per_chunk": pages_per_chunk, "num_kv_splits": num_kv_splits}
-    _check_common(q, k_cache, v_cache, block_tables, context_lens, implementation, knobs)
+    _check_common(q, k_cache, v_cache, block_tables, context_lens, layer, implementation, knobs)
     implementation = implementation or default_implementation(interpret)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    k_cache, v_cache, layer = reference.as_layered(k_cache, v_cache, layer)
     if implementation == "reference":
         return reference.paged_decode_attention_reference(
-            q, k_cache, v_cache, block_tables, context_lens, scale=scale, soft_cap=soft_cap
+            q, k_cache, v_cache, block_tables, context_lens, layer=layer, scale=scale,
+            soft_cap=soft_cap,
         )
-    num_kv_heads, _, block_size, head_dim = k_cache.shape
+    _, num_kv_heads, _, block_size, head_dim = k_cache.shape
     max_blocks = block_tables.shape[1]
     pages_per_chunk = pages_per_chunk or _default_pages_per_chunk(
         implementation, q.dtype, block_size, head_dim, max_blocks
@@ -267,6 +273,7 @@ def paged_decode_attention(
         q,
         k_cache,
         v_cache,
+        layer,
         block_tables,
         tiles.decode_tiles(context_lens),
         block_q=1,
@@ -317,6 +324,7 @@ def ragged_paged_attention(
     context_lens: jax.Array,
     query_start_loc: jax.Array,
     *,
+    layer: jax.Array | None = None,
     scale: float | None = None,
     soft_cap: float | None = None,
     implementation: Implementation | None = None,
@@ -333,11 +341,11 @@ def ragged_paged_attention(
     Prefill, chunked prefill, decode and any mix of them are this one op.
 
     q:               [T, Hq, D]  (Hq a multiple of Hkv), dtype of the cache
-    k/v_cache:       [Hkv, num_blocks, block_size, D]
+    k/v_cache:       [Hkv, num_blocks, block_size, D], or [L, ...] of those with `layer`
     block_tables:    int32 [B, max_blocks]
     context_lens:    int32 [B]
     query_start_loc: int32 [B + 1], non-decreasing, query_start_loc[-1] <= T
-    scale, soft_cap, implementation, interpret: as paged_decode_attention.
+    layer, scale, soft_cap, implementation, interpret: as paged_decode_attention.
     block_q:         tokens per query tile, a power of two (kernels only).
     pages_per_chunk, num_kv_splits: as paged_decode_attention.
     returns          [T, Hq, D] in q.dtype; tokens owned by no sequence get 0.
@@ -352,9 +360,10 @@ def ragged_paged_attention(
     if query_start_loc.dtype != jnp.int32:
         raise TypeError(f"query_start_loc must be int32, got {query_start_loc.dtype}")
     knobs = {"block_q": block_q, "pages_per_chunk": pages_per_chunk, "num_kv_splits": num_kv_splits}
-    _check_common(q, k_cache, v_cache, block_tables, context_lens, implementation, knobs)
+    _check_common(q, k_cache, v_cache, block_tables, context_lens, layer, implementation, knobs)
     implementation = implementation or default_implementation(interpret)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    k_cache, v_cache, layer = reference.as_layered(k_cache, v_cache, layer)
     if implementation == "reference":
         return reference.ragged_paged_attention_reference(
             q,
@@ -363,11 +372,12 @@ def ragged_paged_attention(
             block_tables,
             context_lens,
             query_start_loc,
+            layer=layer,
             scale=scale,
             soft_cap=soft_cap,
         )
     num_tokens, num_q_heads, _ = q.shape
-    num_kv_heads, _, block_size, head_dim = k_cache.shape
+    _, num_kv_heads, _, block_size, head_dim = k_cache.shape
     group = num_q_heads // num_kv_heads
     block_q = block_q or _default_block_q(
         implementation, group, num_tokens, context_lens.shape[0]
@@ -381,6 +391,7 @@ def ragged_paged_attention(
         q,
         k_cache,
         v_cache,
+        layer,
         block_tables,
         tiles.ragged_tiles(context_lens, query_start_loc, num_tokens, block_q),
         block_q=block_q,

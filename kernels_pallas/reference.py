@@ -1,9 +1,10 @@
 """Pure-JAX definitions of paged attention: gather the pages, then attend.
 
-These are the oracles the Pallas kernels are tested against and the attention
-backend used on CPU. KV cache layout (one layer):
+These are the oracles the Pallas kernels are tested against. KV cache layout:
 
-    k_cache, v_cache: [num_kv_heads, num_blocks, block_size, head_dim]
+    k_cache, v_cache: [num_kv_heads, num_blocks, block_size, head_dim]     (one layer)
+                   or [num_layers, num_kv_heads, num_blocks, block_size, head_dim]
+                      with an int32 scalar `layer` naming the layer to use
 
 Flat slot `s` is block `s // block_size`, offset `s % block_size`.
 """
@@ -21,31 +22,49 @@ HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def write_kv_reference(
-    k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    slot_mapping: jax.Array,
+    layer: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Scatter new K/V into the cache (slots past the pool are dropped).
 
-    k_cache, v_cache: [Hkv, num_blocks, block_size, D]
+    k_cache, v_cache: [Hkv, num_blocks, block_size, D], or [L, Hkv, num_blocks,
+                      block_size, D] with `layer` (int32 scalar) the layer written
     k, v:             [T, Hkv, D]
     slot_mapping:     int32 [T]
     returns the updated (k_cache, v_cache).
     """
-    block_size = k_cache.shape[2]
-    # Index the 4-D cache: a scatter through a flattened view can lose its
+    block_size = k_cache.shape[-2]
+    # Index the cache's own axes: a scatter through a flattened view can lose its
     # in-place buffer once XLA turns a one-token write into a dynamic-update-slice.
     blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
 
     def scatter(cache, new):
-        rows = new.swapaxes(0, 1).astype(cache.dtype)
-        return cache.at[:, blocks, offsets].set(rows, mode="drop")
+        new = new.astype(cache.dtype)
+        if layer is None:
+            return cache.at[:, blocks, offsets].set(new.swapaxes(0, 1), mode="drop")
+        # Index arrays apart from one another put the token axis first: [T, Hkv, D].
+        return cache.at[layer, :, blocks, offsets].set(new, mode="drop")
 
     return scatter(k_cache, k), scatter(v_cache, v)
 
 
-def _gather_sequence(cache: jax.Array, block_table: jax.Array) -> jax.Array:
-    """cache [Hkv, N, bs, D], block_table [max_blocks] -> [Hkv, max_blocks * bs, D]."""
-    pages = cache[:, block_table]
-    return pages.reshape(cache.shape[0], -1, cache.shape[-1])
+def as_layered(k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array | None):
+    """A one-layer cache [Hkv, N, bs, D] as layer 0 of [1, Hkv, N, bs, D]; a stacked
+    cache [L, Hkv, N, bs, D] as it is. -> (k_cache, v_cache, layer int32 scalar)."""
+    if layer is None:
+        return k_cache[None], v_cache[None], jnp.int32(0)
+    return k_cache, v_cache, jnp.asarray(layer, jnp.int32)
+
+
+def _gather_sequence(cache: jax.Array, layer: jax.Array, block_table: jax.Array) -> jax.Array:
+    """cache [L, Hkv, N, bs, D], block_table [max_blocks] -> [Hkv, max_blocks * bs, D]."""
+    # Index arrays apart from one another put the table axis first: [max_blocks, Hkv, bs, D].
+    pages = cache[layer, :, block_table].swapaxes(0, 1)
+    return pages.reshape(cache.shape[1], -1, cache.shape[-1])
 
 
 def _attend(q, k, v, mask, scale, soft_cap):
@@ -73,22 +92,25 @@ def paged_decode_attention_reference(
     block_tables: jax.Array,
     context_lens: jax.Array,
     *,
+    layer: jax.Array | None = None,
     scale: float | None = None,
     soft_cap: float | None = None,
 ) -> jax.Array:
     """One query token per sequence.
 
     q:            [B, Hq, D]   (Hq a multiple of Hkv)
-    k/v_cache:    [Hkv, num_blocks, block_size, D]
+    k/v_cache:    [Hkv, num_blocks, block_size, D], or [L, ...] of those with `layer`
     block_tables: int32 [B, max_blocks]
     context_lens: int32 [B]    0 for padding rows (their output is 0)
+    layer:        int32 scalar, the layer of a stacked cache (None for a one-layer cache)
     returns       [B, Hq, D] in q.dtype.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    k_cache, v_cache, layer = as_layered(k_cache, v_cache, layer)
 
     def one(q_row, table, length):
-        k = _gather_sequence(k_cache, table)
-        v = _gather_sequence(v_cache, table)
+        k = _gather_sequence(k_cache, layer, table)
+        v = _gather_sequence(v_cache, layer, table)
         mask = (jnp.arange(k.shape[1]) < length)[None, :]
         return _attend(q_row[None], k, v, mask, scale, soft_cap)[0]
 
@@ -104,6 +126,7 @@ def ragged_paged_attention_reference(
     context_lens: jax.Array,
     query_start_loc: jax.Array,
     *,
+    layer: jax.Array | None = None,
     scale: float | None = None,
     soft_cap: float | None = None,
 ) -> jax.Array:
@@ -115,13 +138,15 @@ def ragged_paged_attention_reference(
     its own.
 
     q:               [T, Hq, D]
-    k/v_cache:       [Hkv, num_blocks, block_size, D]
+    k/v_cache:       [Hkv, num_blocks, block_size, D], or [L, ...] of those with `layer`
     block_tables:    int32 [B, max_blocks]
     context_lens:    int32 [B]
     query_start_loc: int32 [B + 1]
+    layer:           int32 scalar, the layer of a stacked cache (None for a one-layer cache)
     returns          [T, Hq, D] in q.dtype; tokens owned by no sequence get 0.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    k_cache, v_cache, layer = as_layered(k_cache, v_cache, layer)
     num_tokens = q.shape[0]
     token_ids = jnp.arange(num_tokens)
     # Owner sequence of each token, and its position within that sequence.
@@ -132,8 +157,8 @@ def ragged_paged_attention_reference(
     q_pos = context_lens[owner] - q_lens[owner] + (token_ids - query_start_loc[owner])
 
     def one(q_row, table, pos, valid):
-        k = _gather_sequence(k_cache, table)
-        v = _gather_sequence(v_cache, table)
+        k = _gather_sequence(k_cache, layer, table)
+        v = _gather_sequence(v_cache, layer, table)
         mask = ((jnp.arange(k.shape[1]) <= pos) & valid)[None, :]
         return _attend(q_row[None], k, v, mask, scale, soft_cap)[0]
 

@@ -46,6 +46,7 @@ def _kernel(
     first_pos_ref,
     num_tokens_ref,
     block_tables_ref,
+    layer_ref,
     q_ref,
     k_hbm_ref,
     v_hbm_ref,
@@ -63,8 +64,9 @@ def _kernel(
     Scalar prefetch (SMEM):
       seq_ref, first_pos_ref, num_tokens_ref: int32 [NT]  tile metadata (tiles.py)
       block_tables_ref:  int32 [B * pages_per_seq]  the tables, row-major
+      layer_ref:         int32 [1]  the layer read
     q_ref:               [rows, D]  (VMEM) this tile's query rows for this KV head
-    k_hbm_ref, v_hbm_ref: [Hkv, num_blocks, block_size, D]  (HBM) whole caches
+    k_hbm_ref, v_hbm_ref: [L, Hkv, num_blocks, block_size, D]  (HBM) whole caches
     refs: the outputs as in the Triton kernel, then the scratch
       k_buf, v_buf: [2, pages_per_chunk, block_size, D]  (VMEM) two chunk buffers
       sems:         DMA semaphores [2 (keys, values), 2 (buffer)].
@@ -74,8 +76,9 @@ def _kernel(
     seq = seq_ref[tile]
     first_pos = first_pos_ref[tile]
     num_tokens = num_tokens_ref[tile]
+    layer = layer_ref[0]
     rows, head_dim = q_ref.shape
-    num_blocks, block_size = k_hbm_ref.shape[1], k_hbm_ref.shape[2]
+    num_blocks, block_size = k_hbm_ref.shape[2], k_hbm_ref.shape[3]
     chunk = pages_per_chunk * block_size
     kv_len = jnp.where(num_tokens > 0, first_pos + num_tokens, 0)
     kv_len = jnp.clip(kv_len, 0, pages_per_seq * block_size)
@@ -86,8 +89,10 @@ def _kernel(
         page = c * pages_per_chunk + j
         page_id = jnp.clip(block_tables_ref[seq * pages_per_seq + page], 0, num_blocks - 1)
         return (
-            pltpu.make_async_copy(k_hbm_ref.at[head, page_id], k_buf.at[slot, j], sems.at[0, slot]),
-            pltpu.make_async_copy(v_hbm_ref.at[head, page_id], v_buf.at[slot, j], sems.at[1, slot]),
+            pltpu.make_async_copy(k_hbm_ref.at[layer, head, page_id], k_buf.at[slot, j],
+                                  sems.at[0, slot]),
+            pltpu.make_async_copy(v_hbm_ref.at[layer, head, page_id], v_buf.at[slot, j],
+                                  sems.at[1, slot]),
         )
 
     def for_each_page(c, slot, action):
@@ -131,6 +136,7 @@ def tile_attention(
     q_tiles: jax.Array,
     k_cache: jax.Array,
     v_cache: jax.Array,
+    layer: jax.Array,
     block_tables: jax.Array,
     tiles: QueryTiles,
     *,
@@ -145,14 +151,15 @@ def tile_attention(
     """Attention of every query tile through its sequence's block table.
 
     q_tiles:      [NT, Hkv, rows, D]  (layout: tiles.py)
-    k/v_cache:    [Hkv, num_blocks, block_size, D], block_size a multiple of
+    k/v_cache:    [L, Hkv, num_blocks, block_size, D], block_size a multiple of
                   sublane_count(dtype)
+    layer:        int32 scalar, the layer read
     block_tables: int32 [B, max_blocks], max_blocks a multiple of pages_per_chunk
     tiles:        QueryTiles of NT tiles
     returns       [NT, Hkv, rows, D] in q_tiles.dtype.
     """
     num_tiles, num_kv_heads, rows, head_dim = q_tiles.shape
-    block_size = k_cache.shape[2]
+    block_size = k_cache.shape[3]
     pages_per_seq = block_tables.shape[1]
     kernel = functools.partial(
         _kernel,
@@ -168,7 +175,7 @@ def tile_attention(
     out_shape, out_specs = online_softmax.kernel_outputs(q_tiles, num_splits)
     page_buffer = pltpu.VMEM((2, pages_per_chunk, block_size, head_dim), k_cache.dtype)
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=4,
+        num_scalar_prefetch=5,
         grid=(num_tiles, num_kv_heads, num_splits),
         in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
         out_specs=out_specs,
@@ -188,6 +195,7 @@ def tile_attention(
         tiles.first_pos,
         tiles.num_tokens,
         block_tables.reshape(-1),
+        layer.reshape(1),
         q_tiles,
         k_cache,
         v_cache,

@@ -32,7 +32,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
 from kernels_pallas import online_softmax
 from kernels_pallas.tiles import QueryTiles
@@ -56,6 +55,7 @@ def _kernel(
     first_pos_ref,
     num_tokens_ref,
     block_tables_ref,
+    layer_ref,
     q_ref,
     k_cache_ref,
     v_cache_ref,
@@ -71,8 +71,9 @@ def _kernel(
 
     seq_ref, first_pos_ref, num_tokens_ref: int32 [NT]  tile metadata (tiles.py)
     block_tables_ref:       int32 [B, max_blocks]
+    layer_ref:              int32 [1]  the layer read
     q_ref:                  [rows, D]  this tile's query rows for this KV head
-    k_cache_ref, v_cache_ref: [Hkv, num_blocks, block_size, D]  whole caches
+    k_cache_ref, v_cache_ref: [L, Hkv, num_blocks, block_size, D]  whole caches
     out_refs: the [rows, D] output, or with key splits this split's
               (row_max, row_sum, acc) f32 [rows, 1], [rows, 1], [rows, D].
     """
@@ -80,8 +81,9 @@ def _kernel(
     seq = seq_ref[tile]
     first_pos = first_pos_ref[tile]
     num_tokens = num_tokens_ref[tile]
+    layer = layer_ref[0]
     rows, head_dim = q_ref.shape
-    num_blocks, block_size = k_cache_ref.shape[1], k_cache_ref.shape[2]
+    num_blocks, block_size = k_cache_ref.shape[2], k_cache_ref.shape[3]
     chunk = pages_per_chunk * block_size
     kv_len = jnp.where(num_tokens > 0, first_pos + num_tokens, 0)
     kv_len = jnp.clip(kv_len, 0, block_tables_ref.shape[1] * block_size)
@@ -91,8 +93,8 @@ def _kernel(
     def visit_chunk(c, state):
         page_ids = block_tables_ref[seq, pl.ds(c * pages_per_chunk, pages_per_chunk)]
         page_ids = jnp.clip(page_ids, 0, num_blocks - 1)
-        k = k_cache_ref[head, page_ids].reshape(chunk, head_dim)
-        v = v_cache_ref[head, page_ids].reshape(chunk, head_dim)
+        k = k_cache_ref[layer, head, page_ids].reshape(chunk, head_dim)
+        v = v_cache_ref[layer, head, page_ids].reshape(chunk, head_dim)
         return online_softmax.attend_chunk(
             state, q, k, v, c * chunk, kv_len, row_pos, row_valid, scale=scale, soft_cap=soft_cap
         )
@@ -106,6 +108,7 @@ def tile_attention(
     q_tiles: jax.Array,
     k_cache: jax.Array,
     v_cache: jax.Array,
+    layer: jax.Array,
     block_tables: jax.Array,
     tiles: QueryTiles,
     *,
@@ -120,13 +123,18 @@ def tile_attention(
     """Attention of every query tile through its sequence's block table.
 
     q_tiles:      [NT, Hkv, rows, D]  (layout: tiles.py)
-    k/v_cache:    [Hkv, num_blocks, block_size, D]
+    k/v_cache:    [L, Hkv, num_blocks, block_size, D]
+    layer:        int32 scalar, the layer read
     block_tables: int32 [B, max_blocks], max_blocks a multiple of pages_per_chunk
     tiles:        QueryTiles of NT tiles
     returns       [NT, Hkv, rows, D] in q_tiles.dtype.
     """
+    # Imported on use: a JAX without the Triton backend (deprecated from 0.11) still
+    # runs the other kernels, and an engine falls back from this one to "xla".
+    from jax.experimental.pallas import triton as pltriton
+
     num_tiles, num_kv_heads, rows, head_dim = q_tiles.shape
-    chunk_bytes = pages_per_chunk * k_cache.shape[2] * head_dim * k_cache.dtype.itemsize
+    chunk_bytes = pages_per_chunk * k_cache.shape[3] * head_dim * k_cache.dtype.itemsize
     num_stages = 2 if chunk_bytes <= PIPELINED_CHUNK_BYTES else 1
     kernel = functools.partial(
         _kernel,
@@ -143,11 +151,12 @@ def tile_attention(
     out = pl.pallas_call(
         kernel,
         grid=(num_tiles, num_kv_heads, num_splits),
-        in_specs=[whole, whole, whole, whole, q_spec, whole, whole],
+        in_specs=[whole, whole, whole, whole, whole, q_spec, whole, whole],
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=num_stages),
         interpret=interpret,
         name="paged_attention_triton",
-    )(tiles.seq, tiles.first_pos, tiles.num_tokens, block_tables, q_tiles, k_cache, v_cache)
+    )(tiles.seq, tiles.first_pos, tiles.num_tokens, block_tables, layer.reshape(1), q_tiles,
+      k_cache, v_cache)
     return online_softmax.finish(out, num_splits, q_tiles.dtype)

@@ -29,27 +29,31 @@ from kernels_pallas.reference import write_kv_reference
 
 
 def write_kv(
-    k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    slot_mapping: jax.Array,
+    layer: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Store new keys and values at their cache slots.
 
-    k_cache, v_cache: [Hkv, num_blocks, block_size, D]
+    k_cache, v_cache: [Hkv, num_blocks, block_size, D], or the stacked cache of
+                      every layer [L, Hkv, num_blocks, block_size, D]
     k, v:             [T, Hkv, D], cast to the cache dtype
     slot_mapping:     int32 [T], flat slot block * block_size + offset; padding
                       tokens point into the null block 0. Slots past the pool
                       are dropped.
+    layer:            int32 scalar, the layer written in a stacked cache; None
+                      for a one-layer cache.
     returns the updated (k_cache, v_cache); donate the caches to update in place.
     """
-    if k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(
-            "k_cache and v_cache must both be [num_kv_heads, num_blocks, block_size, head_dim], "
-            f"got {k_cache.shape} and {v_cache.shape}"
-        )
+    check_cache_shapes(k_cache, v_cache, layer)
     if slot_mapping.ndim != 1 or slot_mapping.dtype != jnp.int32:
         raise TypeError(
             f"slot_mapping must be int32 [T], got {slot_mapping.dtype} {slot_mapping.shape}"
         )
-    num_kv_heads, _, _, head_dim = k_cache.shape
+    num_kv_heads, head_dim = k_cache.shape[-4], k_cache.shape[-1]
     expected = (slot_mapping.shape[0], num_kv_heads, head_dim)
     if k.shape != expected or v.shape != expected:
         raise ValueError(f"k and v must be [T, Hkv, D] = {expected}, got {k.shape} and {v.shape}")
@@ -59,4 +63,20 @@ def write_kv(
         # cache to keep the slice in place. Writing the one token twice keeps it
         # a scatter: the same value lands in the same slot.
         k, v, slot_mapping = (jnp.concatenate([x, x]) for x in (k, v, slot_mapping))
-    return write_kv_reference(k_cache, v_cache, k, v, slot_mapping)
+    return write_kv_reference(k_cache, v_cache, k, v, slot_mapping, layer)
+
+
+def check_cache_shapes(k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array | None) -> None:
+    """A one-layer cache (4-D, layer None) or a stacked one (5-D, an integer scalar layer)."""
+    if layer is None:
+        ndim, layout = 4, "[num_kv_heads, num_blocks, block_size, head_dim]"
+    else:
+        ndim = 5
+        layout = "[num_layers, num_kv_heads, num_blocks, block_size, head_dim] (a layer given)"
+    if k_cache.ndim != ndim or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"k_cache and v_cache must both be {layout}, got {k_cache.shape} and {v_cache.shape}"
+        )
+    if layer is not None and (jnp.ndim(layer) != 0
+                              or not jnp.issubdtype(jnp.result_type(layer), jnp.integer)):
+        raise TypeError(f"layer must be an integer scalar, got {layer!r}")

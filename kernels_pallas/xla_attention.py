@@ -35,6 +35,7 @@ def tile_attention(
     q_tiles: jax.Array,
     k_cache: jax.Array,
     v_cache: jax.Array,
+    layer: jax.Array,
     block_tables: jax.Array,
     tiles: QueryTiles,
     *,
@@ -49,25 +50,29 @@ def tile_attention(
     """Attention of every query tile through its sequence's block table.
 
     q_tiles:      [NT, Hkv, rows, D]  (layout: tiles.py)
-    k/v_cache:    [Hkv, num_blocks, block_size, D]
+    k/v_cache:    [L, Hkv, num_blocks, block_size, D]
+    layer:        int32 scalar, the layer read
     block_tables: int32 [B, max_blocks], max_blocks a multiple of pages_per_chunk
     tiles:        QueryTiles of NT tiles
     returns       [NT, Hkv, rows, D] in q_tiles.dtype.
     (num_splits and interpret have no meaning here.)
     """
     num_tiles, num_kv_heads, rows, head_dim = q_tiles.shape
-    chunk = pages_per_chunk * k_cache.shape[2]
+    chunk = pages_per_chunk * k_cache.shape[3]
     size = min(TILES_PER_GROUP, num_tiles)
     num_groups = -(-num_tiles // size)
 
+    # Keys each tile reads: none for an empty tile, whatever its first_pos holds
+    # (ragged_tiles gives the tiles past the last sequence's far positions, and
+    # they would walk pages for nothing).
+    tile_kv_len = jnp.where(tiles.num_tokens > 0, tiles.first_pos + tiles.num_tokens, 0)
     # Longest first, padded with empty tiles to whole groups.
-    order = jnp.argsort(-(tiles.first_pos + tiles.num_tokens))
+    order = jnp.argsort(-tile_kv_len)
 
     def sort(x):
         return jnp.pad(x[order], [(0, num_groups * size - num_tiles)] + [(0, 0)] * (x.ndim - 1))
 
-    first_pos, num_tokens = sort(tiles.first_pos), sort(tiles.num_tokens)
-    kv_len = first_pos + num_tokens
+    first_pos, num_tokens, kv_len = sort(tiles.first_pos), sort(tiles.num_tokens), sort(tile_kv_len)
     row_pos, row_valid = jax.vmap(
         lambda first, count: online_softmax.row_positions(first, count, rows, group, block_q)
     )(first_pos, num_tokens)
@@ -83,11 +88,15 @@ def tile_attention(
         in_axes=(0, 0, 0, 0, None, 0, 0, 0),
     )
 
-    # Pages as rows of a 2-D view: XLA's CPU gather copies whole contiguous rows
-    # several times faster than [Hkv, block_size, D] slices of the 4-D cache.
-    num_blocks = k_cache.shape[1]
-    k_rows, v_rows = (c.reshape(num_kv_heads * num_blocks, -1) for c in (k_cache, v_cache))
-    head_offsets = jnp.arange(num_kv_heads, dtype=jnp.int32)[None, :, None] * num_blocks
+    # Pages as rows of a 2-D view of every layer: XLA's CPU gather copies whole
+    # contiguous rows several times faster than [Hkv, block_size, D] slices of
+    # the cache, and the view is free (no slice of the layer is materialised).
+    num_layers, num_blocks = k_cache.shape[0], k_cache.shape[2]
+    k_rows, v_rows = (
+        c.reshape(num_layers * num_kv_heads * num_blocks, -1) for c in (k_cache, v_cache)
+    )
+    head_ids = layer * num_kv_heads + jnp.arange(num_kv_heads, dtype=jnp.int32)
+    head_offsets = head_ids[None, :, None] * num_blocks
 
     def body(item, state):
         group_id = jnp.searchsorted(group_ends, item, side="right").astype(jnp.int32)

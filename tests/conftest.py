@@ -7,11 +7,24 @@ exercises the same files a user would hand to jpaged.
 drawn from N, to show tests that depend on others' side effects. Tests that need
 the default model (downloaded on first use) carry the `default_model` marker, so
 an offline run can deselect them with `-m "not default_model"`.
+
+The Pallas kernels run in interpret mode, so that every one of them runs on a CPU.
+`JPAGED_TEST_COMPILED=1` compiles instead the kernel of the machine's own backend
+(the Triton kernel on a GPU, the Mosaic kernel on a TPU) and skips the tests of
+another backend's kernel: the run that checks the kernels on an accelerator.
 """
 
 from __future__ import annotations
 
+import copy
+import http.client
+import json
+import logging
+import os
 import random
+import socket
+import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,15 +36,31 @@ import transformers
 from jax.experimental.compilation_cache import compilation_cache
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
+import kernels_pallas
 from jpaged.core.attention_metadata import AttentionMetadata
+from jpaged.core.batch_builder import BucketSizes
 from jpaged.model.loader import default_model_directory, load_model
 
 TINY_MERGES = [("t", "h"), ("th", "e"), ("Ġ", "th"), ("i", "n"), ("e", "r"), ("Ġ", "a")]
 END_OF_TEXT = "<|endoftext|>"
 TINY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+SERVED_MODEL = "tiny"
+SERVER_API_KEY = "test-key"
+SERVER_MAX_BODY_BYTES = 64 * 1024
+SERVER_MAX_WAITING = 256  # above the load test's 128 concurrent clients
+# The engine of the server tests and their offline oracle: one padded shape for mixed
+# steps and one for decode steps (64 tokens, 8 sequence rows, full-width block tables),
+# so each engine compiles only those two.
+SERVER_ENGINE = dict(block_size=8, num_blocks=160, max_num_seqs=8, max_num_batched_tokens=64,
+                     max_model_len=256, persistent_compilation_cache=False,
+                     buckets=BucketSizes(min_num_tokens=64, min_num_seqs=8,
+                                         min_blocks_per_seq=32))
 # Fixtures that load the default model; a test that loads it itself carries the marker.
 DEFAULT_MODEL_FIXTURES = {"smollm2", "smollm2_oracle"}
+COMPILED_KERNELS = os.environ.get("JPAGED_TEST_COMPILED") == "1"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -56,6 +85,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     seed = config.getoption("--shuffle-seed")
     if seed is not None:
         items[:] = shuffled_by_module(items, random.Random(seed))
+
+
+def kernel_interpret(implementation: str | None) -> bool:
+    """`interpret=` for a test that runs the Pallas kernel `implementation` (None: the
+    backend's own). True, unless JPAGED_TEST_COMPILED=1: then False, and a test of
+    another backend's kernel is skipped (it cannot compile here)."""
+    if not COMPILED_KERNELS:
+        return True
+    native = kernels_pallas.default_implementation(False)
+    if implementation in ("triton", "tpu") and implementation != native:
+        pytest.skip(f"the {implementation} kernel does not compile on {jax.default_backend()}")
+    return False
 
 
 def needs_default_model(item: pytest.Item) -> bool:
@@ -212,6 +253,16 @@ class PagedCacheBook:
 
 
 @pytest.fixture
+def jpaged_logger_restored():
+    """The CLI sends the jpaged logger to stderr; leave no handler behind for other tests."""
+    logger = logging.getLogger("jpaged")
+    handlers, level = list(logger.handlers), logger.level
+    yield
+    logger.handlers[:] = handlers
+    logger.setLevel(level)
+
+
+@pytest.fixture
 def paged_cache_book():
     return PagedCacheBook
 
@@ -243,3 +294,98 @@ def smollm2_oracle():
     """The default model in transformers, from the same converted float32 weights."""
     directory = default_model_directory()
     return transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+
+
+# The HTTP server on the tiny model.
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model(tiny_llama_dir):
+    """The tiny Llama as jpaged loads it, with a ChatML chat template: (model, config,
+    tokenizer)."""
+    model, config, tokenizer = load_model(tiny_llama_dir)
+    tokenizer.chat_template = CHATML
+    return model, config, tokenizer
+
+
+@pytest.fixture(scope="session")
+def offline(tiny_chat_model):
+    """The server tests' oracle: an offline LLM with the server's engine settings."""
+    from jpaged.entrypoints.llm import LLM
+
+    return LLM(SERVED_MODEL, loaded=tiny_chat_model, **SERVER_ENGINE)
+
+
+@pytest.fixture(scope="session")
+def server(tiny_chat_model):
+    """(base_url, AsyncLLMEngine) of the OpenAI server (uvicorn in a thread, on a free
+    loopback port) over a SERVER_ENGINE engine, shared by the server tests: one engine
+    compiles its steps once. The engine gets its own tokenizer copy, since the offline
+    oracle's runs in the test thread. Tests that change max_waiting restore it."""
+    import uvicorn
+
+    from jpaged.engine.async_engine import AsyncLLMEngine
+    from jpaged.engine.llm_engine import EngineConfig, LLMEngine
+    from jpaged.entrypoints.server import build_app
+
+    model, config, tokenizer = tiny_chat_model
+    engine = LLMEngine(EngineConfig(model=SERVED_MODEL, **SERVER_ENGINE),
+                       loaded=(model, config, copy.deepcopy(tokenizer)))
+    async_engine = AsyncLLMEngine(engine, max_waiting=SERVER_MAX_WAITING)
+    app = build_app(async_engine, SERVED_MODEL, api_key=SERVER_API_KEY,
+                    max_body_bytes=SERVER_MAX_BODY_BYTES)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    uvicorn_server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=uvicorn_server.run, kwargs={"sockets": [sock]})
+    thread.start()
+    while not uvicorn_server.started:
+        assert thread.is_alive(), "the server did not start"
+        time.sleep(0.01)
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}", async_engine
+    uvicorn_server.should_exit = True
+    thread.join(30)
+    assert not async_engine.is_running  # the lifespan's end shut the engine down
+
+
+@dataclass
+class Reply:
+    status: int
+    headers: dict[str, str]  # names in lower case
+    text: str
+
+    def json(self):
+        return json.loads(self.text)
+
+
+def http_connection(base_url: str, timeout: float = 60) -> http.client.HTTPConnection:
+    host, port = base_url.removeprefix("http://").split(":")
+    return http.client.HTTPConnection(host, int(port), timeout=timeout)
+
+
+def http_request(base_url: str, method: str, path: str, body: bytes | None = None,
+                 headers: dict | None = None) -> Reply:
+    connection = http_connection(base_url)
+    try:
+        connection.request(method, path, body=body, headers=headers or {})
+        response = connection.getresponse()
+        return Reply(response.status, {k.lower(): v for k, v in response.getheaders()},
+                     response.read().decode())
+    finally:
+        connection.close()
+
+
+def metric(base_url: str, name: str) -> float:
+    """One sample's value from /metrics."""
+    for line in http_request(base_url, "GET", "/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"no metric {name}")
+
+
+def wait_until_idle(engine, timeout: float = 10.0) -> None:
+    """Until the AsyncLLMEngine's published state shows no request and no block held."""
+    deadline = time.monotonic() + timeout
+    while engine.state.kv_blocks_used or engine.state.num_running or engine.state.num_waiting:
+        assert time.monotonic() < deadline, f"the engine is still busy: {engine.state}"
+        time.sleep(0.01)

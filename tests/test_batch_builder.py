@@ -33,11 +33,17 @@ def oracle(scheduled, tables, block_size, buckets, min_rows=0):
     num_tokens = sum(n for _, n in scheduled)
     context_lens = [seq.num_computed_tokens + n for seq, n in scheduled]
     blocks = [-(-length // block_size) for length in context_lens]
-    # Rows cover the draws; token rows are never fewer than sequence rows.
+    # Rows cover the draws. A decode-only step has as many token rows as sequence
+    # rows; a mixed one pads its tokens alone and its rows to at least mixed_num_seqs.
     rows = max(len(scheduled), min_rows)
-    padded_seqs = padded_size(rows, buckets.min_num_seqs, buckets.linear_step)
-    padded_tokens = padded_size(max(num_tokens, padded_seqs), buckets.min_num_tokens,
-                                buckets.linear_step)
+    logit_rows = padded_size(rows, buckets.min_num_seqs, buckets.linear_step)
+    if num_tokens == len(scheduled):
+        padded_seqs = logit_rows
+        padded_tokens = padded_size(max(num_tokens, padded_seqs), buckets.min_num_tokens,
+                                    buckets.linear_step)
+    else:
+        padded_seqs = max(logit_rows, buckets.mixed_num_seqs)
+        padded_tokens = padded_size(num_tokens, buckets.min_num_tokens, buckets.linear_step)
     padded_blocks = padded_size(max(blocks, default=0), buckets.min_blocks_per_seq)
     out = {
         "input_ids": [0] * padded_tokens,
@@ -47,6 +53,7 @@ def oracle(scheduled, tables, block_size, buckets, min_rows=0):
         "context_lens": [0] * padded_seqs,
         "query_start_loc": [num_tokens] * (padded_seqs + 1),
         "logits_indices": [0] * padded_seqs,
+        "num_rows": logit_rows,
     }
     out["query_start_loc"][0] = token = 0
     for i, (seq, n) in enumerate(scheduled):
@@ -88,7 +95,8 @@ def schedules(draw):
         tables[seq_id] = [next(free_blocks) for _ in range(-(-len(seq) // block_size) + spare)]
         scheduled.append((seq, num_new))
     buckets = BucketSizes(*draw(st.tuples(*[st.integers(1, 20)] * 3)),
-                          linear_step=draw(st.sampled_from([0, 4, 8, 16])))
+                          linear_step=draw(st.sampled_from([0, 4, 8, 16])),
+                          mixed_num_seqs=draw(st.sampled_from([0, 1, 8, 16, 24])))
     min_rows = draw(st.integers(0, 12))  # parallel samples draw more rows than sequences
     return scheduled, FixedTables(block_size, tables), buckets, min_rows
 
@@ -100,6 +108,7 @@ def test_matches_brute_force_oracle(schedule):
     model_input = build_model_input(scheduled, tables, buckets, min_rows)
     expected = oracle(scheduled, tables, tables.block_size, buckets, min_rows)
     metadata = model_input.metadata
+    assert model_input.num_rows == expected.pop("num_rows")
     arrays = {"input_ids": model_input.input_ids, **metadata._asdict()}
     for name, want in expected.items():
         assert arrays[name].dtype == np.int32, name

@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from conftest import greedy_continuations
+from conftest import greedy_continuations, kernel_interpret
 
 from jpaged.core.batch_builder import BucketSizes
 from jpaged.engine.llm_engine import default_buckets, step_shapes
@@ -106,8 +106,9 @@ def test_chunked_prefill_on_and_off(loaded, prompts, expected, chunked):
 
 @pytest.mark.parametrize("backend", ["pallas", "reference"])
 def test_other_attention_backends(loaded, prompts, expected, backend):
-    # The default on CPU is "xla"; the Pallas kernels run here in interpret mode.
-    llm = _llm(loaded, attention_backend=backend, interpret=backend == "pallas")
+    # The default on CPU is "xla"; there the Pallas kernels run in interpret mode.
+    llm = _llm(loaded, attention_backend=backend,
+               interpret=backend == "pallas" and kernel_interpret(None))
     picked = [0, 3, 6]
     outputs = llm.generate([prompts[i] for i in picked], GREEDY)
     assert _tokens(outputs) == [expected[i] for i in picked]
@@ -118,7 +119,7 @@ def test_default_buckets_pad_xla_tables_to_one_width(loaded, prompts, expected):
     llm = _llm(loaded, buckets=None, attention_backend="xla")
     shapes = step_shapes(llm.engine.buckets, 64, 8, 128 // 8)
     assert {width for _, _, width, _ in shapes} == {16}
-    reference_buckets = default_buckets("reference", 16)
+    reference_buckets = default_buckets("reference", 16, 8)
     assert {width for _, _, width, _ in step_shapes(reference_buckets, 64, 8, 16)} == {8, 16}
     assert _tokens(llm.generate(prompts, GREEDY)) == expected
 

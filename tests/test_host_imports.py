@@ -44,6 +44,17 @@ def test_package_loads_its_names_on_first_use():
     assert {"jax", "flax"} <= loaded
 
 
+def test_engine_and_cli_load_no_serving_stack_and_no_pytorch():
+    """What `python -m jpaged generate` imports: the engine and the command line, without
+    transformers, torch or the HTTP server's packages (only `serve` loads those)."""
+    loaded = loaded_modules("import jpaged.__main__, jpaged.model.loader\n"
+                            "from jpaged import LLM")
+    assert {"jax", "flax", "tokenizers"} <= loaded
+    serving_or_oracle = {"transformers", "torch", "fastapi", "uvicorn", "prometheus_client",
+                         "openai"}
+    assert loaded.isdisjoint(serving_or_oracle), sorted(loaded & serving_or_oracle)
+
+
 def test_package_lists_and_resolves_every_public_name():
     import jpaged
     from jpaged.entrypoints.llm import LLM

@@ -1,4 +1,5 @@
-"""Paged-attention kernels in plain interpret mode against the pure-JAX reference.
+"""Paged-attention kernels in plain interpret mode (compiled under JPAGED_TEST_COMPILED=1,
+see conftest) against the pure-JAX reference.
 
 Every kernel run reads a NaN-poisoned pool (every slot that no sequence owns,
 the null block included, is NaN) while the reference reads the clean pool, so
@@ -10,12 +11,17 @@ parametrization is a separate compilation.
 
 from __future__ import annotations
 
+import functools
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import kernel_interpret
 from jax.experimental.pallas import tpu as pltpu
 
 import kernels_pallas as kp
@@ -23,7 +29,6 @@ from kernels_pallas import tiles
 from kernels_pallas.attention import _default_block_q
 
 F32, BF16 = jnp.float32, jnp.bfloat16
-
 
 @dataclass(frozen=True)
 class PagedPool:
@@ -41,7 +46,6 @@ class PagedPool:
     v_nan: jax.Array
     block_tables: jax.Array
     context_lens: jax.Array
-
 
 def make_pool(rng, context_lens, *, num_kv_heads, head_dim, block_size, dtype) -> PagedPool:
     """Each sequence's blocks come from a random permutation of blocks 1..N-1; a few
@@ -70,26 +74,21 @@ def make_pool(rng, context_lens, *, num_kv_heads, head_dim, block_size, dtype) -
         context_lens=jnp.asarray(np.asarray(context_lens, np.int32)),
     )
 
-
 def tolerance(dtype) -> float:
     """Max abs error against the f32 reference: 1e-5 in f32, 2e-2 in bf16."""
     return 1e-5 if jnp.dtype(dtype) == F32 else 2e-2
-
 
 def assert_close(out, expected, dtype):
     out = np.asarray(out.astype(F32))
     assert np.isfinite(out).all()
     np.testing.assert_allclose(out, np.asarray(expected), atol=tolerance(dtype), rtol=0)
 
-
 def decode_lengths(block_size: int) -> list[int]:
     """Padding row, one token, exactly one block, a non-multiple, several chunks."""
     return [0, 1, block_size, 2 * block_size + 3, 3 * block_size + 150]
 
-
 def f32(x):
     return x.astype(F32)
-
 
 # (implementation, dtype, block_size, gqa ratio, num_kv_heads, head_dim, key splits,
 #  pages per chunk); None picks the op's default.
@@ -119,7 +118,6 @@ DECODE_CASES = [
     ("xla", F32, 128, 3, 2, 128, None, None),
 ]
 
-
 @pytest.mark.parametrize(
     "implementation,dtype,block_size,group,num_kv_heads,head_dim,splits,pages_per_chunk",
     DECODE_CASES,
@@ -148,13 +146,12 @@ def test_decode_matches_reference(
         pool.block_tables,
         pool.context_lens,
         implementation=implementation,
-        interpret=True,
+        interpret=kernel_interpret(implementation),
         num_kv_splits=splits,
         pages_per_chunk=pages_per_chunk,
     )
     assert out.shape == q.shape and out.dtype == dtype
     assert_close(out, expected, dtype)
-
 
 @dataclass(frozen=True)
 class RaggedBatch:
@@ -175,7 +172,6 @@ class RaggedBatch:
     def num_tokens(self) -> int:
         return int(self.query_start_loc[-1]) + self.padding_tokens
 
-
 def mixed_batch(block_size: int) -> RaggedBatch:
     """Prefill, decode, padding sequence, chunked prefill after a cached prefix,
     a one-block prefill, a one-token prompt, then padding tokens."""
@@ -190,7 +186,6 @@ def mixed_batch(block_size: int) -> RaggedBatch:
         ),
         padding_tokens=3,
     )
-
 
 # (implementation, dtype, block_size, gqa ratio, num_kv_heads, head_dim, block_q, splits)
 RAGGED_CASES = [
@@ -216,7 +211,6 @@ RAGGED_CASES = [
     ("xla", F32, 16, 3, 1, 64, 1, 1),
     ("xla", F32, 8, 3, 2, 64, 8, 1),
 ]
-
 
 @pytest.mark.parametrize(
     "implementation,dtype,block_size,group,num_kv_heads,head_dim,block_q,splits", RAGGED_CASES
@@ -247,14 +241,13 @@ def test_ragged_matches_reference(
         pool.context_lens,
         query_start_loc,
         implementation=implementation,
-        interpret=True,
+        interpret=kernel_interpret(implementation),
         block_q=block_q,
         num_kv_splits=splits,
     )
     assert out.shape == q.shape and out.dtype == dtype
     assert_close(out, expected, dtype)
     assert not np.asarray(out[-batch.padding_tokens :].astype(F32)).any()
-
 
 @pytest.mark.parametrize("implementation", ["triton", "tpu", "xla"])
 @pytest.mark.parametrize("op", ["decode", "ragged"])
@@ -278,10 +271,10 @@ def test_scale_and_soft_cap(implementation, op):
     uncapped = reference(q, pool.k, pool.v, *tables, scale=0.3)
     assert np.abs(np.asarray(expected - uncapped)).max() > 1e-2
     out = kernel(
-        q, pool.k_nan, pool.v_nan, *tables, implementation=implementation, interpret=True, **knobs
+        q, pool.k_nan, pool.v_nan, *tables, implementation=implementation,
+        interpret=kernel_interpret(implementation), **knobs
     )
     assert_close(out, expected, F32)
-
 
 @pytest.mark.parametrize("implementation", ["reference", "triton", "tpu", "xla"])
 def test_nan_poisoned_pool_changes_nothing(implementation):
@@ -294,7 +287,8 @@ def test_nan_poisoned_pool_changes_nothing(implementation):
     decode_q = q[: len(batch.context_lens)]
     for k, v in ((pool.k, pool.v), (pool.k_nan, pool.v_nan)):
         kwargs = dict(implementation=implementation,
-                      interpret=implementation not in ("reference", "xla"))
+                      interpret=implementation in ("triton", "tpu")
+                      and kernel_interpret(implementation))
         ragged = kp.ragged_paged_attention(
             q, k, v, pool.block_tables, pool.context_lens, query_start_loc, **kwargs
         )
@@ -307,6 +301,36 @@ def test_nan_poisoned_pool_changes_nothing(implementation):
     np.testing.assert_array_equal(np.asarray(ragged), np.asarray(clean_ragged))
     np.testing.assert_array_equal(np.asarray(decode), np.asarray(clean_decode))
 
+def _stack_layers(pool_cache: jax.Array, layer: int, num_layers: int) -> jax.Array:
+    """[L, Hkv, N, bs, D] with pool_cache as layer `layer` and NaN in every other layer."""
+    nan = jnp.full_like(pool_cache, jnp.nan)
+    return jnp.stack([pool_cache if i == layer else nan for i in range(num_layers)])
+
+@pytest.mark.parametrize("implementation", ["reference", "triton", "tpu", "xla"])
+def test_stacked_cache_reads_only_the_given_layer(implementation):
+    """A stacked [layers, ...] cache, every other layer NaN, the layer a traced value:
+    both ops equal the reference on that layer's own one-layer pool."""
+    rng = np.random.default_rng(12)
+    batch = mixed_batch(16)
+    pool = make_pool(rng, batch.context_lens, num_kv_heads=2, head_dim=64, block_size=16, dtype=F32)
+    q = jnp.asarray(rng.standard_normal((batch.num_tokens, 6, 64)), F32)
+    query_start_loc = jnp.asarray(batch.query_start_loc, jnp.int32)
+    decode_q = q[: len(batch.context_lens)]
+    layer = 2
+    k_stack, v_stack = (_stack_layers(c, layer, 3) for c in (pool.k_nan, pool.v_nan))
+    knobs = dict(implementation=implementation,
+                 interpret=implementation not in ("reference", "xla"))
+    ragged = jax.jit(functools.partial(kp.ragged_paged_attention, **knobs))(
+        q, k_stack, v_stack, pool.block_tables, pool.context_lens, query_start_loc,
+        layer=jnp.int32(layer),
+    )
+    decode = jax.jit(functools.partial(kp.paged_decode_attention, **knobs))(
+        decode_q, k_stack, v_stack, pool.block_tables, pool.context_lens, layer=jnp.int32(layer)
+    )
+    assert_close(ragged, kp.ragged_paged_attention_reference(
+        q, pool.k, pool.v, pool.block_tables, pool.context_lens, query_start_loc), F32)
+    assert_close(decode, kp.paged_decode_attention_reference(
+        decode_q, pool.k, pool.v, pool.block_tables, pool.context_lens), F32)
 
 def test_reference_agrees_with_dense_attention():
     """The reference itself against attention written out on contiguous K/V in numpy."""
@@ -338,7 +362,6 @@ def test_reference_agrees_with_dense_attention():
                 expected[starts[seq] + i, head] = probs @ v_seq[kv, : pos + 1] / probs.sum()
     np.testing.assert_allclose(np.asarray(out), expected, atol=1e-5)
 
-
 @pytest.mark.parametrize("block_q", [1, 2, 8])
 def test_ragged_tiles_cover_every_token_once(block_q):
     """Tile metadata against a brute-force walk over the sequences."""
@@ -363,7 +386,6 @@ def test_ragged_tiles_cover_every_token_once(block_q):
     }
     assert covered == expected
 
-
 def test_xla_work_list_matches_reference():
     """Many tiles of skewed lengths, padding among them, one page per loop step: the
     XLA loop's groups of sorted tiles each run to their own longest tile, over
@@ -387,7 +409,6 @@ def test_xla_work_list_matches_reference():
                                     implementation="xla", pages_per_chunk=1)
     assert_close(out, expected, F32)
 
-
 def test_xla_tile_size_follows_the_mix():
     """On CPU, decode-heavy steps get small query tiles, prefill-heavy ones the largest."""
     # 64 sequences in 80 tokens: mostly decodes, a 64-row tile each would be wasted.
@@ -395,7 +416,6 @@ def test_xla_tile_size_follows_the_mix():
     # One long prompt: the largest tile, as the GPU kernel takes.
     assert _default_block_q("xla", 3, 256, 1) == _default_block_q("triton", 3, 256, 1) == 16
     assert _default_block_q("triton", 3, 80, 64) == 16
-
 
 def test_default_implementation_follows_the_backend():
     # The Mosaic kernel on TPUs, the Triton kernel on GPUs (and whenever a kernel is
@@ -406,6 +426,34 @@ def test_default_implementation_follows_the_backend():
     assert kp.default_implementation(True) == interpreted
     assert kp.default_implementation(pltpu.InterpretParams()) == "tpu"
 
+WITHOUT_TRITON = """
+import sys
+
+class NoTriton:
+    def find_spec(self, name, path, target=None):
+        if name == "jax.experimental.pallas.triton":
+            raise ImportError("this jax has no Triton backend")
+
+sys.meta_path.insert(0, NoTriton())
+import jax.numpy as jnp
+import kernels_pallas as kp
+
+q, cache = jnp.ones((1, 2, 16)), jnp.ones((1, 2, 16, 16))
+args = (q, cache, cache, jnp.array([[1]], jnp.int32), jnp.array([5], jnp.int32))
+assert kp.paged_decode_attention(*args, implementation="xla").shape == q.shape
+try:
+    kp.paged_decode_attention(*args, implementation="triton", interpret=True)
+except ImportError as error:
+    print(error)
+"""
+
+def test_kernels_import_without_the_triton_backend():
+    # JAX deprecates its Triton backend from 0.11: the other kernels must still load and
+    # run, and the Triton kernel fail on use (the engine then falls back to "xla").
+    result = subprocess.run([sys.executable, "-c", WITHOUT_TRITON], capture_output=True,
+                            text=True, cwd=Path(__file__).resolve().parents[1])
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "this jax has no Triton backend" in result.stdout
 
 def _decode_args(dtype=F32, block_size=8, num_q_heads=4):
     pool = make_pool(
@@ -418,7 +466,6 @@ def _decode_args(dtype=F32, block_size=8, num_q_heads=4):
     )
     q = jnp.zeros((2, num_q_heads, 64), dtype)
     return q, pool.k, pool.v, pool.block_tables, pool.context_lens
-
 
 @pytest.mark.parametrize(
     "change,error,match",
@@ -441,7 +488,6 @@ def test_decode_rejects_bad_arguments(change, error, match):
     with pytest.raises(error, match=match):
         kp.paged_decode_attention(q, k, v, tables, lens, interpret=True, **change)
 
-
 def test_ragged_rejects_bad_query_start_loc():
     q, k, v, tables, lens = _decode_args()
     with pytest.raises(ValueError, match=r"query_start_loc must be \[B \+ 1\]"):
@@ -450,7 +496,6 @@ def test_ragged_rejects_bad_query_start_loc():
         kp.ragged_paged_attention(
             q, k, v, tables, lens, jnp.array([0, 1, 2], jnp.int32), interpret=True, block_q=3
         )
-
 
 def test_write_kv_matches_slot_by_slot_writes():
     rng = np.random.default_rng(2)
@@ -482,7 +527,6 @@ def test_write_kv_matches_slot_by_slot_writes():
         np.asarray(f32(new_v)), np.asarray(f32(jnp.asarray(expected_v, BF16)))
     )
 
-
 @pytest.mark.parametrize("slots", [[13], [8, 9, 39]])
 def test_write_kv_updates_a_donated_cache_in_place(slots):
     """One token (XLA's dynamic-update-slice path) and several (scatter) alike."""
@@ -497,6 +541,41 @@ def test_write_kv_updates_a_donated_cache_in_place(slots):
     assert new_v.unsafe_buffer_pointer() == v_pointer
     assert float(new_k.sum()) == len(slots) * 2 * 16
 
+@pytest.mark.parametrize("slots", [[13], [8, 9, 39]])
+def test_write_kv_writes_one_layer_of_a_stacked_cache_in_place(slots):
+    """numpy writes slot by slot into layer 1 of 3 as the oracle; the donated buffers
+    are reused."""
+    rng = np.random.default_rng(3)
+    num_layers, layer, block_size = 3, 1, 8
+    shape = (num_layers, 2, 5, block_size, 16)
+    k_cache, v_cache = (rng.standard_normal(shape).astype(np.float32) for _ in range(2))
+    k, v = (rng.standard_normal((len(slots), 2, 16)).astype(np.float32) for _ in range(2))
+    expected_k, expected_v = k_cache.copy(), v_cache.copy()
+    for token, slot in enumerate(slots):
+        block, offset = divmod(slot, block_size)
+        expected_k[layer, :, block, offset] = k[token]
+        expected_v[layer, :, block, offset] = v[token]
+    device_k, device_v = jnp.asarray(k_cache), jnp.asarray(v_cache)
+    pointers = device_k.unsafe_buffer_pointer(), device_v.unsafe_buffer_pointer()
+    write = jax.jit(kp.write_kv, donate_argnums=(0, 1))
+    new_k, new_v = write(device_k, device_v, jnp.asarray(k), jnp.asarray(v),
+                         jnp.array(slots, jnp.int32), jnp.int32(layer))
+    assert (new_k.unsafe_buffer_pointer(), new_v.unsafe_buffer_pointer()) == pointers
+    np.testing.assert_array_equal(np.asarray(new_k), expected_k)
+    np.testing.assert_array_equal(np.asarray(new_v), expected_v)
+
+def test_cache_rank_must_match_the_layer_argument():
+    one_layer, stacked = jnp.zeros((2, 5, 8, 16)), jnp.zeros((3, 2, 5, 8, 16))
+    new, slots = jnp.zeros((1, 2, 16)), jnp.zeros(1, jnp.int32)
+    with pytest.raises(ValueError, match=r"must both be \[num_layers, num_kv_heads"):
+        kp.write_kv(one_layer, one_layer, new, new, slots, jnp.int32(0))
+    with pytest.raises(ValueError, match=r"must both be \[num_kv_heads"):
+        kp.write_kv(stacked, stacked, new, new, slots)
+    with pytest.raises(TypeError, match="layer must be an integer scalar"):
+        kp.write_kv(stacked, stacked, new, new, slots, jnp.zeros(2, jnp.int32))
+    q, tables, lens = jnp.zeros((1, 4, 16)), jnp.zeros((1, 2), jnp.int32), jnp.ones(1, jnp.int32)
+    with pytest.raises(ValueError, match=r"must both be \[num_layers, num_kv_heads"):
+        kp.paged_decode_attention(q, one_layer, one_layer, tables, lens, layer=jnp.int32(0))
 
 def test_write_kv_rejects_mismatched_shapes():
     cache = jnp.zeros((2, 5, 8, 16))
@@ -507,10 +586,10 @@ def test_write_kv_rejects_mismatched_shapes():
     with pytest.raises(TypeError, match="slot_mapping must be int32"):
         kp.write_kv(cache, cache, jnp.zeros((3, 2, 16)), jnp.zeros((3, 2, 16)), jnp.zeros(3))
 
-
 @pytest.mark.parametrize("implementation", ["triton", "tpu"])
 def test_step_with_donated_cache_writes_then_attends(implementation):
     """The runner's pattern: one jitted step, cache donated, write K/V then attend."""
+    interpret = kernel_interpret(implementation)
     rng = np.random.default_rng(8)
     block_size, num_kv_heads, head_dim = 8, 2, 64
     prefixes, new_tokens = [11, 0, 3], [1, 6, 9]
@@ -559,7 +638,7 @@ def test_step_with_donated_cache_writes_then_attends(implementation):
             pool.context_lens,
             query_start_loc,
             implementation=implementation,
-            interpret=True,
+            interpret=interpret,
         )
         return out, k_cache, v_cache
 

@@ -188,3 +188,29 @@ def test_tpu_kernels_lower_for_tpu(
     )
     for text in (decode, ragged):
         assert "tpu_custom_call" in text and "paged_attention_tpu" in text
+
+
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+@pytest.mark.parametrize("platform,implementation,marker", [
+    ("cuda", "triton", "paged_attention_triton"), ("tpu", "tpu", "paged_attention_tpu")])
+def test_kernels_lower_with_a_stacked_cache_and_a_traced_layer(platform, implementation, marker):
+    cache = ((3, 2, 64, 16, 128), BF16)
+    index_shapes = (((4, 9), jnp.int32), ((4,), jnp.int32))
+    layer = ((), jnp.int32)
+
+    def decode(q, k_cache, v_cache, block_tables, context_lens, layer):
+        return kp.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens,
+                                         layer=layer, implementation=implementation)
+
+    def ragged(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, layer):
+        return kp.ragged_paged_attention(q, k_cache, v_cache, block_tables, context_lens,
+                                         query_start_loc, layer=layer,
+                                         implementation=implementation)
+
+    texts = (
+        _lowered_text(decode, platform, ((4, 8, 128), BF16), cache, cache, *index_shapes, layer),
+        _lowered_text(ragged, platform, ((24, 8, 128), BF16), cache, cache, *index_shapes,
+                      ((5,), jnp.int32), layer),
+    )
+    for text in texts:
+        assert marker in text

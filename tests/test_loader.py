@@ -54,10 +54,13 @@ def llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, 2, head_dim // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(hf_dir: Path, path: Path, *, extra_tensors=(), rope_scaling=None) -> Path:
+def write_gguf(hf_dir: Path, path: Path, *, extra_tensors=(), rope_scaling=None,
+               tokenizer_pre=None, chat_template=None, add_bos_token=None) -> Path:
     """A GGUF of a Hugging Face directory, as llama.cpp's converter lays it out: metadata
     keys, tensor names, permuted llama q/k rows, Q8_0 matrices, f32 vectors, and the
-    tokenizer as gpt2-style tokens + merges. RoPE scaling is written only when asked for."""
+    tokenizer as gpt2-style tokens + merges. RoPE scaling, the pre-tokenizer name
+    (`tokenizer.ggml.pre`), a chat template and the add-BOS flag are written only when
+    asked for."""
     config = json.loads((hf_dir / "config.json").read_text())
     arch = config["model_type"]
     writer = gguf.GGUFWriter(path, arch)
@@ -74,6 +77,12 @@ def write_gguf(hf_dir: Path, path: Path, *, extra_tensors=(), rope_scaling=None)
     if rope_scaling is not None:
         writer.add_rope_scaling_type(gguf.RopeScalingType(rope_scaling))
     _add_tokenizer(writer, hf_dir, config)
+    if tokenizer_pre is not None:
+        writer.add_tokenizer_pre(tokenizer_pre)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
+    if add_bos_token is not None:
+        writer.add_add_bos_token(add_bos_token)
     tensors = {}
     for shard in sorted(hf_dir.glob("*.safetensors")):
         tensors.update(load_file(shard))
@@ -146,7 +155,7 @@ def test_gguf_matches_transformers_gguf_load(tiny_gguf, tiny_model_dir, paged_ca
     assert config.attention_bias == (oracle.model.layers[0].self_attn.q_proj.bias is not None)
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
     text = "the other thing in a theater"
-    assert tokenizer(text).input_ids == hf_tokenizer(text).input_ids
+    assert tokenizer.encode(text) == hf_tokenizer(text).input_ids
 
 
 def test_converted_gguf_is_a_transformers_directory(tiny_gguf, tmp_path, paged_cache_book):
@@ -166,7 +175,9 @@ def test_converted_gguf_is_a_transformers_directory(tiny_gguf, tmp_path, paged_c
 
     np.testing.assert_allclose(from_transformers, expected, atol=1e-5, rtol=0)
     np.testing.assert_allclose(ours, expected, atol=1e-4, rtol=0)
-    assert tokenizer("the theme").input_ids == load_gguf(tiny_gguf)[2]("the theme").input_ids
+    assert tokenizer.encode("the theme") == load_gguf(tiny_gguf)[2].encode("the theme")
+    assert transformers.AutoTokenizer.from_pretrained(converted)("the theme").input_ids == (
+        tokenizer.encode("the theme"))
     assert sorted(p.name for p in converted.parent.iterdir()) == ["converted"]
 
 
@@ -306,8 +317,8 @@ def test_smollm2_greedy_matches_transformers(paged_cache_book):
     assert (config.num_layers, config.num_heads, config.num_kv_heads) == (30, 9, 3)
     assert config.tie_word_embeddings and config.eos_token_ids == (2,)
     prompts = [
-        tokenizer.apply_chat_template(p, add_generation_prompt=True, return_dict=True).input_ids
-        if isinstance(p, list) else tokenizer(p).input_ids
+        tokenizer.apply_chat_template(p, add_generation_prompt=True)
+        if isinstance(p, list) else tokenizer.encode(p)
         for p in SMOLLM2_PROMPTS
     ]
     oracle = transformers.AutoModelForCausalLM.from_pretrained(

@@ -7,6 +7,7 @@ cache with scattered block tables, ragged batches, chunked prefill and decode.
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -90,7 +91,7 @@ def test_bfloat16_parameters_track_float32_oracle(tiny_llama_dir, paged_cache_bo
 
     logits, kv_caches = STEP(*nnx.split(model), input_ids, kv_caches, metadata)
 
-    assert logits.dtype == jnp.float32 and kv_caches[0][0].dtype == jnp.bfloat16
+    assert logits.dtype == jnp.float32 and kv_caches[0].dtype == jnp.bfloat16
     assert all(p.dtype == jnp.bfloat16 for p in jax.tree.leaves(nnx.state(model)))
     expected = np.stack([oracle_logits(tiny_llama_dir, p)[-1] for p in prompts])
     scale = np.abs(expected).max()
@@ -105,8 +106,8 @@ def test_jitted_step_donates_the_kv_cache(tiny_qwen2_dir, paged_cache_book):
 
     _, new_caches = STEP(*nnx.split(model), input_ids, kv_caches, metadata)
 
-    assert all(a.is_deleted() for layer in kv_caches for a in layer)
-    assert all(not a.is_deleted() for layer in new_caches for a in layer)
+    assert all(a.is_deleted() for a in kv_caches)
+    assert all(not a.is_deleted() for a in new_caches)
 
 
 def test_config_reads_transformers_configs():
@@ -176,8 +177,7 @@ def test_config_rejects_unsupported_architectures(change, message):
 def test_init_kv_caches_layout():
     config = LlamaConfig(vocab_size=10, hidden_size=8, intermediate_size=16, num_layers=3,
                          num_heads=4, num_kv_heads=2, head_dim=6)
-    caches = init_kv_caches(config, num_blocks=5, block_size=3, dtype=jnp.bfloat16)
-    assert len(caches) == 3
-    for k_cache, v_cache in caches:
-        assert k_cache.shape == v_cache.shape == (2, 5, 3, 6)
-        assert k_cache.dtype == jnp.bfloat16 and not np.asarray(k_cache, np.float32).any()
+    k_cache, v_cache = init_kv_caches(config, num_blocks=5, block_size=3, dtype=jnp.bfloat16)
+    for cache in (k_cache, v_cache):
+        chex.assert_shape(cache, (3, 2, 5, 3, 6))
+        assert cache.dtype == jnp.bfloat16 and not np.asarray(cache, np.float32).any()

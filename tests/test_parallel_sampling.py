@@ -110,7 +110,7 @@ def test_smollm2_samples_hold_one_copy_of_a_long_prompt(smollm2):
     """n = 4 samples of a 245-token prompt: 61 full blocks of 4 tokens, held once."""
     tokenizer = smollm2[2]
     text = " ".join(f"Item {i}: the quick brown fox jumps over the lazy dog." for i in range(20))
-    prompt = tokenizer(text).input_ids[:245]
+    prompt = tokenizer.encode(text)[:245]
     assert len(prompt) == 245
     llm = LLM("smollm2", loaded=smollm2, block_size=4, num_blocks=400, max_num_seqs=4,
               max_num_batched_tokens=256, max_model_len=320,

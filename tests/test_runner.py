@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import chex
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -23,40 +25,60 @@ def runner(tiny_qwen2_dir):
     runner = ModelRunner(model, config, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
                          num_host_blocks=NUM_HOST_BLOCKS)
     rng = np.random.default_rng(0)
-    runner.kv_caches = [
-        tuple(jnp.asarray(rng.standard_normal(k.shape), k.dtype) for k in layer)
-        for layer in runner.kv_caches
-    ]
+    runner.kv_caches = tuple(
+        jnp.asarray(rng.standard_normal(cache.shape), cache.dtype) for cache in runner.kv_caches
+    )
     return runner
 
 
-def _device(runner) -> list[tuple[np.ndarray, np.ndarray]]:
-    return [(np.array(k), np.array(v)) for k, v in runner.kv_caches]
+def _device(runner) -> list[np.ndarray]:
+    """The k and v caches, each [layers, kv heads, blocks, block_size, head_dim]."""
+    return [np.array(cache) for cache in runner.kv_caches]
+
+
+def test_cache_stacks_every_layer(runner):
+    config = runner.config
+    for cache in (*runner.kv_caches, *runner.host_kv):
+        num_blocks = NUM_BLOCKS if isinstance(cache, jax.Array) else NUM_HOST_BLOCKS
+        chex.assert_shape(cache, (config.num_layers, config.num_kv_heads, num_blocks,
+                                  BLOCK_SIZE, config.head_dim))
 
 
 def test_swap_out_swap_in_and_copies_move_whole_blocks(runner):
     device = _device(runner)
     runner.apply_block_ops(BlockOps(swap_out=_pairs((3, 1), (7, 4)), swap_in=_pairs(),
                                     copies=_pairs()))
-    for (k, v), (hk, hv) in zip(device, runner.host_kv, strict=True):
-        np.testing.assert_array_equal(hk[:, [1, 4]], k[:, [3, 7]])
-        np.testing.assert_array_equal(hv[:, [1, 4]], v[:, [3, 7]])
+    for old, host in zip(device, runner.host_kv, strict=True):
+        np.testing.assert_array_equal(host[:, :, [1, 4]], old[:, :, [3, 7]])
 
     # Swap the pages back into other blocks, and copy-on-write two blocks, one
     # of them onto a block another copy reads: every source is read first.
     runner.apply_block_ops(BlockOps(swap_out=_pairs(), swap_in=_pairs((1, 9), (4, 2)),
                                     copies=_pairs((5, 10), (10, 11))))
-    for (k, v), (new_k, new_v) in zip(device, _device(runner), strict=True):
-        for old, new in ((k, new_k), (v, new_v)):
-            expected = old.copy()
-            expected[:, [9, 2]] = old[:, [3, 7]]
-            expected[:, 10], expected[:, 11] = old[:, 5], old[:, 10]
-            np.testing.assert_array_equal(new, expected)
+    for old, new in zip(device, _device(runner), strict=True):
+        expected = old.copy()
+        expected[:, :, [9, 2]] = old[:, :, [3, 7]]
+        expected[:, :, 10], expected[:, :, 11] = old[:, :, 5], old[:, :, 10]
+        np.testing.assert_array_equal(new, expected)
 
 
 def test_no_ops_leave_the_cache_alone(runner):
     device = _device(runner)
     runner.apply_block_ops(BlockOps(swap_out=_pairs(), swap_in=_pairs(), copies=_pairs()))
-    for (k, v), (new_k, new_v) in zip(device, _device(runner), strict=True):
-        np.testing.assert_array_equal(k, new_k)
-        np.testing.assert_array_equal(v, new_v)
+    for old, new in zip(device, _device(runner), strict=True):
+        np.testing.assert_array_equal(old, new)
+
+
+@pytest.mark.parametrize("decode_only", [True, False])
+def test_compiled_step_writes_the_cache_in_place(tiny_qwen2_dir, decode_only):
+    """XLA's own memory analysis of the compiled step: the donated cache is the output
+    (aliased), and the step's scratch holds less than one layer's keys, so no layer,
+    let alone the whole cache, is copied."""
+    model, config, _ = load_model(tiny_qwen2_dir)
+    runner = ModelRunner(model, config, num_blocks=2048, block_size=16)
+    cache_bytes = sum(cache.nbytes for cache in runner.kv_caches)
+    one_layer_keys = runner.kv_caches[0].nbytes // config.num_layers
+    num_tokens = 8 if decode_only else 32
+    memory = runner.compile_step(num_tokens, 8, 16, decode_only).memory_analysis()
+    assert memory.alias_size_in_bytes == cache_bytes
+    assert memory.temp_size_in_bytes < one_layer_keys

@@ -3,112 +3,44 @@
 The oracle is the offline engine: the same model and configuration through
 `LLM.generate` / `LLM.chat` must give the same text, tokens and
 log-probabilities as the server. Errors are checked against OpenAI's error
-shape and the documented status codes. One server (uvicorn in a thread, on a
-free loopback port) serves the whole module.
+shape and the documented status codes. One server (conftest's `server`: uvicorn
+in a thread, on a free loopback port) serves every server test.
 """
 
 from __future__ import annotations
 
 import asyncio
-import copy
-import http.client
 import json
-import socket
 import threading
 import time
-from dataclasses import dataclass
 
 import openai
 import pytest
-import uvicorn
+from conftest import (
+    SERVED_MODEL,
+    SERVER_API_KEY,
+    SERVER_ENGINE,
+    SERVER_MAX_BODY_BYTES,
+    Reply,
+    http_connection,
+    http_request,
+    metric,
+    wait_until_idle,
+)
 
-from jpaged.core.batch_builder import BucketSizes
 from jpaged.engine.async_engine import AsyncLLMEngine, EngineStoppedError
-from jpaged.engine.llm_engine import EngineConfig, LLMEngine
-from jpaged.entrypoints.llm import LLM
-from jpaged.entrypoints.server import build_app
-from jpaged.model.loader import load_model
 from jpaged.sampling_params import SamplingParams
 
-MODEL = "tiny"
-API_KEY = "test-key"
-MAX_BODY_BYTES = 64 * 1024
-CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
-          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-# One padded shape for mixed steps and one for decode steps (64 tokens, 8 sequence rows,
-# full-width block tables): each of the two engines compiles only those two.
-ENGINE = dict(block_size=8, num_blocks=160, max_num_seqs=8, max_num_batched_tokens=64,
-              max_model_len=256, persistent_compilation_cache=False,
-              buckets=BucketSizes(min_num_tokens=64, min_num_seqs=8, min_blocks_per_seq=32))
+MODEL = SERVED_MODEL
+API_KEY = SERVER_API_KEY
+MAX_BODY_BYTES = SERVER_MAX_BODY_BYTES
 PROMPTS = ["the theater in the", "a thin"]
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the other"}]
 
 
 @pytest.fixture(scope="module")
-def loaded(tiny_llama_dir):
-    model, config, tokenizer = load_model(tiny_llama_dir)
-    tokenizer.chat_template = CHATML
-    return model, config, tokenizer
-
-
-@pytest.fixture(scope="module")
-def offline(loaded) -> LLM:
-    return LLM(MODEL, loaded=loaded, **ENGINE)
-
-
-@pytest.fixture(scope="module")
-def server(loaded):
-    """(base_url, AsyncLLMEngine) of a running server; its own tokenizer copy, since the
-    offline engine's runs in the test thread."""
-    model, config, tokenizer = loaded
-    engine = LLMEngine(EngineConfig(model=MODEL, **ENGINE),
-                       loaded=(model, config, copy.deepcopy(tokenizer)))
-    async_engine = AsyncLLMEngine(engine, max_waiting=64)
-    app = build_app(async_engine, MODEL, api_key=API_KEY, max_body_bytes=MAX_BODY_BYTES)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    uvicorn_server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=uvicorn_server.run, kwargs={"sockets": [sock]})
-    thread.start()
-    while not uvicorn_server.started:
-        assert thread.is_alive(), "the server did not start"
-        time.sleep(0.01)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}", async_engine
-    uvicorn_server.should_exit = True
-    thread.join(30)
-    assert not async_engine.is_running  # the lifespan's end shut the engine down
-
-
-@pytest.fixture(scope="module")
 def base_url(server) -> str:
     return server[0]
-
-
-@dataclass
-class Reply:
-    status: int
-    headers: dict[str, str]  # names in lower case
-    text: str
-
-    def json(self):
-        return json.loads(self.text)
-
-
-def _connection(base_url: str, timeout: float = 60) -> http.client.HTTPConnection:
-    host, port = base_url.removeprefix("http://").split(":")
-    return http.client.HTTPConnection(host, int(port), timeout=timeout)
-
-
-def _http(base_url: str, method: str, path: str, body: bytes | None = None,
-          headers: dict | None = None) -> Reply:
-    connection = _connection(base_url)
-    try:
-        connection.request(method, path, body=body, headers=headers or {})
-        response = connection.getresponse()
-        return Reply(response.status, {k.lower(): v for k, v in response.getheaders()},
-                     response.read().decode())
-    finally:
-        connection.close()
 
 
 @pytest.fixture(scope="module")
@@ -123,13 +55,6 @@ def client(base_url) -> openai.OpenAI:
 
 def _greedy(**kwargs) -> SamplingParams:
     return SamplingParams(**({"temperature": 0.0, "max_tokens": 8} | kwargs))
-
-
-def _wait_until_idle(engine: AsyncLLMEngine, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while engine.state.kv_blocks_used or engine.state.num_running or engine.state.num_waiting:
-        assert time.monotonic() < deadline, f"the engine is still busy: {engine.state}"
-        time.sleep(0.01)
 
 
 # Outputs against the offline engine.
@@ -335,7 +260,7 @@ AUTHORIZED = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application
 
 def _post(base_url: str, path: str, body, headers: dict | None = None) -> Reply:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return _http(base_url, "POST", f"/v1/{path}", content, AUTHORIZED | (headers or {}))
+    return http_request(base_url, "POST", f"/v1/{path}", content, AUTHORIZED | (headers or {}))
 
 
 def _assert_error(response: Reply, status: int, param: str | None, words: str) -> None:
@@ -358,34 +283,27 @@ def test_missing_or_wrong_api_key_is_401(base_url, client):
     for headers in ({"Authorization": ""}, {"Authorization": "Bearer wrong"}):
         _assert_error(_post(base_url, "completions", GOOD_COMPLETION, headers), 401, None,
                       "API key")
-    assert _http(base_url, "GET", "/health").status == 200  # open without a key
+    assert http_request(base_url, "GET", "/health").status == 200  # open without a key
     assert client.completions.create(**GOOD_COMPLETION).choices
 
 
 # Disconnects, failures, a full queue.
 
 
-def _metric(base_url: str, name: str) -> float:
-    for line in _http(base_url, "GET", "/metrics").text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise AssertionError(f"no metric {name}")
-
-
 def test_disconnect_mid_stream_frees_the_blocks(base_url, engine):
     finished_before = engine.engine.stats.num_finished
     body = GOOD_COMPLETION | {"max_tokens": 200, "stream": True, "ignore_eos": True}
-    connection = _connection(base_url)
+    connection = http_connection(base_url)
     connection.request("POST", "/v1/completions", json.dumps(body), AUTHORIZED)
     response = connection.getresponse()
     while not response.readline().startswith(b"data: "):
         pass
     assert engine.state.kv_blocks_used > 0
     connection.close()
-    _wait_until_idle(engine)
+    wait_until_idle(engine)
     assert engine.engine.stats.num_finished == finished_before  # aborted, not run to the end
-    assert _metric(base_url, "jpaged:kv_cache_blocks_used") == 0
-    assert _metric(base_url, "jpaged:num_requests_running") == 0
+    assert metric(base_url, "jpaged:kv_cache_blocks_used") == 0
+    assert metric(base_url, "jpaged:num_requests_running") == 0
 
 
 def _slow_steps(engine: AsyncLLMEngine, monkeypatch, seconds: float) -> None:
@@ -404,23 +322,23 @@ def test_disconnect_while_waiting_for_a_response_frees_the_blocks(base_url, engi
     _slow_steps(engine, monkeypatch, 0.01)  # 200 tokens take over 2 s
     finished_before = engine.engine.stats.num_finished
     body = GOOD_COMPLETION | {"max_tokens": 200, "ignore_eos": True}
-    connection = _connection(base_url, timeout=0.5)
+    connection = http_connection(base_url, timeout=0.5)
     connection.request("POST", "/v1/completions", json.dumps(body), AUTHORIZED)
     with pytest.raises(TimeoutError):
         connection.getresponse()
     connection.close()
-    _wait_until_idle(engine)
+    wait_until_idle(engine)
     assert engine.engine.stats.num_finished == finished_before
 
 
 def test_metrics_count_finished_requests(base_url, client, engine):
-    before = _metric(base_url, "jpaged:generation_tokens_total")
-    requests_before = _metric(base_url, "jpaged:e2e_request_latency_seconds_count")
+    before = metric(base_url, "jpaged:generation_tokens_total")
+    requests_before = metric(base_url, "jpaged:e2e_request_latency_seconds_count")
     client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=5, n=2,
                               extra_body={"ignore_eos": True})
-    assert _metric(base_url, "jpaged:generation_tokens_total") == before + 2 * 2 * 5
-    assert _metric(base_url, "jpaged:e2e_request_latency_seconds_count") == requests_before + 2
-    assert _metric(base_url, "jpaged:kv_cache_blocks_total") == ENGINE["num_blocks"] - 1
+    assert metric(base_url, "jpaged:generation_tokens_total") == before + 2 * 2 * 5
+    assert metric(base_url, "jpaged:e2e_request_latency_seconds_count") == requests_before + 2
+    assert metric(base_url, "jpaged:kv_cache_blocks_total") == SERVER_ENGINE["num_blocks"] - 1
 
 
 @pytest.mark.parametrize("stream", [True, False])
@@ -443,7 +361,7 @@ def test_a_failed_step_ends_the_request_with_an_error(client, engine, monkeypatc
                 pass
         else:
             client.completions.create(**kwargs)
-    _wait_until_idle(engine)
+    wait_until_idle(engine)
     monkeypatch.undo()
     assert client.completions.create(**GOOD_COMPLETION).choices[0].text is not None
 
@@ -474,7 +392,7 @@ def test_full_waiting_queue_answers_503_and_recovers(base_url, client, engine, m
 
 
 def test_idle_engine_thread_does_not_spin(engine):
-    _wait_until_idle(engine)
+    wait_until_idle(engine)
     started = time.process_time()
     time.sleep(1.0)
     assert time.process_time() - started < 0.2

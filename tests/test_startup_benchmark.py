@@ -64,3 +64,12 @@ def test_cli_time_is_the_median_of_its_runs(report):
     cli = report["generate_cli_s"]
     assert len(cli["runs_s"]) == report["settings"]["cli_runs"]
     assert cli["median_s"] == statistics.median(cli["runs_s"]) > 0
+
+
+def test_cold_warmup_compiles_every_shape_once(report):
+    warmup = report["warmup"]
+    assert report["cold_warmup_s"] == warmup["cold_warmup_s"] > 0
+    assert warmup["num_step_shapes"] > 0
+    # The donated cache comes back aliased, not copied.
+    assert warmup["decode_step_memory"]["alias_bytes"] == warmup["decode_step_memory"][
+        "kv_cache_bytes"]

@@ -33,19 +33,27 @@ class BucketSizes:
     linear_step > 0 pads token and sequence counts past it to a multiple of it
     instead: 48 rather than 64 rows for 33 sequences, fewer wasted rows for
     more compiled shapes (worth it where rows cost compute, as on CPUs).
+
+    mixed_num_seqs > 0 pads the sequence rows of every mixed step (more tokens
+    than sequences) to at least this many, so mixed steps vary by token count
+    alone: one compiled shape per token bucket instead of one per (tokens, rows)
+    pair. Padding rows are empty sequences, which the attention skips, and the
+    logits are still taken for the rows in use only (`ModelInput.num_rows`).
     """
 
     min_num_tokens: int = 16
     min_num_seqs: int = 8
     min_blocks_per_seq: int = 8
     linear_step: int = 0
+    mixed_num_seqs: int = 0
 
     def __post_init__(self):
         for name in ("min_num_tokens", "min_num_seqs", "min_blocks_per_seq"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.linear_step < 0:
-            raise ValueError(f"linear_step must be >= 0, got {self.linear_step}")
+        for name in ("linear_step", "mixed_num_seqs"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)
@@ -55,12 +63,20 @@ class ModelInput:
     input_ids: int32 [T]  token ids (0 for padding tokens).
     metadata:  the step's AttentionMetadata (numpy int32 arrays).
     num_tokens, num_seqs: the real (unpadded) counts.
+    num_rows:  the padded rows of logits the step needs (<= B): the first
+               num_rows entries of metadata.logits_indices.
     """
 
     input_ids: np.ndarray
     metadata: AttentionMetadata
     num_tokens: int
     num_seqs: int
+    num_rows: int
+
+    @property
+    def decode_only(self) -> bool:
+        """One new token per sequence: the step the paged decode kernel serves."""
+        return self.num_tokens == self.num_seqs
 
 
 def bucket(n: int, minimum: int, linear_step: int = 0) -> int:
@@ -71,12 +87,21 @@ def bucket(n: int, minimum: int, linear_step: int = 0) -> int:
     return 1 << (size - 1).bit_length()
 
 
-def padded_sizes(num_tokens: int, num_rows: int, buckets: BucketSizes) -> tuple[int, int]:
-    """(padded tokens, padded sequence rows) of a step. Token rows are never fewer
-    than sequence rows, so every step shape is one that warm-up compiles."""
-    padded_rows = bucket(num_rows, buckets.min_num_seqs, buckets.linear_step)
-    return bucket(max(num_tokens, padded_rows), buckets.min_num_tokens,
-                  buckets.linear_step), padded_rows
+def padded_sizes(
+    num_tokens: int, num_rows: int, buckets: BucketSizes, decode_only: bool
+) -> tuple[int, int, int]:
+    """(padded tokens, padded sequence rows, padded logit rows) of a step.
+
+    Logit rows are the bucket of num_rows. A decode-only step has as many token
+    rows as sequence rows; a mixed step pads its tokens on their own, and its
+    sequence rows to at least buckets.mixed_num_seqs.
+    """
+    logit_rows = bucket(num_rows, buckets.min_num_seqs, buckets.linear_step)
+    if decode_only:
+        tokens = bucket(max(num_tokens, logit_rows), buckets.min_num_tokens, buckets.linear_step)
+        return tokens, logit_rows, logit_rows
+    tokens = bucket(num_tokens, buckets.min_num_tokens, buckets.linear_step)
+    return tokens, max(logit_rows, buckets.mixed_num_seqs), logit_rows
 
 
 def build_model_input(
@@ -103,7 +128,9 @@ def build_model_input(
     num_blocks = -(-context_lens // block_size)
     num_tokens = int(q_lens.sum())
 
-    padded_tokens, padded_seqs = padded_sizes(num_tokens, max(num_seqs, min_rows), buckets)
+    padded_tokens, padded_seqs, padded_rows = padded_sizes(
+        num_tokens, max(num_seqs, min_rows), buckets, decode_only=num_tokens == num_seqs
+    )
     padded_blocks = bucket(int(num_blocks.max(initial=0)), buckets.min_blocks_per_seq)
 
     tables = np.zeros((padded_seqs, padded_blocks), np.int32)
@@ -147,4 +174,4 @@ def build_model_input(
         query_start_loc=query_start_loc,
         logits_indices=logits_indices,
     )
-    return ModelInput(input_ids, metadata, num_tokens, num_seqs)
+    return ModelInput(input_ids, metadata, num_tokens, num_seqs, padded_rows)

@@ -39,10 +39,10 @@ INITIAL_CONTEXT_TOKENS = 5
 
 
 class Decodes(Protocol):
-    """What the detokenizer needs of a tokenizer: Hugging Face's `decode`."""
+    """What the detokenizer needs of a tokenizer: `decode`, as jpaged's `Tokenizer` and
+    Hugging Face's tokenizers have it."""
 
-    def decode(self, token_ids: list[int], *, skip_special_tokens: bool,
-               clean_up_tokenization_spaces: bool) -> str: ...
+    def decode(self, token_ids: list[int], *, skip_special_tokens: bool) -> str: ...
 
 
 class IncrementalDetokenizer:
@@ -112,8 +112,7 @@ class IncrementalDetokenizer:
         return twin
 
     def _decode(self, token_ids: list[int]) -> str:
-        return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens,
-                                      clean_up_tokenization_spaces=False)
+        return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
 
 
 class StopMatch(NamedTuple):

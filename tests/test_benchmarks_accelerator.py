@@ -1,0 +1,82 @@
+"""`python -m benchmarks.accelerator --smoke`: every section runs on CPU, in interpret
+mode, and reports numbers within their bounds; the report on disk is the one printed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.accelerator import SMOKE, engine_workload, main
+
+ROOT = Path(__file__).resolve().parents[1]
+# Max abs error of a bfloat16 decode against the float32 reference, as in test_kernels.
+BF16_TOLERANCE = 2e-2
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory) -> tuple[dict, dict]:
+    """(the JSON printed last, the JSON written to --out) of one smoke run."""
+    out = tmp_path_factory.mktemp("accelerator") / "report.json"
+    completed = subprocess.run(
+        [sys.executable, "-m", "benchmarks.accelerator", "--smoke", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    return json.loads(completed.stdout.strip().splitlines()[-1]), json.loads(out.read_text())
+
+
+def test_the_report_is_written_and_printed_whole(smoke_run):
+    printed, written = smoke_run
+    assert printed == written
+    assert set(printed["sections"]) == {"machine", "tests", "kernels", "engine"}
+    for name, section in printed["sections"].items():
+        assert "error" not in section and "timed_out" not in section, name
+    assert printed["sections"]["machine"]["backend"] == "cpu"
+
+
+def test_compiled_test_run_passes_and_skips_other_backends_kernels(smoke_run):
+    tests = smoke_run[0]["sections"]["tests"]
+    assert tests["passed"] >= 1 and tests["failed"] == tests["errors"] == 0
+    # On CPU the Triton and TPU kernels cannot compile: their tests are skipped.
+    assert tests["skipped"] >= 2 and tests["failures"] == []
+
+
+def test_every_decode_op_measured_at_every_point_within_tolerance(smoke_run):
+    kernels = smoke_run[0]["sections"]["kernels"]
+    assert kernels["jpaged_implementation"] == "triton" and kernels["interpret"]
+    assert set(kernels["jax_ops"].values()) == {"measured"}
+    grid = {(b, c, s) for b in SMOKE.batches for c in SMOKE.contexts for s in SMOKE.block_sizes}
+    assert {(p["batch"], p["context"], p["block_size"]) for p in kernels["points"]} == grid
+    _, num_kv_heads, head_dim = SMOKE.attention_shape
+    for point in kernels["points"]:
+        # K and V, two bytes an element.
+        kv_elements = point["batch"] * num_kv_heads * point["context"] * head_dim
+        assert point["kv_bytes"] == 2 * kv_elements * 2
+        assert set(point["ops"]) == {"jpaged", "dense", *kernels["jax_ops"]}
+        for name, op in point["ops"].items():
+            assert op["finite"] and op["max_abs_error"] < BF16_TOLERANCE, name
+            assert op["seconds"] > 0
+            assert op["bandwidth_gb_s"] == pytest.approx(point["kv_bytes"] / op["seconds"] / 1e9)
+            assert op["fraction_of_peak"] is None  # a CPU has no entry in the peak table
+
+
+def test_engine_sides_generate_every_requested_token(smoke_run):
+    engine = smoke_run[0]["sections"]["engine"]
+    requested = sum(length for _, length in engine_workload(SMOKE))
+    jpaged, transformers = engine["jpaged"], engine["transformers"]
+    assert jpaged["output_tokens"] == transformers["output_tokens"] == requested
+    assert jpaged["attention_backend"] == "pallas" and jpaged["kernel"] == "triton"
+    assert jpaged["compilations_during_run"] == 0
+    assert engine["output_tokens_per_s_ratio"] == pytest.approx(
+        jpaged["output_tokens_per_s"] / transformers["output_tokens_per_s"])
+    assert transformers["device"] == "cpu"
+
+
+def test_a_time_limit_of_zero_is_refused(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--smoke", "--time-limit", "0"])
+    assert exit_info.value.code == 2
+    assert "--time-limit must be > 0 seconds, got 0.0" in capsys.readouterr().err

@@ -1,0 +1,105 @@
+"""EngineStats in constant memory: a long run's summary against numpy over every recorded value.
+
+The recorder is fed through the duck-typed views an engine passes it (block
+manager, scheduler, step plan), with random values; the oracle is numpy over
+the full series, kept by the test, not by the code under test.
+"""
+
+from __future__ import annotations
+
+import tracemalloc
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from jpaged.engine.stats import LATENCY_WINDOW, EngineStats
+from jpaged.outputs import RequestMetrics
+
+NUM_BLOCKS = 100
+
+
+def _record_steps(stats: EngineStats, rng: np.random.Generator, num_steps: int) -> dict:
+    """Record num_steps random steps; returns every recorded value by series."""
+    used = rng.integers(0, NUM_BLOCKS, num_steps)
+    running = rng.integers(0, 64, num_steps)
+    waiting = rng.integers(0, 300, num_steps)
+    for step in range(num_steps):
+        manager = SimpleNamespace(physical_blocks_used=int(used[step]),
+                                  logical_blocks_used=int(used[step]) + 3,
+                                  num_device_blocks=NUM_BLOCKS)
+        engine = SimpleNamespace(
+            scheduler=SimpleNamespace(num_running=int(running[step]),
+                                      num_waiting=int(waiting[step]), num_preemptions=step),
+            block_manager=SimpleNamespace(prefix_cache_stats=SimpleNamespace(hit_rate=0.5)))
+        stats.record_blocks(manager)
+        stats.record_step(engine, SimpleNamespace(num_batched_tokens=8), 1.0 + step,
+                          1.5 + step)
+    return {"kv_utilization": used / NUM_BLOCKS, "running": running, "waiting": waiting}
+
+
+def _record_finished(stats: EngineStats, rng: np.random.Generator, num_requests: int
+                     ) -> tuple[list[float], list[float]]:
+    """Record num_requests finished requests of random timing; returns (ttfts, tpots)."""
+    ttfts, tpots = [], []
+    for _ in range(num_requests):
+        arrival, ttft, decode = rng.uniform(0, 100), rng.uniform(0, 2), rng.uniform(0, 5)
+        num_tokens = int(rng.integers(1, 50))
+        metrics = RequestMetrics(arrival, arrival + ttft, arrival + ttft + decode)
+        stats.record_finished(metrics, [num_tokens])
+        ttfts.append(metrics.first_token_time - metrics.arrival_time)
+        if num_tokens > 1:
+            tpots.append((metrics.finished_time - metrics.first_token_time) / (num_tokens - 1))
+    return ttfts, tpots
+
+
+def _expected_percentiles(values: list[float]) -> dict:
+    window = np.asarray(values[-LATENCY_WINDOW:])
+    return {"mean": pytest.approx(window.mean(), rel=1e-12),
+            "p50": pytest.approx(np.percentile(window, 50), rel=1e-12),
+            "p99": pytest.approx(np.percentile(window, 99), rel=1e-12)}
+
+
+@pytest.mark.parametrize("num_requests", [50, LATENCY_WINDOW + 2500])
+def test_summary_equals_numpy_over_the_recorded_values(num_requests):
+    rng = np.random.default_rng(num_requests)
+    stats = EngineStats()
+    series = _record_steps(stats, rng, 3000)
+    ttfts, tpots = _record_finished(stats, rng, num_requests)
+    summary = stats.summary()
+    assert summary["steps"] == 3000 and summary["finished_requests"] == num_requests
+    assert summary["kv_utilization_mean"] == pytest.approx(series["kv_utilization"].mean(),
+                                                           rel=1e-12)
+    assert summary["kv_utilization_peak"] == series["kv_utilization"].max()
+    assert summary["running_mean"] == pytest.approx(series["running"].mean(), rel=1e-12)
+    assert summary["running_peak"] == series["running"].max()
+    assert summary["waiting_peak"] == series["waiting"].max()
+    assert summary["preemptions"] == 2999
+    # Below the window every finished request counts; above it, the most recent ones.
+    assert summary["ttft_s"] == _expected_percentiles(ttfts)
+    assert summary["tpot_s"] == _expected_percentiles(tpots)
+
+
+def test_an_empty_run_summarizes_to_zeros_and_nones():
+    summary = EngineStats().summary()
+    assert summary["kv_utilization_mean"] == summary["kv_utilization_peak"] == 0.0
+    assert summary["running_peak"] == summary["waiting_peak"] == 0
+    assert summary["ttft_s"] == {"mean": None, "p50": None, "p99": None}
+
+
+def test_memory_does_not_grow_with_steps_or_requests():
+    rng = np.random.default_rng(0)
+    stats = EngineStats()
+    tracemalloc.start()  # before the windows fill, so that what they hold is traced
+    try:
+        _record_steps(stats, rng, 1000)
+        _record_finished(stats, rng, LATENCY_WINDOW + 500)
+        after_first, _ = tracemalloc.get_traced_memory()
+        _record_steps(stats, rng, 20_000)
+        _record_finished(stats, rng, 20_000)
+        after_more, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len(stats.ttft) == len(stats.tpot) == LATENCY_WINDOW
+    # 40 times the steps and requests: growth would be megabytes (a float per value).
+    assert after_more - after_first < 64 * 1024, (after_first, after_more)
