@@ -886,8 +886,9 @@ class LLMEngine:
 
     def warmup(self) -> int:
         """Compile every step shape the limits allow, so serving never compiles:
-        the model steps, the logits and the sampler (with and without penalties)
-        for every row count, and the prompt log-probabilities.
+        the model steps, the logits and the sampler's four variants (greedy or
+        drawing, with or without penalties) for every row count, and the prompt
+        log-probabilities.
 
         returns the number of (token, sequence, block) bucket shapes run.
         """
@@ -901,14 +902,16 @@ class LLMEngine:
         dtype = self.runner.kv_caches[0].dtype
         row_counts = sorted({s for _, s, _, decode_only in shapes if decode_only})
         mixed_rows = self.buckets.mixed_num_seqs
-        penalised = SamplingRow.greedy(position=0, repetition_penalty=1.5)
+        variants = [SamplingRow.greedy(position=0, temperature=temperature, **penalty)
+                    for temperature in (0.0, 1.0)
+                    for penalty in ({}, {"repetition_penalty": 1.5})]
         for num_rows in row_counts:
             if mixed_rows >= num_rows:  # a mixed step's logits of its rows in use
                 self.runner.logits(jnp.zeros((mixed_rows, hidden_size), dtype), num_rows)
             logits = jnp.zeros((num_rows, vocab), jnp.float32)
             rows = np.zeros(num_rows, np.int32)
-            for sampling_rows in ([], [penalised]):
-                tensors = sampling_tensors(sampling_rows, num_rows, vocab)
+            for variant in variants:
+                tensors = sampling_tensors([variant], num_rows, vocab)
                 self.runner.sample(logits, rows, tensors, self.config.max_logprobs)
         self.runner.token_logprobs(jnp.zeros((1, hidden_size), dtype), np.zeros(1, np.int32),
                                    self.config.max_logprobs)

@@ -29,7 +29,7 @@ import kernels_pallas
 from jpaged.core.attention_metadata import AttentionMetadata
 from jpaged.core.batch_builder import bucket
 from jpaged.memory.allocator import BlockOps
-from jpaged.model.llama import LlamaConfig, LlamaForCausalLM, init_kv_caches
+from jpaged.model.llama import LlamaConfig, LlamaForCausalLM, init_kv_caches, split_layer_kernels
 from jpaged.model.sampler import SamplerOutput, SamplingTensors, logprob_outputs, sample
 
 AttentionBackend = Literal["pallas", "xla", "reference"]
@@ -156,6 +156,8 @@ class ModelRunner:
         self.config = config
         self.block_size = block_size
         self.attention_backend = attention_backend or default_attention_backend()
+        if jax.default_backend() == "cpu":
+            split_layer_kernels(model)
         self.graphdef, self.params = nnx.split(model)
         # The step takes the parameters as a flat list and the graph as a constant:
         # flattening NNX state and hashing a static graph cost milliseconds per call.

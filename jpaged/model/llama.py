@@ -204,9 +204,47 @@ class RMSNorm(nnx.Module):
         return self.weight[...] * normed.astype(x.dtype)
 
 
-def _linear(in_features, out_features, dtype, rngs, use_bias=False) -> nnx.Linear:
-    return nnx.Linear(in_features, out_features, use_bias=use_bias, dtype=dtype,
-                      param_dtype=dtype, rngs=rngs)
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class PerLayerKernels:
+    """The [in, out] kernels of one projection in every layer, as separate arrays.
+
+    A scanned layer that multiplies by `stacked[layer]` makes XLA on CPU copy that
+    layer's weights out of the stack before each matmul, which doubles a decode
+    step's memory traffic. `lax.switch` over separate arrays multiplies by the
+    chosen array in place. `layer` is None at rest and the scan's layer index
+    once bound with `at`.
+    """
+
+    kernels: tuple[jax.Array, ...]
+    layer: jax.Array | None = None
+
+    def at(self, layer: jax.Array) -> PerLayerKernels:
+        return PerLayerKernels(self.kernels, layer)
+
+
+def matmul(x: jax.Array, kernel: jax.Array | PerLayerKernels) -> jax.Array:
+    """x [..., in] @ kernel [in, out] -> [..., out]; a PerLayerKernels multiplies by its
+    bound layer's kernel."""
+    if isinstance(kernel, PerLayerKernels):
+        branches = [lambda x, w=w: x @ w for w in kernel.kernels]
+        return jax.lax.switch(kernel.layer, branches, x)
+    return x @ kernel
+
+
+class Linear(nnx.Module):
+    """y = x @ kernel (+ bias), kernel [in, out] (transposed from Hugging Face's [out, in])."""
+
+    def __init__(self, in_features: int, out_features: int, dtype: jnp.dtype, rngs: nnx.Rngs,
+                 use_bias: bool = False):
+        init = nnx.initializers.lecun_normal()
+        self.kernel = nnx.Param(init(rngs.params(), (in_features, out_features), dtype))
+        self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if use_bias else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x [..., in] -> [..., out] in x.dtype."""
+        y = matmul(x, self.kernel.get_value())
+        return y if self.bias is None else y + self.bias[...]
 
 
 class Attention(nnx.Module):
@@ -217,8 +255,8 @@ class Attention(nnx.Module):
         self.head_dim = head_dim
         # q, k and v as one matmul: one pass over x and fewer, larger weight reads.
         qkv_width = (config.num_heads + 2 * config.num_kv_heads) * head_dim
-        self.qkv_proj = _linear(hidden, qkv_width, dtype, rngs, bias)
-        self.o_proj = _linear(config.num_heads * head_dim, hidden, dtype, rngs)
+        self.qkv_proj = Linear(hidden, qkv_width, dtype, rngs, bias)
+        self.o_proj = Linear(config.num_heads * head_dim, hidden, dtype, rngs)
 
     def __call__(
         self,
@@ -251,8 +289,8 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
     def __init__(self, config: LlamaConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
         # gate and up as one matmul, as q/k/v above.
-        self.gate_up_proj = _linear(config.hidden_size, 2 * config.intermediate_size, dtype, rngs)
-        self.down_proj = _linear(config.intermediate_size, config.hidden_size, dtype, rngs)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, dtype, rngs)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, dtype, rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """SwiGLU: x [T, hidden] -> [T, hidden]."""
@@ -296,6 +334,24 @@ def _stacked_layers(config: LlamaConfig, dtype: jnp.dtype, rngs: nnx.Rngs) -> De
     return make(rngs)
 
 
+def _is_per_layer(value: Any) -> bool:
+    return isinstance(value, PerLayerKernels)
+
+
+def _holds_per_layer_kernels(path: tuple, variable: nnx.Variable) -> bool:
+    return _is_per_layer(variable.get_value())
+
+
+def split_layer_kernels(model: LlamaForCausalLM) -> None:
+    """Turn every stacked layer kernel [num_layers, in, out] of `model` into
+    PerLayerKernels, in place: the layout for CPU steps (see PerLayerKernels)."""
+    for path, variable in nnx.iter_graph(model.layers):
+        if isinstance(variable, nnx.Param) and path[-1] == "kernel":
+            stacked = variable.get_value()
+            if not _is_per_layer(stacked):
+                variable.set_value(PerLayerKernels(tuple(stacked[i] for i in range(len(stacked)))))
+
+
 class LlamaForCausalLM(nnx.Module):
     """Llama-family causal LM over a paged KV cache.
 
@@ -305,6 +361,9 @@ class LlamaForCausalLM(nnx.Module):
     stored [in, out], transposed from Hugging Face's. `layers` is one DecoderLayer
     whose parameters are stacked over the layers ([num_layers, ...]): the step runs
     them with `jax.lax.scan`, so it compiles one layer, not num_layers copies.
+    `split_layer_kernels` turns the stacked matmul kernels into separate per-layer
+    arrays (PerLayerKernels), which the same scan multiplies by without copying:
+    the layout the runner takes on CPU.
 
     To jit a step as a pure function with the cache donated, split the module once
     and merge inside the traced function (this is what `forward` does):
@@ -324,7 +383,7 @@ class LlamaForCausalLM(nnx.Module):
         self.layers = _stacked_layers(config, dtype, rngs)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         if not config.tie_word_embeddings:
-            self.lm_head = _linear(config.hidden_size, config.vocab_size, dtype, rngs)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, dtype, rngs)
 
     def __call__(
         self,
@@ -368,17 +427,18 @@ class LlamaForCausalLM(nnx.Module):
         argument, so a donated cache is updated in place, never sliced or copied.
         """
         rope = rotary_tables(metadata.positions, rope_inverse_frequencies(self.config))
-        layer_graph, layer_params = nnx.split(self.layers)
+        layer_graph, per_layer, stacked = nnx.split(self.layers, _holds_per_layer_kernels, ...)
 
         def run_layer(carry, layer_and_params):
             x, kv_caches = carry
             layer, params = layer_and_params
-            decoder = nnx.merge(layer_graph, params)
+            bound = jax.tree.map(lambda k: k.at(layer), per_layer, is_leaf=_is_per_layer)
+            decoder = nnx.merge(layer_graph, bound, params)
             return decoder(x, rope, kv_caches, layer, metadata, attention_fn, write_kv_fn), None
 
         layer_ids = jnp.arange(self.config.num_layers, dtype=jnp.int32)
         (x, kv_caches), _ = jax.lax.scan(
-            run_layer, (self.embed_tokens(input_ids), kv_caches), (layer_ids, layer_params)
+            run_layer, (self.embed_tokens(input_ids), kv_caches), (layer_ids, stacked)
         )
         return self.norm(x), kv_caches
 

@@ -23,8 +23,9 @@ Per row, from the model's raw logits l (f32 [V]), `sample` applies in this order
 Log-probabilities come from the raw logits (before 1 and 2):
 log_softmax(l / logprob_temperature), with the sampled token's rank and the top ones.
 
-The fast path. A batch whose rows are all greedy skips 4 to 8, and one where no
-sampled row filters skips 5 to 7 (both with lax.cond). Sorting the vocabulary costs
+The fast path. A batch whose rows are all greedy skips 4 to 8 (a variant compiled
+without them, chosen on the host: `SamplingTensors.draws`), and one where no
+sampled row filters skips 5 to 7 (with lax.cond). Sorting the vocabulary costs
 far more than the model's head needs: top-k / top-p only look at its start.
 `filter_logits` reads each row's boundary from its CANDIDATES largest logits
 (`lax.top_k`), with the top-p normaliser taken over all survivors. A row that its
@@ -42,7 +43,7 @@ depend on what follows it.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import chex
@@ -80,6 +81,9 @@ class SamplingTensors:
     output_counts:       int32 [B, V] occurrences of each token in the output so far
     prompt_mask:         bool [B, V]  token occurs in the prompt
     suppress_mask:       bool [B, V]  token gets -inf (min_tokens not reached)
+
+    draws (static): some row has temperature > 0. A batch of greedy rows compiles
+    without the draw and its filters, a fraction of the sampler's compile time.
     """
 
     temperature: chex.Array
@@ -94,6 +98,7 @@ class SamplingTensors:
     output_counts: chex.Array | None = None
     prompt_mask: chex.Array | None = None
     suppress_mask: chex.Array | None = None
+    draws: bool = field(default=True, metadata=dict(static=True))
 
 
 @jax.tree_util.register_dataclass
@@ -153,13 +158,16 @@ def _prefix_sums(x: chex.Array) -> chex.Array:
     """Inclusive prefix sums over the last axis, Hillis-Steele. [..., N] -> [..., N].
 
     Entry j only ever adds entries before it (and exact zeros), so the sums of a
-    head of the sorted row equal the first sums of the whole sorted row.
+    head of the sorted row equal the first sums of the whole sorted row. The
+    log2(N) rounds run as a loop: one compiled round, not one per shift.
     """
-    shift = 1
-    while shift < x.shape[-1]:
-        x = x + jnp.pad(x[..., :-shift], [(0, 0)] * (x.ndim - 1) + [(shift, 0)])
-        shift *= 2
-    return x
+    index = jnp.arange(x.shape[-1])
+
+    def add_shifted(round_, x):
+        shift = jnp.left_shift(1, round_)
+        return x + jnp.where(index >= shift, jnp.roll(x, shift, axis=-1), 0.0)
+
+    return jax.lax.fori_loop(0, (x.shape[-1] - 1).bit_length(), add_shifted, x)
 
 
 def _logsumexp(x: chex.Array) -> chex.Array:
@@ -302,11 +310,9 @@ def sample(logits: chex.Array, tensors: SamplingTensors, num_top: int) -> Sample
     """
     raw = logits.astype(jnp.float32)
     processed = process_logits(raw, tensors)
-    greedy = _first_argmax(processed)
-    sampled = tensors.temperature > 0
-    # Filters and the categorical draw cost more than the rest: skip them for all-greedy.
-    drawn = jax.lax.cond(sampled.any(), _draw, lambda *_: greedy, processed, tensors)
-    tokens = jnp.where(sampled, drawn, greedy)
+    tokens = _first_argmax(processed)
+    if tensors.draws:
+        tokens = jnp.where(tensors.temperature > 0, _draw(processed, tensors), tokens)
     scaled = raw / tensors.logprob_temperature[:, None]
     finite = jnp.isfinite(raw).all(axis=-1)
     return SamplerOutput(tokens, *logprob_outputs(scaled, tokens, num_top), finite)
@@ -407,4 +413,5 @@ def sampling_tensors(
         positions=column("position", 0, np.int32),
         logprob_temperature=column("logprob_temperature", 1.0, np.float32),
         **(_dense(rows, num_rows, vocab_size) if dense else {}),
+        draws=any(r.temperature > 0 for r in rows),
     )
