@@ -8,6 +8,10 @@ drawn from N, to show tests that depend on others' side effects. Tests that need
 the default model (downloaded on first use) carry the `default_model` marker, so
 an offline run can deselect them with `-m "not default_model"`.
 
+Tests of tensor and data parallelism live in tests/multidevice and run in a
+process of their own on 8 simulated CPU devices (tests/test_multidevice.py
+starts it); the rest of the suite sees one device.
+
 The Pallas kernels run in interpret mode, so that every one of them runs on a CPU.
 `JPAGED_TEST_COMPILED=1` compiles instead the kernel of the machine's own backend
 (the Triton kernel on a GPU, the Mosaic kernel on a TPU) and skips the tests of
@@ -61,6 +65,10 @@ SERVER_ENGINE = dict(block_size=8, num_blocks=160, max_num_seqs=8, max_num_batch
 # Fixtures that load the default model; a test that loads it itself carries the marker.
 DEFAULT_MODEL_FIXTURES = {"smollm2", "smollm2_oracle"}
 COMPILED_KERNELS = os.environ.get("JPAGED_TEST_COMPILED") == "1"
+# tests/multidevice needs 8 simulated devices, set before JAX starts: test_multidevice.py
+# runs it in a process of its own with this variable set, and no other run collects it.
+MULTIDEVICE = os.environ.get("JPAGED_TEST_MULTIDEVICE") == "1"
+collect_ignore = [] if MULTIDEVICE else ["multidevice"]
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

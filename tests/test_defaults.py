@@ -43,7 +43,7 @@ def oracle(tiny_llama_dir) -> dict:
 
 
 def _engine_blocks(loaded, monkeypatch, *, free_bytes: int, accelerator: bool, **kwargs) -> LLM:
-    monkeypatch.setattr(llm_engine, "free_device_memory", lambda: free_bytes)
+    monkeypatch.setattr(llm_engine, "free_device_memory", lambda device=None: free_bytes)
     monkeypatch.setattr(llm_engine, "on_accelerator", lambda: accelerator)
     llm = LLM("tiny", loaded=loaded, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
               persistent_compilation_cache=False, **kwargs)

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 import kernels_pallas
 from jpaged.config import CacheConfig, SchedulerConfig
@@ -44,6 +45,7 @@ from jpaged.memory.reservation import Allocation, check_allocation, reserved_tok
 from jpaged.model.llama import LlamaConfig
 from jpaged.model.loader import cache_directory, load_model
 from jpaged.model.sampler import SamplerOutput, SamplingRow, sampling_tensors
+from jpaged.model.sharding import bytes_per_device, replica_meshes, shard_model
 from jpaged.outputs import Logprob, RequestMetrics, RequestOutput
 from jpaged.sampling_params import GREEDY_TEMPERATURE, BeamSearchParams, SamplingParams
 from jpaged.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -96,6 +98,14 @@ class EngineConfig:
     sample or beam holds a reservation of its own. Reserved blocks fragment
     nothing outside a sequence, unlike Orca's contiguous slabs: these policies
     flatter Orca.
+
+    tensor_parallel_size: run the model Megatron-style over this many devices
+    (jpaged.model.sharding): one scheduler and one set of block tables for all
+    of them. data_parallel_size: this many replicas of the engine, each on its
+    own tensor_parallel_size devices (`LLM` spreads requests over them; one
+    `LLMEngine` is one replica). mesh: a `jax.sharding.Mesh` with axes
+    ("model",) or ("data", "model") to place them on chosen devices instead of
+    the first of `jax.devices()`.
     """
 
     model: str = "smollm2"
@@ -119,11 +129,15 @@ class EngineConfig:
     max_logprobs: int = 20
     share_blocks: bool = True
     allocation: Allocation = "paged"
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    mesh: Mesh | None = None
 
     def __post_init__(self):
         check_allocation(self.allocation)
         minimums = {"block_size": 1, "num_blocks": 2, "kv_cache_memory": 1, "max_num_seqs": 1,
-                    "max_num_batched_tokens": 1, "max_model_len": 1, "max_logprobs": 1}
+                    "max_num_batched_tokens": 1, "max_model_len": 1, "max_logprobs": 1,
+                    "tensor_parallel_size": 1, "data_parallel_size": 1}
         for name, minimum in minimums.items():
             value = getattr(self, name)
             if value is None:
@@ -134,6 +148,8 @@ class EngineConfig:
                 unit = " bytes" if name == "kv_cache_memory" else ""
                 raise ValueError(f"{name} must be >= {minimum}{unit}, got {value}")
         fraction = self.kv_cache_fraction
+        if self.mesh is not None and not isinstance(self.mesh, Mesh):
+            raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(self.mesh).__name__}")
         if fraction is not None and (isinstance(fraction, bool)
                                      or not isinstance(fraction, int | float)
                                      or not 0.0 < fraction <= 1.0):
@@ -146,10 +162,16 @@ class EngineConfig:
             for name in ("max_num_seqs", "max_num_batched_tokens")
         })
 
+    def replica_meshes(self) -> list[Mesh | None]:
+        """The mesh of each data-parallel replica; [None] for one replica on one device."""
+        if (self.tensor_parallel_size, self.data_parallel_size, self.mesh) == (1, 1, None):
+            return [None]
+        return replica_meshes(self.tensor_parallel_size, self.data_parallel_size, self.mesh)
+
 
 @dataclass(frozen=True)
 class KVCacheInfo:
-    """The KV pool's size, as reported at start-up."""
+    """The KV pool's size, as reported at start-up (per device, with tensor parallelism)."""
 
     num_blocks: int
     block_size: int
@@ -188,9 +210,10 @@ def machine_defaults() -> MachineDefaults:
     return ACCELERATOR_DEFAULTS if on_accelerator() else CPU_DEFAULTS
 
 
-def free_device_memory() -> int:
-    """Bytes free on the default device (free host RAM when the device is a CPU)."""
-    stats = jax.devices()[0].memory_stats()
+def free_device_memory(device: jax.Device | None = None) -> int:
+    """Bytes free on `device`, by default the default device (free host RAM when the
+    device is a CPU)."""
+    stats = (device or jax.devices()[0]).memory_stats()
     if stats and "bytes_limit" in stats:
         return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
     return available_host_memory()
@@ -270,7 +293,8 @@ def kv_cache_num_blocks(
 
 
 def _weight_bytes(model) -> int:
-    return sum(leaf.nbytes for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    """Bytes of parameters on one device (all of them without tensor parallelism)."""
+    return sum(bytes_per_device(leaf) for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
 def default_buckets(
@@ -300,19 +324,28 @@ class LLMEngine:
         """loaded: (model, model_config, tokenizer) already in memory, else config.model loads."""
         config = config.with_machine_defaults(machine_defaults())
         self.config = config
+        meshes = config.replica_meshes()
+        if len(meshes) > 1:
+            raise ValueError(f"an LLMEngine is one replica, got {len(meshes)} data-parallel "
+                             "replicas; run them with LLM or DataParallelEngine")
+        self.mesh = meshes[0]
         model, self.model_config, self.tokenizer = loaded or load_model(config.model, config.dtype)
+        if self.mesh is not None:
+            model, self.model_config = shard_model(model, self.model_config, self.mesh)
         # Only once the model loaded: a failed LLM(...) leaves the process-wide setting alone.
         if config.persistent_compilation_cache:
             use_persistent_compilation_cache()
         model_max = self.model_config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or min(model_max, 2048), model_max)
         dtype = jnp.dtype(config.dtype)
+        # Per device: each holds num_kv_heads / shard_groups heads.
         bytes_per_token = (
             2 * self.model_config.num_layers * self.model_config.num_kv_heads
-            * self.model_config.head_dim * dtype.itemsize
+            // self.model_config.shard_groups * self.model_config.head_dim * dtype.itemsize
         )
+        memory_device = None if self.mesh is None else self.mesh.devices.flat[0]
         memory = None if config.num_blocks is not None else MemoryFigures(
-            free_device_memory(), _weight_bytes(model), on_accelerator())
+            free_device_memory(memory_device), _weight_bytes(model), on_accelerator())
         num_blocks = kv_cache_num_blocks(config, self.max_model_len, bytes_per_token, memory)
         self.kv_cache_info = KVCacheInfo(num_blocks, config.block_size, bytes_per_token)
         logger.info("%s", self.kv_cache_info)
@@ -382,7 +415,7 @@ class LLMEngine:
             model, self.model_config,
             num_blocks=num_blocks, block_size=config.block_size,
             num_host_blocks=config.num_host_blocks, kv_dtype=dtype,
-            attention_backend=backend, interpret=config.interpret,
+            attention_backend=backend, interpret=config.interpret, mesh=self.mesh,
         )
         self.buckets = config.buckets or default_buckets(
             backend, -(-self.max_model_len // config.block_size), config.max_num_seqs
@@ -490,6 +523,10 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests
+
+    def num_unfinished_requests(self) -> int:
+        """Requests queued or running (a data-parallel replica's load)."""
+        return len(self._requests)
 
     def tokenize(self, prompt: PromptType) -> list[int]:
         """A prompt (text, token ids or a prompt dict) as validated token ids."""

@@ -10,7 +10,11 @@ state, so a mixed step's shape depends on its token count alone (the batch
 builder pads its sequence rows to one size) while the vocabulary-wide matmul
 still runs on the rows in use only. The step's final hidden states stay on the
 device; `token_logprobs` reads them when a request asks for prompt
-log-probabilities. Block copies for copy-on-write and swaps to and from a host
+log-probabilities. Given a mesh, the runner runs a model laid out by
+`jpaged.model.sharding.shard_model` on it: the cache split by KV head, attention
+and `write_kv` under `shard_map`, every other array placed by XLA from the
+parameters' shardings; the host side (block tables, slot mappings) is one and
+the same for every device. Block copies for copy-on-write and swaps to and from a host
 pool, and token sampling, run as small separate jitted functions, so they never
 multiply the step's shapes.
 """
@@ -24,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 import kernels_pallas
 from jpaged.core.attention_metadata import AttentionMetadata
@@ -31,6 +36,7 @@ from jpaged.core.batch_builder import bucket
 from jpaged.memory.allocator import BlockOps
 from jpaged.model.llama import LlamaConfig, LlamaForCausalLM, init_kv_caches, split_layer_kernels
 from jpaged.model.sampler import SamplerOutput, SamplingTensors, logprob_outputs, sample
+from jpaged.model.sharding import kv_cache_sharding, shard_attention, shard_write_kv
 
 AttentionBackend = Literal["pallas", "xla", "reference"]
 # (k_cache, v_cache), each [num_layers, num_kv_heads, num_blocks, block_size, head_dim]
@@ -63,11 +69,13 @@ def _decode_as_ragged(decode_fn):
     return attention
 
 
-def attention_functions(backend: AttentionBackend, interpret: bool = False):
+def attention_functions(backend: AttentionBackend, interpret: bool = False,
+                        mesh: Mesh | None = None):
     """(ragged attention, decode attention) of a backend, both with the ragged signature.
 
     "pallas" takes the kernel of the default device (Triton under interpret=True
     on CPU), "xla" the tiled XLA loop, "reference" the pure-JAX definition.
+    With a mesh, each runs under `shard_map` on every device's own heads.
     """
     implementations = {"pallas": None, "xla": "xla", "reference": "reference"}
     if backend not in implementations:
@@ -76,16 +84,19 @@ def attention_functions(backend: AttentionBackend, interpret: bool = False):
         )
     knobs = dict(implementation=implementations[backend], interpret=interpret)
     ragged = functools.partial(kernels_pallas.ragged_paged_attention, **knobs)
-    decode = functools.partial(kernels_pallas.paged_decode_attention, **knobs)
-    return ragged, _decode_as_ragged(decode)
+    decode = _decode_as_ragged(functools.partial(kernels_pallas.paged_decode_attention, **knobs))
+    if mesh is None:
+        return ragged, decode
+    return shard_attention(ragged, mesh), shard_attention(decode, mesh)
 
 
-def _step(graphdef, params_def, param_leaves, input_ids, kv_caches, metadata, *, attention_fn):
+def _step(graphdef, params_def, param_leaves, input_ids, kv_caches, metadata, *, attention_fn,
+          write_kv_fn):
     """One model step as a pure function: (each sequence's last hidden state [B, hidden],
     hidden [T, hidden], kv_caches)."""
     model = nnx.merge(graphdef, jax.tree.unflatten(params_def, param_leaves))
     hidden, kv_caches = model.hidden_states(
-        input_ids, kv_caches, metadata, attention_fn, kernels_pallas.write_kv
+        input_ids, kv_caches, metadata, attention_fn, write_kv_fn
     )
     return hidden[metadata.logits_indices], hidden, kv_caches
 
@@ -139,7 +150,11 @@ def _read_blocks(cache: jax.Array, block_ids: jax.Array) -> jax.Array:
 
 
 class ModelRunner:
-    """Owns the parameters, the paged KV cache, the host swap pool and the compiled step."""
+    """Owns the parameters, the paged KV cache, the host swap pool and the compiled step.
+
+    mesh: run tensor-parallel on this one-axis ("model") mesh; `model` and `config`
+    must then be laid out for it (`jpaged.model.sharding.shard_model`).
+    """
 
     def __init__(
         self,
@@ -152,8 +167,10 @@ class ModelRunner:
         kv_dtype=jnp.float32,
         attention_backend: AttentionBackend | None = None,
         interpret: bool = False,
+        mesh: Mesh | None = None,
     ):
         self.config = config
+        self.mesh = mesh
         self.block_size = block_size
         self.attention_backend = attention_backend or default_attention_backend()
         if jax.default_backend() == "cpu":
@@ -164,14 +181,23 @@ class ModelRunner:
         self._param_leaves, params_def = jax.tree.flatten(self.params)
         self._new_kv_caches = functools.partial(init_kv_caches, config, num_blocks, block_size,
                                                 kv_dtype)
+        if mesh is not None:
+            # Created in place on every device: no whole cache on one device first.
+            cache_sharding = kv_cache_sharding(mesh)
+            self._new_kv_caches = jax.jit(self._new_kv_caches,
+                                          out_shardings=(cache_sharding, cache_sharding))
         self.kv_caches = self._new_kv_caches()
         host_shape = (config.num_layers, config.num_kv_heads, num_host_blocks, block_size,
                       config.head_dim)
         self.host_kv = (np.zeros(host_shape, kv_dtype), np.zeros(host_shape, kv_dtype))
-        ragged, decode = attention_functions(self.attention_backend, interpret)
+        ragged, decode = attention_functions(self.attention_backend, interpret, mesh)
+        write_kv_fn = kernels_pallas.write_kv
+        if mesh is not None:
+            write_kv_fn = shard_write_kv(write_kv_fn, mesh)
 
         def step(attention_fn):
-            fn = functools.partial(_step, self.graphdef, params_def, attention_fn=attention_fn)
+            fn = functools.partial(_step, self.graphdef, params_def, attention_fn=attention_fn,
+                                   write_kv_fn=write_kv_fn)
             return jax.jit(fn, donate_argnums=2)
 
         self._mixed_step = step(ragged)

@@ -14,6 +14,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from jpaged.engine.data_parallel import DataParallelEngine
 from jpaged.engine.llm_engine import EngineConfig, LLMEngine
 from jpaged.inputs import PromptType, as_prompt_list
 from jpaged.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
@@ -26,11 +27,16 @@ class LLM:
     """Loads a model and serves batches of prompts with continuous batching.
 
     Keyword arguments are EngineConfig fields (block_size, num_blocks,
-    kv_cache_memory, max_num_seqs, enable_prefix_caching, share_blocks, ...).
+    kv_cache_memory, max_num_seqs, enable_prefix_caching, share_blocks,
+    tensor_parallel_size, data_parallel_size, mesh, ...). With more than one
+    data-parallel replica the engine is a DataParallelEngine.
     """
 
     def __init__(self, model: str = "smollm2", *, loaded: tuple | None = None, **kwargs: Any):
-        self.engine = LLMEngine(EngineConfig(model=model, **kwargs), loaded=loaded)
+        config = EngineConfig(model=model, **kwargs)
+        parallel = len(config.replica_meshes()) > 1
+        engine_type = DataParallelEngine if parallel else LLMEngine
+        self.engine = engine_type(config, loaded=loaded)
         self._request_ids = itertools.count()
 
     def get_tokenizer(self):

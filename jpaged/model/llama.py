@@ -47,7 +47,15 @@ class Llama3RopeScaling:
 
 @dataclass(frozen=True)
 class LlamaConfig:
-    """Architecture of a Llama-family decoder."""
+    """Architecture of a Llama-family decoder.
+
+    shard_groups: the fused `qkv_proj` and `gate_up_proj` columns come in this many
+    equal groups, group g holding [its q heads | its k heads | its v heads] and
+    [its gate columns | its up columns] (heads and columns in order, group g the
+    g-th slice of each). 1 is Hugging Face's order concatenated; tensor
+    parallelism over N devices lays them out in N groups (jpaged.model.sharding),
+    so that each device's contiguous slice of the columns is its own q, k, v.
+    """
 
     vocab_size: int
     hidden_size: int
@@ -64,10 +72,11 @@ class LlamaConfig:
     max_position_embeddings: int = 2048
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    shard_groups: int = 1
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+                     "num_kv_heads", "head_dim", "max_position_embeddings", "shard_groups"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
@@ -77,6 +86,10 @@ class LlamaConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        for name in ("num_heads", "num_kv_heads", "intermediate_size"):
+            if getattr(self, name) % self.shard_groups:
+                raise ValueError(f"{name} ({getattr(self, name)}) must be a multiple of "
+                                 f"shard_groups ({self.shard_groups})")
 
     @classmethod
     def from_hf_config(cls, hf_config: Mapping[str, Any] | Any) -> LlamaConfig:
@@ -253,6 +266,7 @@ class Attention(nnx.Module):
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = head_dim
+        self.shard_groups = config.shard_groups
         # q, k and v as one matmul: one pass over x and fewer, larger weight reads.
         qkv_width = (config.num_heads + 2 * config.num_kv_heads) * head_dim
         self.qkv_proj = Linear(hidden, qkv_width, dtype, rngs, bias)
@@ -271,9 +285,11 @@ class Attention(nnx.Module):
         """x [T, hidden], rope (cos, sin) f32 [T, D/2], kv_cache 2 x [L, Hkv, N, bs, D],
         layer int32 scalar (this layer's index into the cache)
         -> ([T, hidden], updated kv_cache)."""
-        num_tokens = x.shape[0]
-        q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = jnp.split(self.qkv_proj(x), [q_width, q_width + kv_width], axis=-1)
+        num_tokens, groups = x.shape[0], self.shard_groups
+        q_heads, kv_heads = self.num_heads // groups, self.num_kv_heads // groups
+        # [T, groups, heads of a group, D]: split within each group (see LlamaConfig).
+        qkv = self.qkv_proj(x).reshape(num_tokens, groups, q_heads + 2 * kv_heads, self.head_dim)
+        q, k, v = jnp.split(qkv, [q_heads, q_heads + kv_heads], axis=2)
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
@@ -289,13 +305,17 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
     def __init__(self, config: LlamaConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
         # gate and up as one matmul, as q/k/v above.
+        self.shard_groups = config.shard_groups
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, dtype, rngs)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, dtype, rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """SwiGLU: x [T, hidden] -> [T, hidden]."""
-        gate, up = jnp.split(self.gate_up_proj(x), 2, axis=-1)
-        return self.down_proj(jax.nn.silu(gate) * up)
+        num_tokens = x.shape[0]
+        # [T, groups, 2 * columns of a group]: split within each group (see LlamaConfig).
+        gate_up = self.gate_up_proj(x).reshape(num_tokens, self.shard_groups, -1)
+        gate, up = jnp.split(gate_up, 2, axis=-1)
+        return self.down_proj((jax.nn.silu(gate) * up).reshape(num_tokens, -1))
 
 
 class DecoderLayer(nnx.Module):

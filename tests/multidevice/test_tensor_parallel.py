@@ -1,0 +1,188 @@
+"""Tensor and data parallelism on 8 simulated CPU devices, against one device.
+
+Run by tests/test_multidevice.py in a process of its own (XLA_FLAGS set before JAX
+starts). The oracle is the same engine on one device: greedy tokens must be
+identical, except at a step where the one-device top-2 log-probabilities lie
+within NEAR_TIE of each other (a sharded sum adds in another order); such a
+step ends the comparison of its sequence, whose contexts then differ.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jax
+import numpy as np
+import pytest
+from conftest import kernel_interpret
+from jax.sharding import PartitionSpec as P
+
+from jpaged.core.batch_builder import BucketSizes
+from jpaged.entrypoints.llm import LLM
+from jpaged.model.loader import load_model
+from jpaged.model.sharding import bytes_per_device
+from jpaged.sampling_params import SamplingParams
+
+NEAR_TIE = 1e-4
+NUM_DEVICES = 8
+# One padded shape for mixed steps and one for decode steps: two compiles per engine.
+ENGINE = dict(block_size=8, num_blocks=48, max_num_seqs=4, max_num_batched_tokens=64,
+              max_model_len=128, persistent_compilation_cache=False,
+              buckets=BucketSizes(min_num_tokens=64, min_num_seqs=4, min_blocks_per_seq=16))
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+COLLECTIVES = ("all-reduce", "all-gather", "all-to-all", "collective-permute",
+               "reduce-scatter", "collective-broadcast")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def simulated_devices():
+    assert jax.device_count() >= NUM_DEVICES, "run with --xla_force_host_platform_device_count=8"
+
+
+def prompts(vocab_size: int, lengths=(5, 11, 17), seed: int = 0) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    return [{"prompt_token_ids": rng.integers(1, vocab_size, n).tolist()} for n in lengths]
+
+
+def near_ties_or_fail(reference, outputs) -> int:
+    """Assert greedy tokens identical up to near ties; the number of near-tie steps met."""
+    near_ties = 0
+    for expected, got in zip(reference, outputs, strict=True):
+        expected, got = expected.outputs[0], got.outputs[0]
+        assert len(got.token_ids) == len(expected.token_ids)
+        for step, (want, have) in enumerate(zip(expected.token_ids, got.token_ids, strict=True)):
+            if want != have:
+                top = sorted((lp.logprob for lp in expected.logprobs[step].values()),
+                             reverse=True)
+                assert top[0] - top[1] < NEAR_TIE, (
+                    f"step {step}: token {have} instead of {want}, top-2 gap {top[0] - top[1]}")
+                near_ties += 1
+                break
+    return near_ties
+
+
+def collective_counts(hlo: str) -> tuple[dict[str, int], dict[str, int]]:
+    """(collectives inside the layer loop's body, collectives in the whole module) of a
+    compiled step's HLO text. The layer loop is the one while loop of the entry
+    computation (the kernels' own loops are nested in its body)."""
+    computations = dict(re.findall(r"^(?:ENTRY )?%(\S+) .*?\{\n(.*?)\n\}", hlo, re.S | re.M))
+    entry = re.search(r"^ENTRY %(\S+)", hlo, re.M).group(1)
+    bodies = re.findall(r" while\(.*body=%([\w.\-]+)", computations[entry])
+    assert len(bodies) == 1, f"expected one layer loop in the entry computation, got {bodies}"
+
+    def counts(text: str) -> dict[str, int]:
+        found = {op: len(re.findall(rf"\s{op}(?:-start)?\(", text)) for op in COLLECTIVES}
+        return {op: n for op, n in found.items() if n}
+
+    return counts(computations[bodies[0]]), counts(hlo)
+
+
+def kv_bytes(hf_config, num_kv_heads: int) -> int:
+    """Bytes of one of the single-device caches (keys or values), from the model's config."""
+    return (hf_config["num_hidden_layers"] * num_kv_heads * ENGINE["num_blocks"]
+            * ENGINE["block_size"] * hf_config["hidden_size"]
+            // hf_config["num_attention_heads"] * 4)
+
+
+@pytest.fixture(scope="module")
+def loaded_models(tiny_llama_dir, tiny_qwen2_dir):
+    return {"llama": load_model(tiny_llama_dir), "qwen2": load_model(tiny_qwen2_dir)}
+
+
+@pytest.fixture(scope="module")
+def one_device_outputs(loaded_models):
+    """{(model, backend): the one-device greedy outputs}, built on first use."""
+    cache = {}
+
+    def outputs(name: str, backend: str, interpret: bool):
+        if (name, backend) not in cache:
+            llm = LLM(name, loaded=loaded_models[name], attention_backend=backend,
+                      interpret=interpret, **ENGINE)
+            vocab = loaded_models[name][1].vocab_size
+            cache[name, backend] = llm.generate(prompts(vocab), GREEDY)
+        return cache[name, backend]
+
+    return outputs
+
+
+@pytest.mark.parametrize("backend", ["reference", "xla", "pallas"])
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+@pytest.mark.parametrize("size", [2, 4])
+def test_tensor_parallel_greedy_matches_one_device(
+    size, name, backend, loaded_models, one_device_outputs, tiny_llama_dir, tiny_qwen2_dir
+):
+    """4 query heads, 2 KV heads: TP 2 splits the KV heads, TP 4 replicates each on two
+    devices. Also: the cache's bytes per device, and the collectives of the compiled
+    decode step (two all-reduces per layer, nothing else)."""
+    interpret = kernel_interpret(None) if backend == "pallas" else False
+    reference = one_device_outputs(name, backend, interpret)
+    llm = LLM(name, loaded=loaded_models[name], attention_backend=backend,
+              interpret=interpret, tensor_parallel_size=size, **ENGINE)
+    vocab = loaded_models[name][1].vocab_size
+    near_ties = near_ties_or_fail(reference, llm.generate(prompts(vocab), GREEDY))
+    print(f"TP={size} {name} {backend}: {near_ties} near-tie steps")
+
+    model_dir = tiny_llama_dir if name == "llama" else tiny_qwen2_dir
+    hf_config = json.loads((model_dir / "config.json").read_text())
+    num_kv_heads = hf_config["num_key_value_heads"]
+    runner = llm.engine.runner
+    for cache in runner.kv_caches:
+        assert cache.sharding.spec == P(None, "model")
+        assert len(cache.sharding.device_set) == size
+        # Replicated KV heads: each device holds one head, 1 / num_kv_heads of the total.
+        expected = kv_bytes(hf_config, num_kv_heads) // min(size, num_kv_heads)
+        assert bytes_per_device(cache) == expected
+
+    body, module = collective_counts(runner.compile_step(4, 4, 16, True).as_text())
+    assert body == {"all-reduce": 2}
+    assert module == body
+
+
+@pytest.mark.default_model
+def test_smollm2_three_way_matches_one_device(smollm2):
+    """9 query heads, 3 KV heads over 3 devices, xla backend."""
+    model, config, tokenizer = smollm2
+    engine = dict(ENGINE, max_num_seqs=2)
+    texts = ["The capital of France is", "def fibonacci(n):"]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+    one = LLM("smollm2", loaded=smollm2, attention_backend="xla", **engine)
+    reference = one.generate(texts, params)
+    three = LLM("smollm2", loaded=smollm2, attention_backend="xla", tensor_parallel_size=3,
+                **engine)
+    near_ties = near_ties_or_fail(reference, three.generate(texts, params))
+    print(f"TP=3 smollm2 xla: {near_ties} near-tie steps")
+    one_cache, three_cache = one.engine.runner.kv_caches[0], three.engine.runner.kv_caches[0]
+    assert bytes_per_device(three_cache) * 3 == bytes_per_device(one_cache)
+
+
+def test_two_replicas_of_two_devices_match_one_device(loaded_models, one_device_outputs):
+    """TP 2 x DP 2 on 4 devices: disjoint device pairs, requests spread evenly."""
+    reference = one_device_outputs("llama", "xla", False)
+    llm = LLM("llama", loaded=loaded_models["llama"], attention_backend="xla",
+              tensor_parallel_size=2, data_parallel_size=2, **ENGINE)
+    replicas = llm.engine.replicas
+    devices = [r.runner.kv_caches[0].sharding.device_set for r in replicas]
+    assert [len(d) for d in devices] == [2, 2] and not devices[0] & devices[1]
+
+    vocab = loaded_models["llama"][1].vocab_size
+    for i, prompt in enumerate(prompts(vocab, lengths=(3, 4, 5, 6))):
+        llm.engine.add_request(f"spread-{i}", prompt, GREEDY)
+    assert [r.num_unfinished_requests() for r in replicas] == [2, 2]
+    for i in range(4):
+        llm.engine.abort(f"spread-{i}")
+    assert not llm.engine.has_unfinished_requests()
+
+    near_ties = near_ties_or_fail(reference, llm.generate(prompts(vocab), GREEDY))
+    print(f"TP=2 x DP=2 llama xla: {near_ties} near-tie steps")
+    assert all(r.block_manager.num_free_blocks == ENGINE["num_blocks"] - 1 for r in replicas)
+
+
+def test_bad_sizes_name_both_numbers(loaded_models):
+    with pytest.raises(ValueError, match=r"tensor_parallel_size \(3\).*4 query heads"):
+        LLM("llama", loaded=loaded_models["llama"], tensor_parallel_size=3, **ENGINE)
+    with pytest.raises(ValueError, match=r"\(16\).*exceeds the 8 available"):
+        LLM("llama", loaded=loaded_models["llama"], tensor_parallel_size=16, **ENGINE)
+    with pytest.raises(ValueError, match=r"\(4\) x data_parallel_size \(3\) = 12 devices"):
+        LLM("llama", loaded=loaded_models["llama"], tensor_parallel_size=4,
+            data_parallel_size=3, **ENGINE)
