@@ -16,12 +16,16 @@ import jax
 import numpy as np
 import pytest
 from conftest import kernel_interpret
+from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jpaged.core.batch_builder import BucketSizes
+from jpaged.engine.runner import ModelRunner
 from jpaged.entrypoints.llm import LLM
+from jpaged.memory.allocator import BlockOps
+from jpaged.model.llama import LlamaConfig, LlamaForCausalLM
 from jpaged.model.loader import load_model
-from jpaged.model.sharding import bytes_per_device
+from jpaged.model.sharding import bytes_per_device, model_mesh, shard_model
 from jpaged.sampling_params import SamplingParams
 
 NEAR_TIE = 1e-4
@@ -186,3 +190,27 @@ def test_bad_sizes_name_both_numbers(loaded_models):
     with pytest.raises(ValueError, match=r"\(4\) x data_parallel_size \(3\) = 12 devices"):
         LLM("llama", loaded=loaded_models["llama"], tensor_parallel_size=4,
             data_parallel_size=3, **ENGINE)
+
+
+def test_swaps_and_copies_keep_the_cache_split_by_head():
+    """Swap out, swap in and copy-on-write copies on a cache over 4 devices move the
+    same blocks as numpy indexing of the whole cache, and leave it split by KV head."""
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+                         num_heads=4, num_kv_heads=2, head_dim=8)
+    mesh = model_mesh(jax.devices()[:4])
+    model, sharded_config = shard_model(LlamaForCausalLM(config, rngs=nnx.Rngs(0)), config, mesh)
+    runner = ModelRunner(model, sharded_config, num_blocks=8, block_size=4, num_host_blocks=4,
+                         attention_backend="xla", mesh=mesh)
+    runner.kv_caches = tuple(
+        jax.device_put(np.random.default_rng(i).normal(size=c.shape).astype(c.dtype), c.sharding)
+        for i, c in enumerate(runner.kv_caches))
+    before = [np.array(cache) for cache in runner.kv_caches]
+    none = np.zeros((0, 2), np.int32)
+    runner.apply_block_ops(BlockOps(swap_out=np.array([[3, 1]], np.int32), swap_in=none,
+                                    copies=none))
+    runner.apply_block_ops(BlockOps(swap_out=none, swap_in=np.array([[1, 5]], np.int32),
+                                    copies=np.array([[2, 6]], np.int32)))
+    for expected, cache in zip(before, runner.kv_caches, strict=True):
+        expected[:, :, 5], expected[:, :, 6] = expected[:, :, 3], expected[:, :, 2]
+        assert cache.sharding.spec == P(None, "model") and len(cache.sharding.device_set) == 4
+        np.testing.assert_array_equal(np.asarray(cache), expected)
