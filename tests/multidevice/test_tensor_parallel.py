@@ -66,20 +66,24 @@ def near_ties_or_fail(reference, outputs) -> int:
     return near_ties
 
 
-def collective_counts(hlo: str) -> tuple[dict[str, int], dict[str, int]]:
-    """(collectives inside the layer loop's body, collectives in the whole module) of a
-    compiled step's HLO text. The layer loop is the one while loop of the entry
-    computation (the kernels' own loops are nested in its body)."""
+def collective_counts(hlo: str) -> tuple[dict[str, int], int, dict[str, int]]:
+    """(collectives inside the loop body that holds them, that loop's trip count,
+    collectives in the whole module) of a compiled step's HLO text. The loop is one
+    of the entry computation's (the kernels' own loops are nested in the layer loop's
+    body; XLA may split loop-invariant work into a loop of its own beside it)."""
     computations = dict(re.findall(r"^(?:ENTRY )?%(\S+) .*?\{\n(.*?)\n\}", hlo, re.S | re.M))
     entry = re.search(r"^ENTRY %(\S+)", hlo, re.M).group(1)
-    bodies = re.findall(r" while\(.*body=%([\w.\-]+)", computations[entry])
-    assert len(bodies) == 1, f"expected one layer loop in the entry computation, got {bodies}"
+    loops = re.findall(r" while\(.*body=%([\w.\-]+).*?\"known_trip_count\":\{\"n\":\"(\d+)\"",
+                       computations[entry])
 
     def counts(text: str) -> dict[str, int]:
         found = {op: len(re.findall(rf"\s{op}(?:-start)?\(", text)) for op in COLLECTIVES}
         return {op: n for op, n in found.items() if n}
 
-    return counts(computations[bodies[0]]), counts(hlo)
+    holding = [(counts(computations[body]), int(trips)) for body, trips in loops
+               if counts(computations[body])]
+    assert len(holding) == 1, f"expected collectives in one loop, got {holding}"
+    return *holding[0], counts(hlo)
 
 
 def kv_bytes(hf_config, num_kv_heads: int) -> int:
@@ -118,7 +122,7 @@ def test_tensor_parallel_greedy_matches_one_device(
 ):
     """4 query heads, 2 KV heads: TP 2 splits the KV heads, TP 4 replicates each on two
     devices. Also: the cache's bytes per device, and the collectives of the compiled
-    decode step (two all-reduces per layer, nothing else)."""
+    decode step (and mixed step, at TP 2): two all-reduces per layer, nothing else."""
     interpret = kernel_interpret(None) if backend == "pallas" else False
     reference = one_device_outputs(name, backend, interpret)
     llm = LLM(name, loaded=loaded_models[name], attention_backend=backend,
@@ -138,9 +142,13 @@ def test_tensor_parallel_greedy_matches_one_device(
         expected = kv_bytes(hf_config, num_kv_heads) // min(size, num_kv_heads)
         assert bytes_per_device(cache) == expected
 
-    body, module = collective_counts(runner.compile_step(4, 4, 16, True).as_text())
-    assert body == {"all-reduce": 2}
-    assert module == body
+    shapes = [(4, 4, 16, True)] + ([(64, 4, 16, False)] if size == 2 else [])
+    for num_tokens, num_seqs, num_blocks, decode_only in shapes:
+        compiled = runner.compile_step(num_tokens, num_seqs, num_blocks, decode_only)
+        body, trips, module = collective_counts(compiled.as_text())
+        assert body == {"all-reduce": 2}
+        assert trips == hf_config["num_hidden_layers"]
+        assert module == body
 
 
 @pytest.mark.default_model
