@@ -173,8 +173,10 @@ class ModelRunner:
         self.mesh = mesh
         self.block_size = block_size
         self.attention_backend = attention_backend or default_attention_backend()
-        if jax.default_backend() == "cpu":
-            split_layer_kernels(model)
+        # A sharded model keeps its stacked kernels: under lax.switch each of the
+        # layers' branches would hold its own all-reduce.
+        if jax.default_backend() == "cpu" and mesh is None:
+            model = split_layer_kernels(model)
         self.graphdef, self.params = nnx.split(model)
         # The step takes the parameters as a flat list and the graph as a constant:
         # flattening NNX state and hashing a static graph cost milliseconds per call.

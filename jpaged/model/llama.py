@@ -362,14 +362,20 @@ def _holds_per_layer_kernels(path: tuple, variable: nnx.Variable) -> bool:
     return _is_per_layer(variable.get_value())
 
 
-def split_layer_kernels(model: LlamaForCausalLM) -> None:
-    """Turn every stacked layer kernel [num_layers, in, out] of `model` into
-    PerLayerKernels, in place: the layout for CPU steps (see PerLayerKernels)."""
-    for path, variable in nnx.iter_graph(model.layers):
-        if isinstance(variable, nnx.Param) and path[-1] == "kernel":
-            stacked = variable.get_value()
-            if not _is_per_layer(stacked):
-                variable.set_value(PerLayerKernels(tuple(stacked[i] for i in range(len(stacked)))))
+def split_layer_kernels(model: LlamaForCausalLM) -> LlamaForCausalLM:
+    """`model` with every stacked layer kernel [num_layers, in, out] as PerLayerKernels:
+    the layout for CPU steps (see PerLayerKernels). `model` itself is left as it is."""
+    graphdef, state = nnx.split(model)
+
+    def split(path: tuple, variable: nnx.Variable) -> nnx.Variable:
+        value = variable.get_value()
+        if path[0] != "layers" or path[-1] != "kernel" or _is_per_layer(value):
+            return variable
+        # Sliced on the host: slicing on the device would compile one op per shape.
+        host = np.asarray(value)
+        return variable.replace(PerLayerKernels(tuple(jnp.asarray(w) for w in host)))
+
+    return nnx.merge(graphdef, nnx.map_state(split, state))
 
 
 class LlamaForCausalLM(nnx.Module):
