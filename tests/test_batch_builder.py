@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jpaged.config import CacheConfig
-from jpaged.core.batch_builder import BucketSizes, build_model_input
+from jpaged.core.batch_builder import BucketSizes, build_model_input, sampler_rows
 from jpaged.memory.block_manager import BlockManager, BlockTable
 from jpaged.sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -43,7 +43,9 @@ def oracle(scheduled, tables, block_size, buckets, min_rows=0):
                                     buckets.linear_step)
     else:
         padded_seqs = max(logit_rows, buckets.mixed_num_seqs)
-        padded_tokens = padded_size(num_tokens, buckets.min_num_tokens, buckets.linear_step)
+        padded_tokens = padded_size(num_tokens, max(buckets.min_num_tokens,
+                                                    buckets.mixed_min_tokens),
+                                    buckets.mixed_token_step or buckets.linear_step)
     padded_blocks = padded_size(max(blocks, default=0), buckets.min_blocks_per_seq)
     out = {
         "input_ids": [0] * padded_tokens,
@@ -96,7 +98,9 @@ def schedules(draw):
         scheduled.append((seq, num_new))
     buckets = BucketSizes(*draw(st.tuples(*[st.integers(1, 20)] * 3)),
                           linear_step=draw(st.sampled_from([0, 4, 8, 16])),
-                          mixed_num_seqs=draw(st.sampled_from([0, 1, 8, 16, 24])))
+                          mixed_num_seqs=draw(st.sampled_from([0, 1, 8, 16, 24])),
+                          mixed_min_tokens=draw(st.sampled_from([0, 4, 16])),
+                          mixed_token_step=draw(st.sampled_from([0, 8, 32])))
     min_rows = draw(st.integers(0, 12))  # parallel samples draw more rows than sequences
     return scheduled, FixedTables(block_size, tables), buckets, min_rows
 
@@ -143,3 +147,12 @@ def test_through_a_block_manager_after_copy_on_write():
 def test_bucket_minimums_must_be_positive():
     with pytest.raises(ValueError, match="min_num_seqs must be >= 1, got 0"):
         BucketSizes(min_num_seqs=0)
+
+
+@given(st.integers(1, 600), st.integers(1, 600))
+def test_sampler_rows_are_few_powers_of_eight_covering_the_draws(num_draws, max_rows):
+    padded = sampler_rows(num_draws, max_rows)
+    powers_of_eight = [8**k for k in range(5)]
+    smallest_power = min(p for p in powers_of_eight if p >= num_draws)
+    assert padded >= num_draws
+    assert padded == (num_draws if num_draws > max_rows else min(smallest_power, max_rows))

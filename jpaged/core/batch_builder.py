@@ -39,6 +39,11 @@ class BucketSizes:
     alone: one compiled shape per token bucket instead of one per (tokens, rows)
     pair. Padding rows are empty sequences, which the attention skips, and the
     logits are still taken for the rows in use only (`ModelInput.num_rows`).
+
+    mixed_min_tokens and mixed_token_step > 0 pad a mixed step's tokens to at least
+    mixed_min_tokens and, past mixed_token_step, to a multiple of it (else the
+    token buckets of decode steps): a mixed step's tokens vary more than a decode
+    step's rows, so coarser buckets there save compiles for little padding.
     """
 
     min_num_tokens: int = 16
@@ -46,12 +51,14 @@ class BucketSizes:
     min_blocks_per_seq: int = 8
     linear_step: int = 0
     mixed_num_seqs: int = 0
+    mixed_min_tokens: int = 0
+    mixed_token_step: int = 0
 
     def __post_init__(self):
         for name in ("min_num_tokens", "min_num_seqs", "min_blocks_per_seq"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("linear_step", "mixed_num_seqs"):
+        for name in ("linear_step", "mixed_num_seqs", "mixed_min_tokens", "mixed_token_step"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
@@ -100,8 +107,19 @@ def padded_sizes(
     if decode_only:
         tokens = bucket(max(num_tokens, logit_rows), buckets.min_num_tokens, buckets.linear_step)
         return tokens, logit_rows, logit_rows
-    tokens = bucket(num_tokens, buckets.min_num_tokens, buckets.linear_step)
+    tokens = bucket(num_tokens, max(buckets.min_num_tokens, buckets.mixed_min_tokens),
+                    buckets.mixed_token_step or buckets.linear_step)
     return tokens, max(logit_rows, buckets.mixed_num_seqs), logit_rows
+
+
+def sampler_rows(num_draws: int, max_rows: int) -> int:
+    """Padded rows of the sampler: the next power of 8 >= num_draws, at most max_rows
+    (but never below num_draws). A padding row costs the sampler little next to a
+    model step, while each row count compiles the sampler's variants anew."""
+    size = 1
+    while size < num_draws:
+        size *= 8
+    return max(num_draws, min(size, max_rows))
 
 
 def build_model_input(

@@ -21,7 +21,10 @@ import itertools
 import logging
 import os
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Literal
 
 import jax
@@ -32,7 +35,13 @@ from jax.sharding import Mesh
 
 import kernels_pallas
 from jpaged.config import CacheConfig, SchedulerConfig
-from jpaged.core.batch_builder import BucketSizes, bucket, build_model_input, padded_sizes
+from jpaged.core.batch_builder import (
+    BucketSizes,
+    bucket,
+    build_model_input,
+    padded_sizes,
+    sampler_rows,
+)
 from jpaged.core.scheduler import Scheduler, SchedulerOutput
 from jpaged.engine.beam_search import Beam, BeamSearch, Hypothesis
 from jpaged.engine.detokenizer import IncrementalDetokenizer
@@ -301,7 +310,8 @@ def default_buckets(
     attention_backend: AttentionBackend, max_blocks_per_seq: int, max_num_seqs: int
 ) -> BucketSizes:
     """Padded step shapes: token and sequence counts by powers of two, then multiples
-    of 16. Mixed steps pad their sequence rows to the largest row bucket, so they
+    of 16; a mixed step's tokens from 16 on, by powers of two, then multiples of
+    32. Mixed steps pad their sequence rows to the largest row bucket, so they
     vary by token count alone (empty rows cost the attention nothing and the
     logits are taken for the rows in use only). The XLA loop stops each tile at
     its own context, so there the block table can always have full width: one
@@ -312,7 +322,8 @@ def default_buckets(
     min_blocks = max_blocks_per_seq if attention_backend == "xla" else 8
     return BucketSizes(min_num_tokens=1, min_num_seqs=1, min_blocks_per_seq=min_blocks,
                        linear_step=linear_step,
-                       mixed_num_seqs=bucket(max_num_seqs, 1, linear_step))
+                       mixed_num_seqs=bucket(max_num_seqs, 1, linear_step),
+                       mixed_min_tokens=16, mixed_token_step=32)
 
 
 class LLMEngine:
@@ -794,9 +805,15 @@ class LLMEngine:
                 row_of[child.seq_id] = row_of[parent.seq_id]
         return group.unfinished_seqs()
 
+    @property
+    def _max_rows(self) -> int:
+        """The largest padded row count of a step: max_num_seqs' bucket."""
+        return bucket(self.config.max_num_seqs, self.buckets.min_num_seqs,
+                      self.buckets.linear_step)
+
     def _sample(self, logits, rows: list[int], draws: list[tuple[Request, Sequence]]
                 ) -> SamplerOutput:
-        num_rows = logits.shape[0]
+        num_rows = sampler_rows(len(rows), self._max_rows)
         row_array = np.zeros(num_rows, np.int32)
         row_array[: len(rows)] = rows
         sampling_rows = [self._sampling_row(request, seq) for request, seq in draws]
@@ -927,32 +944,54 @@ class LLMEngine:
         drawing, with or without penalties) for every row count, and the prompt
         log-probabilities.
 
+        XLA compiles without holding the GIL, so the compiles run in one thread per
+        core; each step shape then runs once, from the compiled cache, on the
+        donated KV cache (which threads cannot share).
+
         returns the number of (token, sequence, block) bucket shapes run.
         """
         shapes = step_shapes(
             self.buckets, self.config.max_num_batched_tokens, self.config.max_num_seqs,
             -(-self.max_model_len // self.config.block_size),
         )
-        for num_tokens, num_seqs, num_blocks, decode_only in shapes:
-            self.runner.run_padding_step(num_tokens, num_seqs, num_blocks, decode_only)
+        row_counts = sorted({s for _, s, _, decode_only in shapes if decode_only})
+        with ThreadPoolExecutor(max_workers=len(os.sched_getaffinity(0))) as pool:
+            jobs = [pool.submit(self.runner.compile_step, *shape) for shape in shapes]
+            jobs += [pool.submit(call) for call in self._sampling_warmup_calls(row_counts)]
+            for job in jobs:
+                job.result()
+        for shape in shapes:
+            self.runner.run_padding_step(*shape)
+        return len(shapes)
+
+    def _sampling_warmup_calls(self, row_counts: list[int]) -> list[Callable[[], Any]]:
+        """Calls that compile what follows a step of each row count: its logits, the
+        gathers of its rows for the sampler, the sampler's variants for each padded
+        row count, and the prompt log-probabilities. Each runs on its own zeros."""
         vocab, hidden_size = self.model_config.vocab_size, self.model_config.hidden_size
         dtype = self.runner.kv_caches[0].dtype
-        row_counts = sorted({s for _, s, _, decode_only in shapes if decode_only})
+        runner, num_top = self.runner, self.config.max_logprobs
         mixed_rows = self.buckets.mixed_num_seqs
+        calls = []
+        for num_rows in row_counts:
+            if mixed_rows >= num_rows:  # a mixed step's logits of its rows in use
+                calls.append(partial(runner.logits, jnp.zeros((mixed_rows, hidden_size), dtype),
+                                     num_rows))
+            calls += [partial(runner.gather_rows, jnp.zeros((num_rows, vocab), jnp.float32),
+                              np.zeros(padded, np.int32))
+                      for padded in {sampler_rows(n, self._max_rows)
+                                     for n in range(1, num_rows + 1)}]
         variants = [SamplingRow.greedy(position=0, temperature=temperature, **penalty)
                     for temperature in (0.0, 1.0)
                     for penalty in ({}, {"repetition_penalty": 1.5})]
-        for num_rows in row_counts:
-            if mixed_rows >= num_rows:  # a mixed step's logits of its rows in use
-                self.runner.logits(jnp.zeros((mixed_rows, hidden_size), dtype), num_rows)
-            logits = jnp.zeros((num_rows, vocab), jnp.float32)
-            rows = np.zeros(num_rows, np.int32)
-            for variant in variants:
-                tensors = sampling_tensors([variant], num_rows, vocab)
-                self.runner.sample(logits, rows, tensors, self.config.max_logprobs)
-        self.runner.token_logprobs(jnp.zeros((1, hidden_size), dtype), np.zeros(1, np.int32),
-                                   self.config.max_logprobs)
-        return len(shapes)
+        for padded in {sampler_rows(n, self._max_rows) for n in range(1, row_counts[-1] + 1)}:
+            logits = jnp.zeros((padded, vocab), jnp.float32)
+            calls += [partial(runner.sample, logits, np.zeros(padded, np.int32),
+                              sampling_tensors([variant], padded, vocab), num_top)
+                      for variant in variants]
+        calls.append(partial(runner.token_logprobs, jnp.zeros((1, hidden_size), dtype),
+                             np.zeros(1, np.int32), num_top))
+        return calls
 
 
 def step_shapes(

@@ -107,9 +107,9 @@ def _logits(graphdef, params_def, param_leaves, last_hidden, *, num_rows):
     return model.compute_logits(last_hidden[:num_rows])
 
 
-@functools.partial(jax.jit, static_argnames=("num_top",))
-def _sample_rows(logits, rows, tensors, *, num_top):
-    return sample(logits[rows], tensors, num_top)
+@jax.jit
+def _gather_rows(logits, rows):
+    return logits[rows]
 
 
 # Rows of logits materialised at once by `_token_logprobs`: bounds its memory to
@@ -248,10 +248,15 @@ class ModelRunner:
     def sample(
         self, logits: jax.Array, rows: np.ndarray, tensors: SamplingTensors, num_top: int
     ) -> SamplerOutput:
-        """Draw one token per entry of `rows` (int32 [B], rows of logits [B, vocab] to
+        """Draw one token per entry of `rows` (int32 [S], rows of logits [B, vocab] to
         draw from; a row may repeat: parallel samples of one prompt) -> numpy outputs."""
         # One transfer for all outputs, not one wait per array.
-        return jax.device_get(_sample_rows(logits, rows, tensors, num_top=num_top))
+        return jax.device_get(sample(self.gather_rows(logits, rows), tensors, num_top))
+
+    def gather_rows(self, logits: jax.Array, rows: np.ndarray) -> jax.Array:
+        """logits [B, vocab], rows int32 [S] -> [S, vocab]: its own small compiled
+        function, so the sampler compiles per S alone, not per (B, S)."""
+        return _gather_rows(logits, rows)
 
     def token_logprobs(
         self, hidden: jax.Array, targets: np.ndarray, num_top: int
