@@ -73,6 +73,11 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("--max-num-batched-tokens", type=int, default=None,
                          help="tokens one step runs at most, prefill chunks and decodes "
                          "(default: the engine's)")
+        sub.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                         help="run the model over N devices (Megatron-style tensor parallelism)")
+        sub.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="M",
+                         help="run M replicas of the engine, each on its own N devices; "
+                         "requests go to the least loaded")
         sub.add_argument("--attention-backend", choices=["pallas", "xla", "reference"],
                          default=None, help="default: pallas on TPU/GPU, xla on CPU")
         sub.add_argument("--debug", action="store_true",
@@ -89,7 +94,8 @@ def _llm(args: argparse.Namespace) -> LLM:
     return LLM(args.model, dtype=args.dtype, block_size=args.block_size, num_blocks=args.num_blocks,
                kv_cache_memory=memory, max_model_len=args.max_model_len,
                attention_backend=args.attention_backend, allocation=args.allocation,
-               **(_batch_limit(args) | limits))
+               tensor_parallel_size=args.tensor_parallel_size,
+               data_parallel_size=args.data_parallel_size, **(_batch_limit(args) | limits))
 
 
 def _batch_limit(args: argparse.Namespace) -> dict[str, int]:

@@ -13,44 +13,54 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from jpaged.engine.stats import LATENCY_WINDOW, EngineStats
+from jpaged.engine.stats import LATENCY_WINDOW, CombinedStats, EngineStats
 from jpaged.outputs import RequestMetrics
 
 NUM_BLOCKS = 100
 
 
-def _record_steps(stats: EngineStats, rng: np.random.Generator, num_steps: int) -> dict:
-    """Record num_steps random steps; returns every recorded value by series."""
-    used = rng.integers(0, NUM_BLOCKS, num_steps)
+def _record_steps(stats: EngineStats, rng: np.random.Generator, num_steps: int,
+                  num_blocks: int = NUM_BLOCKS, start: float = 1.0) -> dict:
+    """Record num_steps random steps, the first at time `start`, on a pool of num_blocks;
+    returns every recorded value by series."""
+    used = rng.integers(0, num_blocks, num_steps)
     running = rng.integers(0, 64, num_steps)
     waiting = rng.integers(0, 300, num_steps)
+    query_tokens = np.cumsum(rng.integers(0, 50, num_steps))
+    hit_tokens = np.cumsum(rng.integers(0, 10, num_steps))
     for step in range(num_steps):
         manager = SimpleNamespace(physical_blocks_used=int(used[step]),
                                   logical_blocks_used=int(used[step]) + 3,
-                                  num_device_blocks=NUM_BLOCKS)
+                                  num_device_blocks=num_blocks)
+        prefix_cache_stats = SimpleNamespace(query_tokens=int(query_tokens[step]),
+                                             hit_tokens=int(hit_tokens[step]))
         engine = SimpleNamespace(
             scheduler=SimpleNamespace(num_running=int(running[step]),
                                       num_waiting=int(waiting[step]), num_preemptions=step),
-            block_manager=SimpleNamespace(prefix_cache_stats=SimpleNamespace(hit_rate=0.5)))
+            block_manager=SimpleNamespace(prefix_cache_stats=prefix_cache_stats))
         stats.record_blocks(manager)
-        stats.record_step(engine, SimpleNamespace(num_batched_tokens=8), 1.0 + step,
-                          1.5 + step)
-    return {"kv_utilization": used / NUM_BLOCKS, "running": running, "waiting": waiting}
+        stats.record_step(engine, SimpleNamespace(num_batched_tokens=8), start + step,
+                          start + step + 0.5)
+    return {"kv_utilization": used / num_blocks, "used": used,
+            "pool": np.full(num_steps, num_blocks), "running": running, "waiting": waiting,
+            "query_tokens": query_tokens, "hit_tokens": hit_tokens}
 
 
 def _record_finished(stats: EngineStats, rng: np.random.Generator, num_requests: int
-                     ) -> tuple[list[float], list[float]]:
-    """Record num_requests finished requests of random timing; returns (ttfts, tpots)."""
-    ttfts, tpots = [], []
+                     ) -> tuple[list[float], list[float], list[int]]:
+    """Record num_requests finished requests of random timing; returns (ttfts, tpots,
+    output token counts)."""
+    ttfts, tpots, lengths = [], [], []
     for _ in range(num_requests):
         arrival, ttft, decode = rng.uniform(0, 100), rng.uniform(0, 2), rng.uniform(0, 5)
         num_tokens = int(rng.integers(1, 50))
         metrics = RequestMetrics(arrival, arrival + ttft, arrival + ttft + decode)
         stats.record_finished(metrics, [num_tokens])
         ttfts.append(metrics.first_token_time - metrics.arrival_time)
+        lengths.append(num_tokens)
         if num_tokens > 1:
             tpots.append((metrics.finished_time - metrics.first_token_time) / (num_tokens - 1))
-    return ttfts, tpots
+    return ttfts, tpots, lengths
 
 
 def _expected_percentiles(values: list[float]) -> dict:
@@ -65,7 +75,7 @@ def test_summary_equals_numpy_over_the_recorded_values(num_requests):
     rng = np.random.default_rng(num_requests)
     stats = EngineStats()
     series = _record_steps(stats, rng, 3000)
-    ttfts, tpots = _record_finished(stats, rng, num_requests)
+    ttfts, tpots, _ = _record_finished(stats, rng, num_requests)
     summary = stats.summary()
     assert summary["steps"] == 3000 and summary["finished_requests"] == num_requests
     assert summary["kv_utilization_mean"] == pytest.approx(series["kv_utilization"].mean(),
@@ -75,7 +85,53 @@ def test_summary_equals_numpy_over_the_recorded_values(num_requests):
     assert summary["running_peak"] == series["running"].max()
     assert summary["waiting_peak"] == series["waiting"].max()
     assert summary["preemptions"] == 2999
+    assert summary["prefix_cache_hit_rate"] == pytest.approx(
+        series["hit_tokens"][-1] / series["query_tokens"][-1], rel=1e-12)
     # Below the window every finished request counts; above it, the most recent ones.
+    assert summary["ttft_s"] == _expected_percentiles(ttfts)
+    assert summary["tpot_s"] == _expected_percentiles(tpots)
+
+
+def test_replicas_summarize_as_numpy_over_all_their_recorded_values():
+    """Data-parallel replicas (pools of different sizes, runs at different times, one
+    idle) summarize as one: counts summed, step figures over all their steps together,
+    KV use as blocks used over blocks of the pools stepped, latencies over all requests."""
+    rng = np.random.default_rng(7)
+    runs = [(100, 1.0, 300, 40), (60, 50.0, 500, 70), (100, 20.0, 0, 0)]
+    replicas, series, ttfts, tpots, lengths = [], [], [], [], []
+    for num_blocks, start, num_steps, num_requests in runs:
+        stats = EngineStats()
+        series.append(_record_steps(stats, rng, num_steps, num_blocks, start))
+        replica_ttfts, replica_tpots, replica_lengths = _record_finished(stats, rng, num_requests)
+        ttfts += replica_ttfts
+        tpots += replica_tpots
+        lengths += replica_lengths
+        replicas.append(stats)
+    summary = CombinedStats(tuple(replicas)).summary()
+
+    def together(name: str) -> np.ndarray:
+        return np.concatenate([s[name] for s in series])
+
+    used, pool, logical = together("used"), together("pool"), together("used") + 3
+    last_end = max(start + n - 0.5 for _, start, n, _ in runs if n)
+    assert summary["steps"] == 800 and summary["finished_requests"] == 110
+    assert summary["output_tokens"] == sum(lengths)
+    assert summary["output_tokens_per_s"] == pytest.approx(sum(lengths) / (last_end - 1.0),
+                                                           rel=1e-12)
+    assert summary["kv_utilization_mean"] == pytest.approx(used.sum() / pool.sum(), rel=1e-12)
+    assert summary["kv_utilization_peak"] == (used / pool).max()
+    assert summary["running_mean"] == pytest.approx(together("running").mean(), rel=1e-12)
+    assert summary["running_peak"] == together("running").max()
+    assert summary["waiting_peak"] == together("waiting").max()
+    assert summary["preemptions"] == 299 + 499
+    final_hits = sum(s["hit_tokens"][-1] for s in series if len(s["hit_tokens"]))
+    final_queries = sum(s["query_tokens"][-1] for s in series if len(s["query_tokens"]))
+    assert summary["prefix_cache_hit_rate"] == pytest.approx(final_hits / final_queries,
+                                                             rel=1e-12)
+    assert summary["kv_blocks_logical_mean"] == pytest.approx(logical.mean(), rel=1e-12)
+    assert summary["kv_blocks_physical_mean"] == pytest.approx(used.mean(), rel=1e-12)
+    assert summary["kv_memory_saved"] == pytest.approx(1 - used.sum() / logical.sum(),
+                                                       rel=1e-12)
     assert summary["ttft_s"] == _expected_percentiles(ttfts)
     assert summary["tpot_s"] == _expected_percentiles(tpots)
 

@@ -1,4 +1,5 @@
-"""AsyncLLMEngine: an LLMEngine driven by its own thread, for asyncio servers.
+"""AsyncLLMEngine: an LLMEngine (or DataParallelEngine) driven by its own thread, for
+asyncio servers.
 
 The engine is not thread-safe, so one background thread owns it: it runs the
 commands queued by the event loop (add a request, abort one, read the
@@ -26,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
+from jpaged.engine.data_parallel import DataParallelEngine
 from jpaged.engine.llm_engine import LLMEngine
 from jpaged.inputs import PromptType
 from jpaged.outputs import RequestOutput
@@ -36,7 +38,8 @@ logger = logging.getLogger("jpaged")
 T = TypeVar("T")
 # What a request's queue receives: an output, or the exception that ends the request.
 Delivery = RequestOutput | BaseException
-Command = tuple[Callable[[LLMEngine], object], concurrent.futures.Future | None]
+Engine = LLMEngine | DataParallelEngine
+Command = tuple[Callable[[Engine], object], concurrent.futures.Future | None]
 
 
 class QueueFullError(RuntimeError):
@@ -49,7 +52,8 @@ class EngineStoppedError(RuntimeError):
 
 @dataclass(frozen=True)
 class EngineState:
-    """What the engine thread last published, read without locking by the event loop."""
+    """What the engine thread last published, read without locking by the event loop:
+    the sums over the data-parallel replicas (blocks of all their pools)."""
 
     num_running: int = 0
     num_waiting: int = 0
@@ -63,6 +67,23 @@ class EngineState:
     def kv_usage(self) -> float:
         """Fraction of the device KV blocks held by live sequences."""
         return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+    @classmethod
+    def of(cls, engine: Engine) -> EngineState:
+        replicas = engine.replicas if isinstance(engine, DataParallelEngine) else [engine]
+        schedulers = [replica.scheduler for replica in replicas]
+        managers = [replica.block_manager for replica in replicas]
+        query_tokens = sum(m.prefix_cache_stats.query_tokens for m in managers)
+        hit_tokens = sum(m.prefix_cache_stats.hit_tokens for m in managers)
+        return cls(
+            num_running=sum(s.num_running for s in schedulers),
+            num_waiting=sum(s.num_waiting for s in schedulers),
+            num_swapped=sum(s.num_swapped for s in schedulers),
+            kv_blocks_used=sum(m.physical_blocks_used for m in managers),
+            kv_blocks_total=sum(m.num_device_blocks for m in managers),
+            prefix_cache_hit_rate=hit_tokens / query_tokens if query_tokens else 0.0,
+            num_preemptions=sum(s.num_preemptions for s in schedulers),
+        )
 
 
 class RequestStream:
@@ -119,20 +140,22 @@ class RequestStream:
 
 
 class AsyncLLMEngine:
-    """An LLMEngine stepped by a background thread; asyncio callers add and abort
-    requests and read their outputs through per-request queues.
+    """An LLMEngine or DataParallelEngine stepped by a background thread (a
+    DataParallelEngine's step steps its busy replicas, each in a thread of its own);
+    asyncio callers add and abort requests and read their outputs through
+    per-request queues.
 
     max_waiting bounds the requests admitted but not yet producing output
     (counted on the event loop from `generate` to a request's first output,
     so prefilling requests count too: a conservative count of the waiting queue).
     """
 
-    def __init__(self, engine: LLMEngine, max_waiting: int = 1024):
+    def __init__(self, engine: Engine, max_waiting: int = 1024):
         if max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
         self.engine = engine
         self.max_waiting = max_waiting
-        self.state = EngineState(kv_blocks_total=engine.block_manager.num_device_blocks)
+        self.state = EngineState.of(engine)
         self.error: BaseException | None = None
         self._num_waiting = 0
         self._accepting = True
@@ -179,7 +202,7 @@ class AsyncLLMEngine:
         def sink(item: Delivery) -> None:
             loop.call_soon_threadsafe(deliveries.put_nowait, item)
 
-        def add(engine: LLMEngine) -> None:
+        def add(engine: Engine) -> None:
             engine.add_request(request_id, prompt, params, cache_salt=cache_salt)
             self._sinks[request_id] = sink
 
@@ -193,7 +216,7 @@ class AsyncLLMEngine:
             raise
         return RequestStream(self, request_id, deliveries)
 
-    async def run(self, fn: Callable[[LLMEngine], T]) -> T:
+    async def run(self, fn: Callable[[Engine], T]) -> T:
         """fn(engine) on the engine thread, between steps; its result or its exception.
 
         For engine reads that are not thread-safe (tokenizing, chat templates).
@@ -203,7 +226,7 @@ class AsyncLLMEngine:
         self._submit(fn, future)
         return await asyncio.wrap_future(future)
 
-    def _submit(self, fn: Callable[[LLMEngine], object],
+    def _submit(self, fn: Callable[[Engine], object],
                 future: concurrent.futures.Future | None = None) -> None:
         with self._lock:
             if self._closed:
@@ -211,7 +234,7 @@ class AsyncLLMEngine:
             self._commands.put((fn, future))
 
     def _abort(self, request_id: str) -> None:
-        def abort(engine: LLMEngine) -> None:
+        def abort(engine: Engine) -> None:
             engine.abort(request_id)
             self._sinks.pop(request_id, None)
 
@@ -229,7 +252,7 @@ class AsyncLLMEngine:
 
     # Engine-thread side.
 
-    def _stop(self, engine: LLMEngine) -> None:
+    def _stop(self, engine: Engine) -> None:
         self._stopping = True
 
     def _loop(self) -> None:
@@ -261,7 +284,7 @@ class AsyncLLMEngine:
             except queue.Empty:
                 return
 
-    def _run_command(self, fn: Callable[[LLMEngine], object],
+    def _run_command(self, fn: Callable[[Engine], object],
                      future: concurrent.futures.Future | None) -> None:
         if future is None:
             fn(self.engine)
@@ -307,14 +330,4 @@ class AsyncLLMEngine:
         self._publish_state()
 
     def _publish_state(self) -> None:
-        scheduler, manager = self.engine.scheduler, self.engine.block_manager
-        self.state = EngineState(
-            num_running=scheduler.num_running,
-            num_waiting=scheduler.num_waiting,
-            num_swapped=scheduler.num_swapped,
-            kv_blocks_used=manager.physical_blocks_used,
-            kv_blocks_total=manager.num_device_blocks,
-            prefix_cache_hit_rate=manager.prefix_cache_stats.hit_rate,
-            num_preemptions=scheduler.num_preemptions,
-        )
-
+        self.state = EngineState.of(self.engine)

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from jpaged.engine.llm_engine import EngineConfig, LLMEngine
+from jpaged.engine.stats import CombinedStats
 from jpaged.inputs import PromptType
 from jpaged.model.llama import LlamaConfig
 from jpaged.model.loader import load_model
@@ -24,13 +25,16 @@ from jpaged.sampling_params import BeamSearchParams, SamplingParams
 
 class DataParallelEngine:
     """add_request / step / abort / has_unfinished_requests over config.data_parallel_size
-    LLMEngine replicas (see EngineConfig for the meshes they run on)."""
+    LLMEngine replicas (see EngineConfig for the meshes they run on), with what `LLM`,
+    `AsyncLLMEngine` and the server read of an engine: tokenizer, config, max_model_len,
+    stats (all replicas together), warmup()."""
 
     def __init__(
         self, config: EngineConfig, *, loaded: tuple[Any, LlamaConfig, Any] | None = None
     ):
         """loaded: (model, model_config, tokenizer) already in memory, else config.model loads
         (once: each replica lays out its own copy of the parameters on its devices)."""
+        self.config = config
         meshes = config.replica_meshes()
         model, model_config, tokenizer = loaded or load_model(config.model, config.dtype)
         # A tokenizer is not thread-safe: each replica detokenizes with its own.
@@ -43,8 +47,14 @@ class DataParallelEngine:
             for mesh in meshes
         ]
         self.tokenizer = tokenizer
+        self.max_model_len = self.replicas[0].max_model_len
         self._replica_of: dict[str, LLMEngine] = {}
         self._threads = ThreadPoolExecutor(len(self.replicas), thread_name_prefix="jpaged-dp")
+
+    @property
+    def stats(self) -> CombinedStats:
+        """Every replica's statistics; `.summary()` combines them (see `stats.summarize`)."""
+        return CombinedStats(tuple(replica.stats for replica in self.replicas))
 
     @property
     def last_step_error(self) -> BaseException | None:
@@ -93,6 +103,11 @@ class DataParallelEngine:
             if output.finished:
                 self._replica_of.pop(output.request_id, None)
         return outputs
+
+    def warmup(self) -> int:
+        """`LLMEngine.warmup` of every replica, concurrently (each compiles for its own
+        devices); returns the number of step shapes each replica ran."""
+        return max(self._threads.map(LLMEngine.warmup, self.replicas))
 
     def tokenize(self, prompt: PromptType) -> list[int]:
         return self.replicas[0].tokenize(prompt)

@@ -12,7 +12,7 @@ LATENCY_WINDOW finished requests.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -102,13 +102,16 @@ class EngineStats:
     ttft: deque[float] = field(default_factory=_latency_window)
     tpot: deque[float] = field(default_factory=_latency_window)
     num_preemptions: int = 0
-    prefix_cache_hit_rate: float = 0.0
+    prefix_cache_query_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
     logical_block_steps: int = 0
     physical_block_steps: int = 0
+    num_kv_blocks: int = 0
 
     def record_blocks(self, manager: BlockManager) -> None:
         """The KV blocks a step runs with: read after scheduling (appends and their
         copy-on-write copies made) and before sampling forks and drops sequences."""
+        self.num_kv_blocks = manager.num_device_blocks
         self.kv_utilization.add(manager.physical_blocks_used / manager.num_device_blocks)
         self.logical_block_steps += manager.logical_blocks_used
         self.physical_block_steps += manager.physical_blocks_used
@@ -124,7 +127,9 @@ class EngineStats:
         self.num_running.add(engine.scheduler.num_running)
         self.num_waiting.add(engine.scheduler.num_waiting)
         self.num_preemptions = engine.scheduler.num_preemptions
-        self.prefix_cache_hit_rate = engine.block_manager.prefix_cache_stats.hit_rate
+        prefix_cache = engine.block_manager.prefix_cache_stats
+        self.prefix_cache_query_tokens = prefix_cache.query_tokens
+        self.prefix_cache_hit_tokens = prefix_cache.hit_tokens
 
     def record_finished(self, metrics: RequestMetrics, output_lengths: list[int]) -> None:
         """output_lengths: output tokens of each of the request's samples or beams;
@@ -138,30 +143,82 @@ class EngineStats:
             self.tpot.append(tpot)
 
     @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Fraction of the admitted prompt tokens served from the prefix cache."""
+        return _ratio(self.prefix_cache_hit_tokens, self.prefix_cache_query_tokens)
+
+    @property
     def kv_memory_saved(self) -> float:
         """(logical - physical) / logical blocks over all steps: what block sharing
         (forks, beams, prefix-cache hits) saved against private copies."""
-        if self.logical_block_steps == 0:
-            return 0.0
-        return 1.0 - self.physical_block_steps / self.logical_block_steps
+        return 1.0 - _ratio(self.physical_block_steps, self.logical_block_steps, empty=1.0)
 
     def summary(self) -> dict:
-        elapsed = (self.last_step_time or 0.0) - (self.first_step_time or 0.0)
-        return {
-            "steps": self.num_steps,
-            "finished_requests": self.num_finished,
-            "output_tokens": self.num_output_tokens,
-            "output_tokens_per_s": self.num_output_tokens / elapsed if elapsed > 0 else None,
-            "kv_utilization_mean": self.kv_utilization.mean,
-            "kv_utilization_peak": float(self.kv_utilization.peak),
-            "running_mean": self.num_running.mean,
-            "running_peak": int(self.num_running.peak),
-            "waiting_peak": int(self.num_waiting.peak),
-            "preemptions": self.num_preemptions,
-            "prefix_cache_hit_rate": self.prefix_cache_hit_rate,
-            "kv_blocks_logical_mean": self.logical_block_steps / max(self.num_steps, 1),
-            "kv_blocks_physical_mean": self.physical_block_steps / max(self.num_steps, 1),
-            "kv_memory_saved": self.kv_memory_saved,
-            "ttft_s": percentiles(self.ttft),
-            "tpot_s": percentiles(self.tpot),
-        }
+        return summarize([self])
+
+
+@dataclass(frozen=True)
+class CombinedStats:
+    """The statistics of several engines (data-parallel replicas) read as one."""
+
+    replicas: tuple[EngineStats, ...]
+
+    def summary(self) -> dict:
+        return summarize(self.replicas)
+
+
+def _ratio(numerator: float, denominator: float, empty: float = 0.0) -> float:
+    return numerator / denominator if denominator else empty
+
+
+def summarize(replicas: Sequence[EngineStats]) -> dict:
+    """One summary of one engine's statistics, or of several engines serving together.
+
+    Counts, token totals and preemptions add up. Step-level figures are over
+    every engine's steps (a step of one engine is one batch): running_mean is
+    the mean batch an engine runs, the peaks the highest any engine reached,
+    kv_utilization_mean the blocks in use over the blocks of the pools stepped
+    (each engine's steps weighted by its pool's size). output_tokens_per_s is
+    over the time from the first engine's first step to the last one's last.
+    TTFT and TPOT percentiles are over every engine's finished requests (each
+    engine's last LATENCY_WINDOW).
+    """
+    num_steps = sum(r.num_steps for r in replicas)
+    output_tokens = sum(r.num_output_tokens for r in replicas)
+    starts = [r.first_step_time for r in replicas if r.first_step_time is not None]
+    ends = [r.last_step_time for r in replicas if r.last_step_time is not None]
+    elapsed = max(ends) - min(starts) if starts and ends else 0.0
+    kv_blocks_stepped = sum(r.kv_utilization.count * r.num_kv_blocks for r in replicas)
+    kv_blocks_used = sum(r.kv_utilization.total * r.num_kv_blocks for r in replicas)
+    logical = sum(r.logical_block_steps for r in replicas)
+    physical = sum(r.physical_block_steps for r in replicas)
+    return {
+        "steps": num_steps,
+        "finished_requests": sum(r.num_finished for r in replicas),
+        "output_tokens": output_tokens,
+        "output_tokens_per_s": output_tokens / elapsed if elapsed > 0 else None,
+        "kv_utilization_mean": _ratio(kv_blocks_used, kv_blocks_stepped),
+        "kv_utilization_peak": float(_peak(r.kv_utilization for r in replicas)),
+        "running_mean": _pooled_mean(r.num_running for r in replicas),
+        "running_peak": int(_peak(r.num_running for r in replicas)),
+        "waiting_peak": int(_peak(r.num_waiting for r in replicas)),
+        "preemptions": sum(r.num_preemptions for r in replicas),
+        "prefix_cache_hit_rate": _ratio(sum(r.prefix_cache_hit_tokens for r in replicas),
+                                        sum(r.prefix_cache_query_tokens for r in replicas)),
+        "kv_blocks_logical_mean": logical / max(num_steps, 1),
+        "kv_blocks_physical_mean": physical / max(num_steps, 1),
+        "kv_memory_saved": 1.0 - _ratio(physical, logical, empty=1.0),
+        "ttft_s": percentiles(value for r in replicas for value in r.ttft),
+        "tpot_s": percentiles(value for r in replicas for value in r.tpot),
+    }
+
+
+def _peak(series: Iterable[RunningStat]) -> float:
+    """The highest value of the non-empty series; 0 when all are empty."""
+    return max((s.peak for s in series if s.count), default=0.0)
+
+
+def _pooled_mean(series: Iterable[RunningStat]) -> float:
+    """The mean of all the series' values together; 0 when all are empty."""
+    series = list(series)
+    return _ratio(sum(s.total for s in series), sum(s.count for s in series))

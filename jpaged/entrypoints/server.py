@@ -46,10 +46,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jpaged.engine.async_engine import (
     AsyncLLMEngine,
+    Engine,
     EngineStoppedError,
     QueueFullError,
 )
-from jpaged.engine.llm_engine import LLMEngine
 from jpaged.entrypoints.protocol import (
     ChatCompletionRequest,
     ChatJob,
@@ -193,7 +193,7 @@ def _sampling_params(body: SamplingFields, renamed: dict[str, str], **specific) 
 # Running one HTTP request's engine requests.
 
 
-def encode_prompt(engine: LLMEngine, prompt: str | list[int]) -> EncodedPrompt:
+def encode_prompt(engine: Engine, prompt: str | list[int]) -> EncodedPrompt:
     """On the engine thread: a completions prompt's token ids and texts."""
     token_ids = engine.tokenize(prompt)
     text = prompt if isinstance(prompt, str) else engine.tokenizer.decode(token_ids)
@@ -346,7 +346,7 @@ class OpenAIServing:
             "max_model_len": self.max_model_len,
         }]}
 
-    async def on_engine(self, fn: Callable[[LLMEngine], T], param: str) -> T:
+    async def on_engine(self, fn: Callable[[Engine], T], param: str) -> T:
         """fn(engine) on the engine thread; its ValueError/TypeError is a 400 for `param`."""
         try:
             return await self.engine.run(fn)
@@ -603,13 +603,14 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
     return app
 
 
-def serve(engine: LLMEngine, *, served_model_name: str, host: str = "127.0.0.1",
+def serve(engine: Engine, *, served_model_name: str, host: str = "127.0.0.1",
           port: int = 8000, api_key: str | None = None, max_waiting: int = 1024,
           max_body_bytes: int = MAX_BODY_BYTES, warmup: bool = False) -> None:
     """Serve `engine` until SIGINT/SIGTERM: then no new connection is accepted, running
     requests get SHUTDOWN_GRACE_S seconds to finish, the rest are aborted, and the
     engine thread is joined. warmup=True compiles every step shape first
-    (`LLMEngine.warmup`), so no request waits for a compile."""
+    (`LLMEngine.warmup`, every replica's for a DataParallelEngine), so no request waits
+    for a compile."""
     import uvicorn
 
     if warmup:

@@ -9,8 +9,10 @@ step ends the comparison of its sequence, whose contexts then differ.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
+from types import SimpleNamespace
 
 import jax
 import numpy as np
@@ -18,10 +20,16 @@ import pytest
 from conftest import kernel_interpret
 from flax import nnx
 from jax.sharding import PartitionSpec as P
+from test_tokenizer import transformers_answer
 
+from jpaged import __main__ as cli
 from jpaged.core.batch_builder import BucketSizes
+from jpaged.engine.async_engine import AsyncLLMEngine
+from jpaged.engine.llm_engine import step_shapes
 from jpaged.engine.runner import ModelRunner
+from jpaged.engine.stats import num_compilations
 from jpaged.entrypoints.llm import LLM
+from jpaged.entrypoints.server import OpenAIServing
 from jpaged.memory.allocator import BlockOps
 from jpaged.model.llama import LlamaConfig, LlamaForCausalLM
 from jpaged.model.loader import load_model
@@ -168,11 +176,18 @@ def test_smollm2_three_way_matches_one_device(smollm2):
     assert bytes_per_device(three_cache) * 3 == bytes_per_device(one_cache)
 
 
-def test_two_replicas_of_two_devices_match_one_device(loaded_models, one_device_outputs):
+@pytest.fixture(scope="module")
+def two_by_two(loaded_models) -> LLM:
+    """TP 2 x DP 2 on 4 devices, xla backend; tests leave it with no request."""
+    return LLM("llama", loaded=loaded_models["llama"], attention_backend="xla",
+               tensor_parallel_size=2, data_parallel_size=2, **ENGINE)
+
+
+def test_two_replicas_of_two_devices_match_one_device(two_by_two, loaded_models,
+                                                      one_device_outputs):
     """TP 2 x DP 2 on 4 devices: disjoint device pairs, requests spread evenly."""
     reference = one_device_outputs("llama", "xla", False)
-    llm = LLM("llama", loaded=loaded_models["llama"], attention_backend="xla",
-              tensor_parallel_size=2, data_parallel_size=2, **ENGINE)
+    llm = two_by_two
     replicas = llm.engine.replicas
     devices = [r.runner.kv_caches[0].sharding.device_set for r in replicas]
     assert [len(d) for d in devices] == [2, 2] and not devices[0] & devices[1]
@@ -188,6 +203,124 @@ def test_two_replicas_of_two_devices_match_one_device(loaded_models, one_device_
     near_ties = near_ties_or_fail(reference, llm.generate(prompts(vocab), GREEDY))
     print(f"TP=2 x DP=2 llama xla: {near_ties} near-tie steps")
     assert all(r.block_manager.num_free_blocks == ENGINE["num_blocks"] - 1 for r in replicas)
+
+
+async def _collect(stream) -> SimpleNamespace:
+    """A request's deltas joined into one output: token ids and log-probabilities."""
+    token_ids, logprobs = [], []
+    async for delta in stream:
+        token_ids += delta.outputs[0].token_ids
+        logprobs += delta.outputs[0].logprobs
+    return SimpleNamespace(outputs=[SimpleNamespace(token_ids=token_ids, logprobs=logprobs)])
+
+
+async def _serve_concurrently(engine: AsyncLLMEngine, requests: list) -> list:
+    streams = [await engine.generate(f"async-{i}", prompt, GREEDY)
+               for i, prompt in enumerate(requests)]
+    return await asyncio.gather(*(_collect(stream) for stream in streams))
+
+
+def test_async_engine_over_two_replicas_matches_one_device(two_by_two, loaded_models,
+                                                           one_device_outputs):
+    """The server's engine thread drives both replicas: concurrent greedy requests get
+    the one-device tokens, each replica serves some, and the published state and
+    /metrics count both replicas' pools."""
+    reference = one_device_outputs("llama", "xla", False)
+    replicas = two_by_two.engine.replicas
+    finished_before = [r.stats.num_finished for r in replicas]
+    engine = AsyncLLMEngine(two_by_two.engine)
+    try:
+        serving = OpenAIServing(engine, "tiny")
+        vocab = loaded_models["llama"][1].vocab_size
+        outputs = asyncio.run(_serve_concurrently(engine, prompts(vocab)))
+    finally:
+        engine.shutdown()
+    near_ties = near_ties_or_fail(reference, outputs)
+    print(f"AsyncLLMEngine TP=2 x DP=2 llama xla: {near_ties} near-tie steps")
+    served = [r.stats.num_finished - before for r, before in zip(replicas, finished_before,
+                                                                  strict=True)]
+    assert sum(served) == 3 and min(served) >= 1, served
+    pools = 2 * (ENGINE["num_blocks"] - 1)
+    assert engine.state.kv_blocks_total == pools and engine.state.kv_blocks_used == 0
+    assert f"jpaged:kv_cache_blocks_total {float(pools)}" in serving.metrics.render().decode()
+    assert serving.models()["data"][0]["max_model_len"] == ENGINE["max_model_len"]
+
+
+def test_data_parallel_summary_combines_the_replicas(two_by_two, loaded_models):
+    """The summary of both replicas, against numpy over each replica's own figures."""
+    vocab = loaded_models["llama"][1].vocab_size
+    two_by_two.generate(prompts(vocab, lengths=(4, 9, 13, 21), seed=1), GREEDY)
+    replicas = [r.stats for r in two_by_two.engine.replicas]
+    summary = two_by_two.engine.stats.summary()
+
+    def total(name: str) -> float:
+        return np.sum([getattr(r, name) for r in replicas])
+
+    pools = np.array([r.num_kv_blocks for r in replicas])
+    steps = np.array([r.kv_utilization.count for r in replicas])
+    used = np.array([r.kv_utilization.total for r in replicas]) * pools
+    assert summary["steps"] == total("num_steps")
+    assert summary["finished_requests"] == total("num_finished")
+    assert summary["output_tokens"] == total("num_output_tokens")
+    assert summary["preemptions"] == total("num_preemptions")
+    assert summary["kv_utilization_mean"] == pytest.approx(used.sum() / (steps * pools).sum())
+    assert summary["kv_utilization_peak"] == max(r.kv_utilization.peak for r in replicas)
+    assert summary["running_mean"] == pytest.approx(
+        np.sum([r.num_running.total for r in replicas]) / steps.sum())
+    assert summary["prefix_cache_hit_rate"] == pytest.approx(
+        total("prefix_cache_hit_tokens") / total("prefix_cache_query_tokens"))
+    elapsed = (max(r.last_step_time for r in replicas)
+               - min(r.first_step_time for r in replicas))
+    assert summary["output_tokens_per_s"] == pytest.approx(total("num_output_tokens") / elapsed)
+    ttft = np.concatenate([list(r.ttft) for r in replicas])
+    assert summary["ttft_s"]["p50"] == pytest.approx(np.percentile(ttft, 50))
+    assert summary["ttft_s"]["p99"] == pytest.approx(np.percentile(ttft, 99))
+
+
+def test_data_parallel_warmup_leaves_nothing_to_compile(two_by_two, loaded_models):
+    """warmup() compiles each replica's step shapes (for its own devices): serving then
+    compiles nothing."""
+    engine = two_by_two.engine
+    assert jax.config.jax_compilation_cache_dir is None  # a hit would not count as a compile
+    num_shapes = engine.warmup()
+    replica = engine.replicas[0]
+    assert num_shapes == len(step_shapes(replica.buckets, ENGINE["max_num_batched_tokens"],
+                                         ENGINE["max_num_seqs"], ENGINE["max_model_len"]
+                                         // ENGINE["block_size"]))
+    before = num_compilations()
+    vocab = loaded_models["llama"][1].vocab_size
+    two_by_two.generate(prompts(vocab, lengths=(2, 7, 30, 3, 12), seed=2), GREEDY)
+    assert num_compilations() - before == 0
+
+
+def test_cli_flags_reach_the_engine(tiny_llama_dir, capsys, jpaged_logger_restored):
+    """`generate --tensor-parallel-size 2 --data-parallel-size 2`: two replicas (two KV
+    pools reported), each with half the KV bytes per token of one device, answering as
+    transformers does; bad sizes are the engine's one-line errors."""
+    answers = ["the theme in the", "in the air"]
+    status = cli.main(["generate", "--model", str(tiny_llama_dir), "--raw", "--max-tokens", "5",
+                       "--tensor-parallel-size", "2", "--data-parallel-size", "2", "--stats",
+                       *answers])
+    out, err = capsys.readouterr()
+    assert status == 0, err
+    hf_config = json.loads((tiny_llama_dir / "config.json").read_text())
+    head_dim = hf_config["hidden_size"] // hf_config["num_attention_heads"]
+    bytes_per_token = (2 * hf_config["num_hidden_layers"] * hf_config["num_key_value_heads"]
+                       // 2 * head_dim * 4)
+    assert len(re.findall(rf"KV cache: .*\({bytes_per_token} bytes per token\)", err)) == 2
+    text, stats = out.split("\n{", 1)
+    expected = "".join(f"### {p}\n{transformers_answer(tiny_llama_dir, p, 5)}\n"
+                       for p in answers)
+    assert text + "\n" == expected
+    assert json.loads("{" + stats)["finished_requests"] == 2
+
+    for flag, value, message in (("--tensor-parallel-size", "3", "4 query heads"),
+                                 ("--data-parallel-size", "0", "must be >= 1, got 0"),
+                                 ("-tp", "4", r"\(4\) x data_parallel_size \(3\) = 12")):
+        extra = ["-dp", "3"] if flag == "-tp" else []
+        status = cli.main(["generate", "--model", str(tiny_llama_dir), flag, value, *extra, "x"])
+        err = capsys.readouterr().err
+        assert status == 1 and re.search(rf"^error: .*{message}", err, re.M), err
 
 
 def test_bad_sizes_name_both_numbers(loaded_models):
