@@ -53,14 +53,10 @@ KV_CACHE_SPEC = P(None, MODEL_AXIS)
 
 
 def shard_map(fn: Callable, mesh: Mesh, in_specs, out_specs) -> Callable:
-    """`jax.shard_map` (jax >= 0.7), else `jax.experimental.shard_map.shard_map`, with the
-    replication checks off: the Pallas kernels inside carry no replication rules."""
-    if hasattr(jax, "shard_map"):
-        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                             check_vma=False)
-    from jax.experimental.shard_map import shard_map as experimental_shard_map
-
-    return experimental_shard_map(fn, mesh, in_specs, out_specs, check_rep=False)
+    """`jax.shard_map` (in every jax jpaged supports, >= 0.10.2) with the replication
+    checks off: the Pallas kernels inside carry no replication rules."""
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                         check_vma=False)
 
 
 def model_mesh(devices: list) -> Mesh:
