@@ -166,6 +166,13 @@ def free_slots(manager: KVCacheManager) -> int:
     return manager.num_free_blocks * manager.block_size
 
 
+def pool_slots(manager: KVCacheManager) -> int:
+    """Token slots of the pool (jpaged's null block excluded)."""
+    if isinstance(manager, ContiguousKVManager):
+        return manager.num_slots
+    return manager.num_device_blocks * manager.block_size
+
+
 def kv_breakdown(
     manager: KVCacheManager, seqs: Iterable[tuple[Seq, int]], requests_waiting: bool
 ) -> MemoryBreakdown:
@@ -197,6 +204,9 @@ class SimResult:
         all steps (None when blocks are shared).
     sharing_saved: blocks saved by sharing / blocks that tables reference,
         summed over all steps (jpaged only).
+    mean_running_requests: running requests after each step (those finished in
+        it gone), as the engine's stats count them; mean over steps.
+    mean_kv_utilization: allocated / pool slots after scheduling, mean over steps.
     outputs: request id -> output token ids of each of its final sequences.
     """
 
@@ -210,6 +220,8 @@ class SimResult:
     cpu_s: float
     mean_running_seqs: float
     peak_running_seqs: int
+    mean_running_requests: float
+    mean_kv_utilization: float
     num_preemptions: int
     output_tokens: int
     mean_normalized_latency_s: float
@@ -263,6 +275,7 @@ class _Simulation:
         self.pending = deque(sorted(requests, key=lambda r: r.arrival_time))
         self.manager = make_manager(config, lambda g: self.specs[g.request_id].total_len)
         self.scheduler = Scheduler(config.scheduler_config(), self.manager)
+        self.pool_slots = pool_slots(self.manager)
         self.sharing = config.enable_prefix_caching or any(r.n > 1 for r in requests)
         self.rng = random.Random(config.seed)
         self.clock = 0.0
@@ -305,6 +318,8 @@ class _Simulation:
         self._record(output)
         for group in ready:
             self._sample(group)
+        # After sampling, as the engine counts them: requests that finished this step are gone.
+        self.stats.add_running_requests(self.scheduler.num_running)
 
     def _record(self, output: SchedulerOutput) -> None:
         breakdown = None
@@ -324,6 +339,7 @@ class _Simulation:
             logical,
             physical,
         )
+        self.stats.kv_utilization_sum += 1.0 - free_slots(self.manager) / self.pool_slots
 
     def _seqs_holding_kv(self) -> Iterable[tuple[Seq, int]]:
         for group in self.scheduler.running:
@@ -384,6 +400,8 @@ class _Simulation:
             cpu_s=cpu_s,
             mean_running_seqs=stats.running_sum / max(stats.num_steps, 1),
             peak_running_seqs=stats.running_peak,
+            mean_running_requests=stats.running_requests_sum / max(stats.num_steps, 1),
+            mean_kv_utilization=stats.kv_utilization_sum / max(stats.num_steps, 1),
             num_preemptions=self.scheduler.num_preemptions,
             output_tokens=sum(len(s) for seqs in self.outputs.values() for s in seqs),
             mean_normalized_latency_s=_mean(self.normalized_latencies),
@@ -416,7 +434,12 @@ class _Stats:
     allocated: int = 0
     logical: int = 0
     physical: int = 0
+    running_requests_sum: int = 0
+    kv_utilization_sum: float = 0.0
     points: list[tuple] = field(default_factory=list)
+
+    def add_running_requests(self, num_running: int) -> None:
+        self.running_requests_sum += num_running
 
     def add(
         self,

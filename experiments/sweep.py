@@ -1,6 +1,25 @@
-"""The block-size study and the paper's memory comparisons, in simulation.
+"""The paper's studies: memory in simulation, serving on the real engine, with figures.
 
-`python -m experiments.sweep` runs the model-free simulator (experiments/simulator.py)
+    python -m experiments.sweep [--studies memory,rate,block-size,preemption,sharing]
+                                [--quick] [--out-dir results]
+
+Studies (all by default; --quick runs each with small settings in about two
+minutes, to check the pipeline rather than the numbers):
+
+- memory: the model-free simulator (below);
+- rate: the paper's Figure 12 on the real engine (experiments.rate_study) and
+  the simulator validated against the engine (experiments.validation);
+- block-size and preemption: Figures 18 and 19 on the real engine
+  (experiments.block_size_study);
+- sharing: Figures 14 and 15 on the real engine (experiments.sharing_study).
+
+The real-engine studies run the default model (SmolLM2-135M-Instruct, float32)
+with Poisson arrivals replayed on a virtual clock of measured step times
+(experiments.engine_runs). Everything lands in --out-dir: sweep.json (every
+measurement, its settings, package versions and timings), one CSV per table
+and one PNG per figure (experiments.figures); a summary table ends the output.
+
+The memory study runs the model-free simulator (experiments/simulator.py)
 over synthetic workloads (experiments/workloads.py: fits to the vLLM paper's
 published mean lengths, not the datasets) and prints three tables:
 
@@ -17,7 +36,6 @@ Every run serves its requests all at once (arrival time 0), so memory is the
 bottleneck; every allocator gets the same KV memory (--num-kv-slots token
 slots, about what OPT-13B leaves on a 40 GB A100). The default sizes finish in
 a few minutes on two cores; raise the request counts for tighter numbers.
-Results go to <out-dir>/sweep.json and one CSV per table.
 """
 
 from __future__ import annotations
@@ -31,6 +49,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from experiments import engine_studies, figures
 from experiments.simulator import SimConfig, simulate
 from experiments.workloads import make_workload
 
@@ -187,8 +206,17 @@ def write_csv(path: Path, rows: list[dict]) -> None:
         writer.writerows(rows)
 
 
+
+STUDIES = ("memory", "rate", "block-size", "preemption", "sharing")
+ENGINE_STUDIES = STUDIES[1:]
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--studies", type=lambda s: s.split(","), default=list(STUDIES),
+                        help=f"comma-separated, of {','.join(STUDIES)}")
+    parser.add_argument("--quick", action="store_true",
+                        help="every study with small settings (about two minutes)")
     parser.add_argument(
         "--block-sizes",
         type=lambda s: [int(b) for b in s.split(",")],
@@ -200,20 +228,37 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--figure2-requests", type=int, default=1000)
     parser.add_argument("--sharing-requests", type=int, default=500)
     parser.add_argument("--num-kv-slots", type=int, default=16384)
+    parser.add_argument("--engine-requests", type=int, default=24,
+                        help="requests per real-engine run")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--jobs", type=int, default=2, help="simulations run in parallel")
     parser.add_argument("--out-dir", type=Path, default=Path("results"))
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    unknown = sorted(set(args.studies) - set(STUDIES))
+    if unknown:
+        parser.error(f"unknown studies {unknown}; choose from {','.join(STUDIES)}")
+    if args.quick:
+        apply_quick(args)
+    return args
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+def apply_quick(args: argparse.Namespace) -> None:
+    """Small settings for every study: a check of the pipeline, not of the numbers."""
+    args.block_sizes = [4, 16, 64]
+    args.sharegpt_requests = args.alpaca_requests = args.figure2_requests = 100
+    args.sharing_requests = 50
+    args.num_kv_slots = 4096
+    args.engine_requests = 4
+
+
+def memory_study(args: argparse.Namespace) -> tuple[dict, dict]:
+    """The simulator's tables; (JSON section, {table: (title, rows)})."""
     runs = plan_runs(args)
     start = time.perf_counter()
     print(
         f"{len(runs)} simulations on synthetic ShareGPT-/Alpaca-like workloads (log-normal "
         "lengths fitted to the paper's published means), no model; "
-        f"{args.num_kv_slots} KV token slots per server"
+        f"{args.num_kv_slots} KV token slots per server", flush=True,
     )
     if args.jobs > 1:
         with ProcessPoolExecutor(max_workers=args.jobs) as pool:
@@ -221,7 +266,6 @@ def main(argv: list[str] | None = None) -> None:
     else:
         results = [execute(run) for run in runs]
     elapsed = time.perf_counter() - start
-
     tables = {
         "block_size": ("Block-size study (jpaged, all requests at t=0)", block_size_rows(results)),
         "figure2": (
@@ -233,22 +277,39 @@ def main(argv: list[str] | None = None) -> None:
             sharing_rows(results),
         ),
     }
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    for name, (title, rows) in tables.items():
-        print(f"\n{title}\n{format_table(rows)}")
-        write_csv(args.out_dir / f"sweep_{name}.csv", rows)
     cpu_seconds = sum(r["cpu_s"] for r in results)
-    report = {
-        "args": {k: str(v) for k, v in vars(args).items()},
-        "wall_s": elapsed,
-        "simulation_cpu_s": cpu_seconds,
-        "runs": results,
-    }
+    print(f"{len(runs)} simulations took {cpu_seconds:.0f} s CPU, {elapsed:.0f} s wall clock "
+          f"with {args.jobs} jobs", flush=True)
+    return {"wall_s": elapsed, "simulation_cpu_s": cpu_seconds, "runs": results}, tables
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    start = time.perf_counter()
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    report: dict = {"args": {k: str(v) for k, v in vars(args).items()},
+                    "versions": engine_studies.versions(), "study_wall_s": {}}
+    tables: dict = {}
+    if "memory" in args.studies:
+        began = time.perf_counter()
+        section, memory_tables = memory_study(args)
+        report |= section
+        tables |= memory_tables
+        report["study_wall_s"]["memory"] = time.perf_counter() - began
+    selected = [study for study in ENGINE_STUDIES if study in args.studies]
+    if selected:
+        report |= engine_studies.run(selected, args, report["study_wall_s"])
+        tables |= engine_studies.tables(report)
+    for name, (title, rows) in tables.items():
+        if rows:
+            print(f"\n{title}\n{format_table(rows)}")
+            write_csv(args.out_dir / f"sweep_{name}.csv", rows)
+    report["figures"] = figures.draw_all(report, args.out_dir)
+    report["wall_s"] = time.perf_counter() - start
     (args.out_dir / "sweep.json").write_text(json.dumps(report, indent=1, default=str))
-    print(
-        f"\n{len(runs)} simulations took {cpu_seconds:.0f} s CPU, "
-        f"{elapsed:.0f} s wall clock with {args.jobs} jobs; results in {args.out_dir}/"
-    )
+    summary = engine_studies.summary_rows(report)
+    print(f"\nSummary\n{format_table(summary)}")
+    print(f"\nthe sweep took {report['wall_s']:.0f} s wall clock; results in {args.out_dir}/")
 
 
 if __name__ == "__main__":

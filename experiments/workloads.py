@@ -175,3 +175,40 @@ def make_workload(
         )
         for i in range(num_requests)
     ]
+
+
+def scaled_workload(
+    dataset: str,
+    num_requests: int,
+    *,
+    scale: float,
+    max_total_len: int,
+    vocab_size: int,
+    request_rate: float = math.inf,
+    seed: int = 0,
+    token_seed: int | None = None,
+) -> list[RequestSpec]:
+    """A workload whose lengths are the dataset's scaled by `scale` (to fit a small
+    machine) and clipped: prompts to [4, max_total_len // 2], outputs to [4, the room
+    left]. Poisson arrivals at `request_rate` from the same seed; prompt token ids in
+    [0, vocab_size) from `token_seed` (default: seed + 1), so a run with other
+    tokens takes the same steps without sharing a prefix.
+    """
+    if not 0 < scale <= 1:
+        raise ValueError(f"scale must be in (0, 1], got {scale}")
+    rng = np.random.default_rng(seed)
+    lengths = sample_lengths(dataset, num_requests, rng)
+    prompt_lens = np.clip((lengths[:, 0] * scale).astype(int), MIN_LEN, max_total_len // 2)
+    output_lens = np.clip((lengths[:, 1] * scale).astype(int), MIN_LEN,
+                          max_total_len - prompt_lens)
+    arrivals = arrival_times(num_requests, request_rate, rng)
+    tokens = np.random.default_rng(seed + 1 if token_seed is None else token_seed)
+    return [
+        RequestSpec(
+            request_id=f"{dataset}-{i}",
+            arrival_time=float(arrivals[i]),
+            prompt_token_ids=tuple(tokens.integers(0, vocab_size, prompt_lens[i]).tolist()),
+            output_len=int(output_lens[i]),
+        )
+        for i in range(num_requests)
+    ]

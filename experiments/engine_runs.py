@@ -1,0 +1,212 @@
+"""Serve a workload on the real engine with Poisson arrivals replayed on a virtual clock.
+
+A serving study on a shared two-core CPU cannot trust the wall clock: another
+process that takes a core for a second stretches every request in flight and
+lets more arrivals pile up, so two policies measured minutes apart would not be
+comparable. Here the clock is virtual but every second of it was measured:
+
+- the engine (`LLMEngine`, the real model, kernels, scheduler and KV pool)
+  runs one `step()` at a time;
+- the clock advances by that step's measured duration, less the time JAX spent
+  tracing, compiling or loading compiled code during it (a step shape met for
+  the first time would otherwise count its compilation as serving time);
+- requests whose Poisson arrival time has come are added before each step;
+  when the engine is idle the clock jumps to the next arrival.
+
+The schedule is the one a wall-clock server would follow if every step took
+what it measured; load from other processes can still lengthen a step, but it
+no longer feeds back into queueing. Latency is the virtual time from a
+request's arrival to the step that finishes it; normalized latency is latency
+over its output tokens (the paper's Figure 12 metric).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from jax import monitoring
+
+from experiments.workloads import RequestSpec
+from jpaged.engine.stats import EngineStats
+
+# Events JAX reports while tracing, lowering, compiling or loading a compiled step.
+_COMPILE_EVENTS = frozenset({
+    "/jax/core/compile/jaxpr_trace_duration",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration",
+    "/jax/core/compile/backend_compile_duration",
+    "/jax/compilation_cache/cache_retrieval_time_sec",
+})
+_compile_seconds = 0.0
+
+
+def _count_compile_time(event: str, duration: float, **kwargs) -> None:
+    global _compile_seconds
+    if event in _COMPILE_EVENTS:
+        _compile_seconds += duration
+
+
+monitoring.register_event_duration_secs_listener(_count_compile_time)
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """One workload served on the virtual clock.
+
+    normalized_latencies_s: per request, (finish - arrival) / output tokens, seconds.
+    step_seconds: per step, measured duration less compilation, seconds.
+    """
+
+    num_requests: int
+    num_steps: int
+    virtual_s: float
+    wall_s: float
+    compile_s: float
+    num_compiling_steps: int
+    output_tokens: int
+    normalized_latencies_s: list[float]
+    mean_running_requests: float
+    peak_running_requests: float
+    mean_kv_utilization: float
+    num_preemptions: int
+    logical_block_steps: int
+    physical_block_steps: int
+    step_seconds: list[float]
+
+    @property
+    def mean_normalized_latency_s(self) -> float:
+        return float(np.mean(self.normalized_latencies_s))
+
+    def summary(self) -> dict:
+        """JSON-ready measurements (no per-step or per-request lists)."""
+        latencies = np.asarray(self.normalized_latencies_s)
+        return {
+            "num_requests": self.num_requests,
+            "num_steps": self.num_steps,
+            "virtual_s": self.virtual_s,
+            "wall_s": self.wall_s,
+            "compile_s": self.compile_s,
+            "num_compiling_steps": self.num_compiling_steps,
+            "output_tokens": self.output_tokens,
+            "output_tokens_per_virtual_s": self.output_tokens / self.virtual_s,
+            "normalized_latency_s_mean": float(latencies.mean()),
+            "normalized_latency_s_p50": float(np.percentile(latencies, 50)),
+            "normalized_latency_s_p90": float(np.percentile(latencies, 90)),
+            "mean_running_requests": self.mean_running_requests,
+            "peak_running_requests": self.peak_running_requests,
+            "mean_kv_utilization_pct": 100.0 * self.mean_kv_utilization,
+            "num_preemptions": self.num_preemptions,
+            "kv_memory_saved_pct": 100.0 * (1 - self.physical_block_steps
+                                            / max(self.logical_block_steps, 1)),
+            "step_s_median": float(np.median(self.step_seconds)),
+        }
+
+
+def greedy(spec: RequestSpec):
+    """Greedy sampling of exactly the request's output_len tokens."""
+    from jpaged import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=spec.output_len, ignore_eos=True)
+
+
+def serve(engine, requests: Sequence[RequestSpec], label: str = "",
+          params_of: Callable[[RequestSpec], Any] = greedy) -> RunResult:
+    """Serve `requests` on `engine`, each with the sampling or beam-search parameters
+    `params_of` gives it (which must stop at exactly output_len tokens: ignore_eos).
+
+    The engine may have served other runs: its stats are reset and preemptions
+    counted from here. Progress goes to stderr when a label is given.
+    """
+    pending = sorted(requests, key=lambda r: r.arrival_time)
+    arrival = {r.request_id: r.arrival_time for r in requests}
+    output_len = {r.request_id: r.output_len for r in requests}
+    engine.stats = EngineStats()
+    preemptions_before = engine.scheduler.num_preemptions
+    clock, next_arrival, latencies, step_seconds = 0.0, 0, [], []
+    compile_total, compiling_steps = 0.0, 0
+    wall_start = time.perf_counter()
+    progress = _Progress(label, len(pending))
+    while next_arrival < len(pending) or engine.has_unfinished_requests():
+        while next_arrival < len(pending) and pending[next_arrival].arrival_time <= clock:
+            spec = pending[next_arrival]
+            engine.add_request(spec.request_id, {"prompt_token_ids": list(spec.prompt_token_ids)},
+                               params_of(spec))
+            next_arrival += 1
+        if not engine.has_unfinished_requests():
+            clock = pending[next_arrival].arrival_time
+            continue
+        compiled_before = _compile_seconds
+        started = time.perf_counter()
+        outputs = engine.step()
+        elapsed = time.perf_counter() - started
+        compiled = _compile_seconds - compiled_before
+        compiling_steps += compiled > 0
+        compile_total += compiled
+        clock += max(elapsed - compiled, 0.0)
+        step_seconds.append(max(elapsed - compiled, 0.0))
+        for output in outputs:
+            if output.finished:
+                rid = output.request_id
+                latencies.append((clock - arrival[rid]) / output_len[rid])
+                progress.advance()
+    progress.close()
+    stats = engine.stats
+    return RunResult(
+        num_requests=len(requests),
+        num_steps=len(step_seconds),
+        virtual_s=clock - pending[0].arrival_time,
+        wall_s=time.perf_counter() - wall_start,
+        compile_s=compile_total,
+        num_compiling_steps=compiling_steps,
+        output_tokens=stats.num_output_tokens,
+        normalized_latencies_s=latencies,
+        mean_running_requests=stats.num_running.mean,
+        peak_running_requests=stats.num_running.peak,
+        mean_kv_utilization=stats.kv_utilization.mean,
+        num_preemptions=engine.scheduler.num_preemptions - preemptions_before,
+        logical_block_steps=stats.logical_block_steps,
+        physical_block_steps=stats.physical_block_steps,
+        step_seconds=step_seconds,
+    )
+
+
+class _Progress:
+    """A tqdm bar of finished requests on stderr (silent without a label)."""
+
+    def __init__(self, label: str, total: int):
+        self._bar = None
+        if label:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, desc=label, unit="req", file=sys.stderr, leave=False)
+
+    def advance(self) -> None:
+        if self._bar is not None:
+            self._bar.update()
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def make_engine(loaded, *, allocation: str, block_size: int, num_pool_tokens: int,
+                max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                preemption_mode: str = "recompute", num_host_tokens: int = 0,
+                share_blocks: bool = True):
+    """An engine on an already loaded model with a pool of `num_pool_tokens` token slots
+    (rounded down to whole blocks; the null block comes on top), prefix caching off."""
+    from jpaged.engine.llm_engine import EngineConfig, LLMEngine
+
+    config = EngineConfig(
+        block_size=block_size, num_blocks=num_pool_tokens // block_size + 1,
+        num_host_blocks=math.ceil(num_host_tokens / block_size),
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len, enable_prefix_caching=False, allocation=allocation,
+        preemption_mode=preemption_mode, share_blocks=share_blocks,
+    )
+    return LLMEngine(config, loaded=loaded)

@@ -1,0 +1,188 @@
+"""The real-engine studies of `python -m experiments.sweep`: settings, tables, summary.
+
+Loads the default model once and runs the selected studies (rate with its
+simulator validation, block-size, preemption, sharing), each with the full or
+the --quick settings; returns their JSON sections, then turns them into the
+sweep's tables and its closing summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import platform
+import sys
+import time
+
+from experiments import block_size_study, rate_study, sharing_study, validation
+
+QUICK_RATE_FRACTIONS = (0.5, 2.0)
+QUICK_LENGTH_SCALE = 0.1
+QUICK_BLOCK_SIZES = (8, 32)
+QUICK_PREEMPTION_BLOCK_SIZES = (16,)
+QUICK_MAX_MODEL_LEN = 128  # so that a pool of half a quick burst holds one sequence
+
+
+def versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {"python": platform.python_version(), "platform": platform.platform(),
+             "cpus": len(os.sched_getaffinity(0))}
+    for name in ("jax", "jaxlib", "flax", "numpy", "matplotlib"):
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def _progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def rate_settings(dataset: str, args: argparse.Namespace) -> rate_study.RateSettings:
+    settings = rate_study.RateSettings(dataset, num_requests=args.engine_requests, seed=args.seed)
+    if args.quick:
+        settings = dataclasses.replace(settings, rate_fractions=QUICK_RATE_FRACTIONS,
+                                       length_scale_override=QUICK_LENGTH_SCALE)
+    return settings
+
+
+def run(selected: list[str], args: argparse.Namespace, timings: dict) -> dict:
+    """The JSON sections of the selected real-engine studies; timings gets each
+    study's wall seconds."""
+    from jpaged.model.loader import load_model
+
+    loaded = load_model("smollm2")
+    vocab = loaded[1].vocab_size
+    report: dict = {"engine": {"model": "smollm2 (SmolLM2-135M-Instruct)", "dtype": "float32",
+                               "clock": "virtual: measured step times less compilation"}}
+    sharegpt_pool = capacity = None
+    if "rate" in selected:
+        began = time.perf_counter()
+        datasets = ("sharegpt",) if args.quick else ("sharegpt", "alpaca")
+        report["figure12"], report["validation"] = {}, {}
+        for dataset in datasets:
+            settings = rate_settings(dataset, args)
+            result, burst = rate_study.run_dataset(loaded, settings, vocab)
+            report["figure12"][dataset] = result
+            report["validation"][dataset] = validation.validate(
+                result["all_at_once"], burst, result["pool_tokens"], settings)
+            _progress(f"rate study {dataset}: {result['rate_ratios']}")
+        sharegpt = report["figure12"]["sharegpt"]
+        report |= sharegpt["rate_ratios"]
+        report["sim_vs_engine_gap_pct"] = report["validation"]["sharegpt"][
+            "sim_vs_engine_gap_pct"]
+        sharegpt_pool = sharegpt["pool_tokens"]
+        capacity = sharegpt["capacity_requests_per_s"]
+        timings["rate"] = time.perf_counter() - began
+    block_settings = block_size_study.BlockSizeSettings(
+        num_requests=args.engine_requests, seed=args.seed,
+        block_sizes=QUICK_BLOCK_SIZES if args.quick else block_size_study.BLOCK_SIZES,
+        length_scale=QUICK_LENGTH_SCALE if args.quick else rate_study.LENGTH_SCALES["sharegpt"],
+        max_model_len=QUICK_MAX_MODEL_LEN if args.quick else 512)
+    if sharegpt_pool is None:
+        burst = block_size_study.workload(block_settings, vocab, math.inf)
+        sharegpt_pool = rate_study.pool_tokens(burst, rate_settings("sharegpt", args))
+    if "block-size" in selected:
+        began = time.perf_counter()
+        report["figure18"] = block_size_study.latency_by_block_size(
+            loaded, block_settings, vocab, sharegpt_pool, capacity, _progress)
+        timings["block-size"] = time.perf_counter() - began
+    if "preemption" in selected:
+        began = time.perf_counter()
+        settings = block_settings
+        if args.quick:
+            settings = dataclasses.replace(settings, block_sizes=QUICK_PREEMPTION_BLOCK_SIZES)
+        report["figure19"] = block_size_study.preemption_cost(loaded, settings, vocab, _progress)
+        timings["preemption"] = time.perf_counter() - began
+    if "sharing" in selected:
+        began = time.perf_counter()
+        settings = sharing_study.SharingSettings(
+            num_requests=3 if args.quick else 12, seed=args.seed,
+            degrees=(2,) if args.quick else sharing_study.DEGREES)
+        report["figures14_15"] = sharing_study.run(loaded, settings, vocab, _progress)
+        timings["sharing"] = time.perf_counter() - began
+    return report
+
+
+def _f(value, digits: int = 3) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def tables(report: dict) -> dict:
+    """{table: (title, rows)} of the real-engine sections present in the report."""
+    out = {}
+    if "figure12" in report:
+        rows = []
+        for dataset, result in report["figure12"].items():
+            for policy, points in result["curves"].items():
+                for point in points:
+                    rows.append({
+                        "dataset": dataset, "policy": policy,
+                        "request_rate": _f(point["request_rate"]),
+                        "normalized_latency_s": _f(point["normalized_latency_s_mean"]),
+                        "mean_running": _f(point["mean_running_requests"], 1),
+                        "kv_util_pct": _f(point["mean_kv_utilization_pct"], 1),
+                        "preemptions": point["num_preemptions"],
+                        "pool_tokens": result["pool_tokens"],
+                        "threshold_s": _f(result["threshold_normalized_latency_s"]),
+                    })
+        out["figure12"] = ("Figure 12 on the engine: normalized latency (s/token) vs "
+                           "request rate (req/s, virtual clock)", rows)
+        out["validation"] = ("Simulator vs engine, same requests and pool, all at once",
+                             validation_rows(report["validation"]))
+    if "figure18" in report:
+        out["figure18"] = ("Figure 18 on the engine: block size", [
+            {"block_size": r["block_size"], "request_rate": _f(r["request_rate"]),
+             "normalized_latency_s": _f(r["normalized_latency_s_mean"]),
+             "attention_ms_per_step": _f(1e3 * r["attention_s_per_step"], 1),
+             "mean_running": _f(r["mean_running_requests"], 1),
+             "preemptions": r["num_preemptions"]} for r in report["figure18"]])
+    if "figure19" in report:
+        out["figure19"] = ("Figure 19 on the engine: seconds per preemption", [
+            {"block_size": r["block_size"],
+             "recompute_s": _f(r["recompute"]["seconds_per_preemption"]),
+             "recompute_preemptions": r["recompute"]["preemptions"],
+             "swap_s": _f(r["swap"]["seconds_per_preemption"]),
+             "swap_preemptions": r["swap"]["preemptions"]} for r in report["figure19"]])
+    if "figures14_15" in report:
+        out["figures14_15"] = ("Figures 14 and 15 on the engine: sharing, Alpaca-like", [
+            {"sharing": f"{r['kind']} n={r['degree']}",
+             "memory_saved_pct": _f(r["memory_saved_pct"], 1),
+             "paper_pct": r["paper_memory_saved_pct"],
+             "tok_s_sharing": _f(r["output_tokens_per_s_sharing"], 1),
+             "tok_s_no_sharing": _f(r["output_tokens_per_s_no_sharing"], 1),
+             "throughput_ratio": _f(r["throughput_ratio"], 2)} for r in report["figures14_15"]])
+    return out
+
+
+def validation_rows(sections: dict) -> list[dict]:
+    rows = []
+    for dataset, section in sections.items():
+        for policy, measures in section.items():
+            if policy == "sim_vs_engine_gap_pct":
+                continue
+            for measure, values in measures.items():
+                rows.append({"dataset": dataset, "policy": policy, "measure": measure,
+                             "simulator": _f(values["simulator"], 2),
+                             "engine": _f(values["engine"], 2),
+                             "gap_pct": _f(values["gap_pct"], 1)})
+    return rows
+
+
+def summary_rows(report: dict) -> list[dict]:
+    """The headline numbers of whatever studies ran, one row each."""
+    rows = [{"measure": f"{study} study wall clock (s)", "value": f"{seconds:.0f}", "paper": "-"}
+            for study, seconds in report.get("study_wall_s", {}).items()]
+    for key, paper in (("rate_ratio_vs_orca_oracle", "1.7-2.7"),
+                       ("rate_ratio_vs_orca_max", "2.7-8")):
+        if key in report:
+            rows.append({"measure": f"{key} (ShareGPT-like; {report[key + '_bound']})",
+                         "value": _f(report[key], 2), "paper": paper})
+    for policy, gap in report.get("sim_vs_engine_gap_pct", {}).items():
+        rows.append({"measure": f"sim_vs_engine_gap_pct, mean running, {policy}",
+                     "value": _f(gap, 1), "paper": "-"})
+    return rows

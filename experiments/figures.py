@@ -1,0 +1,184 @@
+"""The sweep's figures, in the paper's manner, drawn with matplotlib from sweep.json's data.
+
+Each function takes the sections of the sweep's report it plots and writes one
+PNG; `draw_all` draws those whose sections are present and returns the file names.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: no display is needed or wanted
+import matplotlib.pyplot as plt  # noqa: E402
+
+POLICY_STYLE = {
+    "paged": ("jpaged (paged)", "tab:blue", "o"),
+    "orca-oracle": ("Orca (Oracle)", "tab:green", "s"),
+    "orca-pow2": ("Orca (Pow2)", "tab:orange", "^"),
+    "orca-max": ("Orca (Max)", "tab:red", "v"),
+}
+SYSTEM_LABELS = {"orca-max": "Orca\n(Max)", "orca-pow2": "Orca\n(Pow2)",
+                 "orca-oracle": "Orca\n(Oracle)", "jpaged": "jpaged"}
+BREAKDOWN = (("token_states", "Token states", "tab:green"),
+             ("reserved", "Reserved", "tab:orange"),
+             ("internal_fragmentation", "Internal fragmentation", "tab:red"),
+             ("external_fragmentation", "External fragmentation & others", "tab:gray"))
+DPI = 120
+
+
+def _save(fig, out_dir: Path, name: str) -> str:
+    fig.tight_layout()
+    fig.savefig(out_dir / name, dpi=DPI)
+    plt.close(fig)
+    return name
+
+
+def memory_breakdown(runs: list[dict], paper: dict[str, float], out_dir: Path) -> str:
+    """Figure 2: stacked % of KV memory by use per system, the paper's token states marked."""
+    rows = [r for r in runs if r["table"] == "figure2"]
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    names = [r["config"]["allocator"] for r in rows]
+    bottoms = [0.0] * len(rows)
+    for key, label, color in BREAKDOWN:
+        values = [r["breakdown_pct"][key] for r in rows]
+        ax.bar(range(len(rows)), values, bottom=bottoms, label=label, color=color, width=0.6)
+        bottoms = [b + v for b, v in zip(bottoms, values, strict=True)]
+    ax.scatter(range(len(rows)), [paper[n] for n in names], marker="_", s=900, color="black",
+               zorder=3, label="Paper: token states")
+    ax.set_xticks(range(len(rows)), [SYSTEM_LABELS[n] for n in names])
+    ax.set_ylabel("KV cache memory (%)")
+    ax.set_ylim(0, 100)
+    ax.set_title("Figure 2: KV memory by use (simulator, ShareGPT-like)")
+    ax.legend(fontsize=8, loc="upper left")
+    return _save(fig, out_dir, "figure2_memory_breakdown.png")
+
+
+def latency_vs_rate(figure12: dict, out_dir: Path) -> str:
+    """Figure 12: mean normalized latency against request rate, one panel per dataset."""
+    fig, axes = plt.subplots(1, len(figure12), figsize=(5.2 * len(figure12), 4.0),
+                             squeeze=False)
+    for ax, (dataset, result) in zip(axes[0], figure12.items(), strict=True):
+        for policy, points in result["curves"].items():
+            label, color, marker = POLICY_STYLE[policy]
+            ax.plot([p["request_rate"] for p in points],
+                    [p["normalized_latency_s_mean"] for p in points],
+                    marker=marker, color=color, label=label)
+        ax.axhline(result["threshold_normalized_latency_s"], color="black", linestyle=":",
+                   label="threshold")
+        ax.set_xlabel("Request rate (req/s, virtual clock)")
+        ax.set_ylabel("Normalized latency (s/token)")
+        ax.set_title(f"{dataset}-like, pool {result['pool_tokens']} tokens")
+        ax.set_yscale("log")
+        ax.legend(fontsize=8)
+    fig.suptitle("Figure 12 on the engine: SmolLM2-135M on CPU")
+    return _save(fig, out_dir, "figure12_latency_vs_rate.png")
+
+
+def block_size_memory(runs: list[dict], out_dir: Path) -> str:
+    """The simulator's block-size study: internal fragmentation and batch size."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    rows = [r for r in runs if r["table"] == "block_size"]
+    for workload in dict.fromkeys(_workload_name(r) for r in rows):
+        mine = [r for r in rows if _workload_name(r) == workload]
+        sizes = [r["config"]["block_size"] for r in mine]
+        frag = [r["breakdown_pct"]["internal_fragmentation"] if r["breakdown_pct"] else None
+                for r in mine]
+        if all(f is not None for f in frag):
+            left.plot(sizes, frag, marker="o", label=workload)
+        right.plot(sizes, [r["mean_running_seqs"] for r in mine], marker="o", label=workload)
+    for ax in (left, right):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("Block size (tokens)")
+        ax.legend(fontsize=8)
+    left.set_ylabel("Internal fragmentation (% of KV memory)")
+    right.set_ylabel("Mean running sequences")
+    fig.suptitle("Block size in simulation (all requests at t=0)")
+    return _save(fig, out_dir, "block_size_simulator.png")
+
+
+def _workload_name(run: dict) -> str:
+    prefix = run["workload"].get("prefix")
+    return run["dataset"] + (f"+{prefix}" if prefix else "")
+
+
+def block_size_engine(rows: list[dict], out_dir: Path) -> str:
+    """Figure 18: normalized latency and attention time per step against block size."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    sizes = [r["block_size"] for r in rows]
+    left.plot(sizes, [r["normalized_latency_s_mean"] for r in rows], marker="o")
+    left.set_ylabel("Normalized latency (s/token)")
+    left.set_title(f"ShareGPT-like at {rows[0]['request_rate']:.2f} req/s")
+    right.plot(sizes, [1e3 * r["attention_s_per_step"] for r in rows], marker="o",
+               color="tab:purple")
+    right.set_ylabel("Attention time per step, all layers (ms)")
+    right.set_title("Attention op alone at the run's step shapes")
+    for ax in (left, right):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("Block size (tokens)")
+    fig.suptitle("Figure 18 on the engine: SmolLM2-135M on CPU")
+    return _save(fig, out_dir, "figure18_block_size_engine.png")
+
+
+def preemption_cost(rows: list[dict], out_dir: Path) -> str:
+    """Figure 19: seconds per preemption against block size, recompute and swap."""
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    sizes = [r["block_size"] for r in rows]
+    for mode, color in (("recompute", "tab:blue"), ("swap", "tab:orange")):
+        costs = [r[mode]["seconds_per_preemption"] for r in rows]
+        points = [(s, c) for s, c in zip(sizes, costs, strict=True) if c is not None]
+        if points:
+            ax.plot(*zip(*points, strict=True), marker="o", color=color, label=mode.capitalize())
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("Block size (tokens)")
+    ax.set_ylabel("Extra time per preemption (s, virtual clock)")
+    ax.set_title("Figure 19 on the engine: preemption cost")
+    if ax.lines:
+        ax.legend()
+    else:
+        ax.text(0.5, 0.5, "no preemptions at these settings", transform=ax.transAxes,
+                ha="center")
+    return _save(fig, out_dir, "figure19_preemption_cost.png")
+
+
+def sharing_savings(rows: list[dict], out_dir: Path) -> str:
+    """Figures 14 and 15: memory saved and throughput gain by block sharing."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for kind, color in (("parallel", "tab:blue"), ("beam", "tab:orange")):
+        mine = [r for r in rows if r["kind"] == kind]
+        degrees = [r["degree"] for r in mine]
+        label = "Parallel sampling" if kind == "parallel" else "Beam search"
+        left.plot(degrees, [r["memory_saved_pct"] for r in mine], marker="o", color=color,
+                  label=label)
+        low, high = (float(v) for v in mine[0]["paper_memory_saved_pct"].split("-"))
+        left.axhspan(low, high, color=color, alpha=0.15, label=f"{label}, paper (OPT-13B)")
+        right.plot(degrees, [r["throughput_ratio"] for r in mine], marker="o", color=color,
+                   label=label)
+    left.set_ylabel("KV memory saved by sharing (%)")
+    right.set_ylabel("Throughput, sharing / no sharing (x)")
+    right.axhline(1.0, color="black", linestyle=":")
+    for ax in (left, right):
+        ax.set_xlabel("Number of samples / beam width")
+        ax.legend(fontsize=8)
+    fig.suptitle("Figures 14 and 15 on the engine: Alpaca-like requests")
+    return _save(fig, out_dir, "figures14_15_sharing.png")
+
+
+def draw_all(report: dict, out_dir: Path) -> list[str]:
+    """Every figure whose data the report holds; the PNG file names written."""
+    from experiments.sweep import PAPER_TOKEN_STATES
+
+    names = []
+    if "runs" in report:
+        names.append(memory_breakdown(report["runs"], PAPER_TOKEN_STATES, out_dir))
+        names.append(block_size_memory(report["runs"], out_dir))
+    if "figure12" in report:
+        names.append(latency_vs_rate(report["figure12"], out_dir))
+    if "figure18" in report:
+        names.append(block_size_engine(report["figure18"], out_dir))
+    if "figure19" in report:
+        names.append(preemption_cost(report["figure19"], out_dir))
+    if "figures14_15" in report:
+        names.append(sharing_savings(report["figures14_15"], out_dir))
+    return names
