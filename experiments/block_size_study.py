@@ -35,6 +35,8 @@ from experiments.workloads import RequestSpec, scaled_workload
 from jpaged.engine.runner import attention_functions
 
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# Figure 19 needs three runs per block size: every other power of four keeps it short.
+PREEMPTION_BLOCK_SIZES = (1, 4, 16, 64, 256)
 SAMPLED_STEPS = 12
 # Figure 18's arrivals: this fraction of paged's all-at-once throughput at block size 16.
 RATE_FRACTION = 0.6

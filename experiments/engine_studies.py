@@ -93,15 +93,15 @@ def run(selected: list[str], args: argparse.Namespace, timings: dict) -> dict:
         timings["block-size"] = time.perf_counter() - began
     if "preemption" in selected:
         began = time.perf_counter()
-        settings = block_settings
-        if args.quick:
-            settings = dataclasses.replace(settings, block_sizes=QUICK_PREEMPTION_BLOCK_SIZES)
+        sizes = (QUICK_PREEMPTION_BLOCK_SIZES if args.quick
+                 else block_size_study.PREEMPTION_BLOCK_SIZES)
+        settings = dataclasses.replace(block_settings, block_sizes=sizes)
         report["figure19"] = block_size_study.preemption_cost(loaded, settings, vocab, _progress)
         timings["preemption"] = time.perf_counter() - began
     if "sharing" in selected:
         began = time.perf_counter()
         settings = sharing_study.SharingSettings(
-            num_requests=3 if args.quick else 12, seed=args.seed,
+            num_requests=3 if args.quick else 8, seed=args.seed,
             degrees=(2,) if args.quick else sharing_study.DEGREES)
         report["figures14_15"] = sharing_study.run(loaded, settings, vocab, _progress)
         timings["sharing"] = time.perf_counter() - began

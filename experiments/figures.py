@@ -38,7 +38,7 @@ def _save(fig, out_dir: Path, name: str) -> str:
 def memory_breakdown(runs: list[dict], paper: dict[str, float], out_dir: Path) -> str:
     """Figure 2: stacked % of KV memory by use per system, the paper's token states marked."""
     rows = [r for r in runs if r["table"] == "figure2"]
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    fig, ax = plt.subplots(figsize=(8.6, 4.2))
     names = [r["config"]["allocator"] for r in rows]
     bottoms = [0.0] * len(rows)
     for key, label, color in BREAKDOWN:
@@ -51,7 +51,7 @@ def memory_breakdown(runs: list[dict], paper: dict[str, float], out_dir: Path) -
     ax.set_ylabel("KV cache memory (%)")
     ax.set_ylim(0, 100)
     ax.set_title("Figure 2: KV memory by use (simulator, ShareGPT-like)")
-    ax.legend(fontsize=8, loc="upper left")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return _save(fig, out_dir, "figure2_memory_breakdown.png")
 
 
@@ -159,6 +159,7 @@ def sharing_savings(rows: list[dict], out_dir: Path) -> str:
     right.set_ylabel("Throughput, sharing / no sharing (x)")
     right.axhline(1.0, color="black", linestyle=":")
     for ax in (left, right):
+        ax.set_xticks(sorted({r["degree"] for r in rows}))
         ax.set_xlabel("Number of samples / beam width")
         ax.legend(fontsize=8)
     fig.suptitle("Figures 14 and 15 on the engine: Alpaca-like requests")
