@@ -63,7 +63,8 @@ def stdout(notebook: nbformat.NotebookNode) -> str:
                    if output["output_type"] == "stream" and output["name"] == "stdout")
 
 
-@pytest.mark.parametrize("name", ["quickstart.ipynb", "paging_walkthrough.ipynb"])
+@pytest.mark.parametrize("name", ["quickstart.ipynb", "paging_walkthrough.ipynb",
+                                  "block_size_and_rate_study.ipynb"])
 def test_notebooks_are_committed_without_outputs(name):
     notebook = nbformat.read(NOTEBOOKS / name, as_version=4)
     nbformat.validate(notebook)
@@ -123,3 +124,22 @@ def test_paging_walkthrough_draws_every_state(kernel):
     assert len(copies) == 1
     assert int(re.search(r"hit_blocks=(\d+)", text)[1]) > 0
     assert ast.literal_eval(re.search(r"^evicted from the prefix cache: (.*)$", text, re.M)[1])
+
+
+@pytest.mark.default_model
+def test_block_size_and_rate_study_draws_its_figures(kernel):
+    parameters = "\n".join([
+        "NUM_REQUESTS = 3", "RATE_FRACTIONS = (0.5, 2.0)", "BLOCK_SIZES = (8, 32)",
+        "SIM_REQUESTS = 60", "LENGTH_SCALE = 0.1", "MAX_MODEL_LEN = 128", "FIGURE_DPI = 50",
+    ])
+    notebook = execute("block_size_and_rate_study.ipynb", parameters, kernel)
+    pngs = [base64.b64decode(output["data"]["image/png"]) for output in outputs(notebook)
+            if "image/png" in output.get("data", {})]
+    assert len(pngs) == 3 and all(png.startswith(PNG_SIGNATURE) for png in pngs)
+    text = stdout(notebook)
+    fragmentation = [float(f) for f in re.findall(r"internal fragmentation +([\d.]+) %", text)]
+    assert len(fragmentation) == 2 and fragmentation[0] <= fragmentation[1]
+    sustained = re.findall(r"^(paged|orca-\w+) +sustains ([\d.]+) requests/s", text, re.M)
+    assert {policy for policy, _ in sustained} == {"paged", "orca-max", "orca-pow2",
+                                                   "orca-oracle"}
+    assert all(float(rate) > 0 for _, rate in sustained)

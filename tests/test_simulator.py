@@ -152,7 +152,8 @@ def test_bad_configurations():
 
 def test_sweep_writes_its_tables(tmp_path, capsys):
     sweep.main(
-        "--block-sizes 8,64 --sharegpt-requests 20 --alpaca-requests 30 --figure2-requests 20 "
+        "--studies memory --block-sizes 8,64 --sharegpt-requests 20 --alpaca-requests 30 "
+        "--figure2-requests 20 "
         f"--sharing-requests 20 --num-kv-slots 4096 --jobs 1 --out-dir {tmp_path}".split()
     )
     printed = capsys.readouterr().out

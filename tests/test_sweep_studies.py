@@ -1,0 +1,108 @@
+"""`python -m experiments.sweep --quick` writes every figure, table and JSON section,
+and its numbers sit in the ranges the paper's mechanisms imply.
+
+The bounds are consequences of the definitions, not the sweep's own output:
+a share of the KV pool lies in (0, 100] %; rounding every sequence up to a whole
+block can only waste more as blocks grow; a max_model_len reservation holds at
+least as many slots as a true-length one; the simulator runs the engine's own
+scheduler and block manager, so for paged allocation it must take the engine's
+steps with the same running requests.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from experiments import sweep
+
+pytestmark = pytest.mark.default_model
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def quick_sweep(tmp_path_factory) -> tuple[Path, dict]:
+    out_dir = tmp_path_factory.mktemp("sweep")
+    sweep.main(["--quick", "--jobs", "1", "--out-dir", str(out_dir)])
+    return out_dir, json.loads((out_dir / "sweep.json").read_text())
+
+
+def test_every_figure_and_table_is_written(quick_sweep):
+    out_dir, report = quick_sweep
+    assert set(report["figures"]) == {
+        "figure2_memory_breakdown.png", "block_size_simulator.png",
+        "figure12_latency_vs_rate.png", "figure18_block_size_engine.png",
+        "figure19_preemption_cost.png", "figures14_15_sharing.png"}
+    for name in report["figures"]:
+        assert (out_dir / name).read_bytes()[:8] == PNG_SIGNATURE
+    for table in ("block_size", "figure2", "sharing", "figure12", "validation", "figure18",
+                  "figure19", "figures14_15"):
+        with (out_dir / f"sweep_{table}.csv").open() as f:
+            assert list(csv.DictReader(f)), table
+    assert report["versions"]["jax"] and report["args"]["quick"] == "True"
+    assert set(report["study_wall_s"]) == set(sweep.STUDIES)
+
+
+def test_memory_shares_are_shares_and_orca_max_wastes_most(quick_sweep):
+    _, report = quick_sweep
+    figure2 = {r["config"]["allocator"]: r["breakdown_pct"] for r in report["runs"]
+               if r["table"] == "figure2"}
+    for breakdown in figure2.values():
+        assert 0 < breakdown["token_states"] <= 100
+        assert math.isclose(sum(breakdown.values()), 100.0, abs_tol=1e-6)
+    assert figure2["orca-max"]["internal_fragmentation"] > \
+        figure2["orca-oracle"]["internal_fragmentation"]
+    assert figure2["orca-max"]["token_states"] < figure2["orca-oracle"]["token_states"] \
+        < figure2["jpaged"]["token_states"]
+
+
+def test_internal_fragmentation_grows_with_block_size(quick_sweep):
+    _, report = quick_sweep
+    for dataset in ("sharegpt", "alpaca"):
+        rows = sorted((r["config"]["block_size"], r["breakdown_pct"]["internal_fragmentation"])
+                      for r in report["runs"]
+                      if r["table"] == "block_size" and r["dataset"] == dataset
+                      and not r["workload"])
+        fragmentation = [frag for _, frag in rows]
+        assert fragmentation == sorted(fragmentation), rows
+
+
+def test_engine_rate_study_is_in_sane_ranges(quick_sweep):
+    _, report = quick_sweep
+    result = report["figure12"]["sharegpt"]
+    for policy, points in result["curves"].items():
+        rates = [p["request_rate"] for p in points]
+        assert rates == sorted(rates) and rates[0] > 0, policy
+        for point in points:
+            assert 0 < point["mean_kv_utilization_pct"] <= 100, (policy, point)
+            assert point["normalized_latency_s_mean"] > 0
+    lowest = {policy: points[0] for policy, points in result["curves"].items()}
+    assert lowest["orca-max"]["mean_kv_utilization_pct"] \
+        > lowest["orca-oracle"]["mean_kv_utilization_pct"]
+    for key in ("rate_ratio_vs_orca_oracle", "rate_ratio_vs_orca_max"):
+        assert report[key] > 0 and report[key + "_bound"] in (
+            "interpolated", "at least", "at most", "unknown")
+
+
+def test_simulator_follows_the_engine_under_paging(quick_sweep):
+    _, report = quick_sweep
+    paged = report["validation"]["sharegpt"]["paged"]
+    assert paged["num_steps"]["simulator"] == paged["num_steps"]["engine"]
+    assert abs(report["sim_vs_engine_gap_pct"]["paged"]) <= 5.0
+    assert set(report["sim_vs_engine_gap_pct"]) == {"paged", "orca-oracle"}
+
+
+def test_block_size_and_sharing_studies_are_in_sane_ranges(quick_sweep):
+    _, report = quick_sweep
+    assert [r["block_size"] for r in report["figure18"]] == [8, 32]
+    for row in report["figure18"]:
+        assert row["attention_s_per_step"] > 0 and row["normalized_latency_s_mean"] > 0
+    for row in report["figure19"]:
+        for mode in ("recompute", "swap"):
+            assert row[mode]["virtual_s"] > 0 and row[mode]["preemptions"] >= 0
+    saved = {r["kind"]: r["memory_saved_pct"] for r in report["figures14_15"]}
+    assert 0 < saved["parallel"] < saved["beam"] < 100
