@@ -48,7 +48,7 @@ TIMING_REPEATS = 3
 @dataclass(frozen=True)
 class BlockSizeSettings:
     dataset: str = "sharegpt"
-    num_requests: int = 24
+    num_requests: int = 16
     block_sizes: tuple[int, ...] = BLOCK_SIZES
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 256

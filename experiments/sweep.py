@@ -228,7 +228,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--figure2-requests", type=int, default=1000)
     parser.add_argument("--sharing-requests", type=int, default=500)
     parser.add_argument("--num-kv-slots", type=int, default=16384)
-    parser.add_argument("--engine-requests", type=int, default=24,
+    parser.add_argument("--engine-requests", type=int, default=16,
                         help="requests per real-engine run")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--jobs", type=int, default=2, help="simulations run in parallel")
