@@ -25,6 +25,7 @@ BREAKDOWN = (("token_states", "Token states", "tab:green"),
              ("reserved", "Reserved", "tab:orange"),
              ("internal_fragmentation", "Internal fragmentation", "tab:red"),
              ("external_fragmentation", "External fragmentation & others", "tab:gray"))
+DATASET_LABELS = {"sharegpt": "ShareGPT-like", "alpaca": "Alpaca-like"}
 DPI = 120
 
 
@@ -56,24 +57,45 @@ def memory_breakdown(runs: list[dict], paper: dict[str, float], out_dir: Path) -
 
 
 def latency_vs_rate(figure12: dict, out_dir: Path) -> str:
-    """Figure 12: mean normalized latency against request rate, one panel per dataset."""
-    fig, axes = plt.subplots(1, len(figure12), figsize=(5.2 * len(figure12), 4.0),
+    """Figure 12: mean normalized latency against request rate, one panel per dataset
+    with curves, each policy's capacity marked; then every dataset's capacities."""
+    with_curves = {dataset: r for dataset, r in figure12.items() if "curves" in r}
+    fig, axes = plt.subplots(1, len(with_curves) + 1, figsize=(5.4 * len(with_curves) + 5.0, 4.2),
                              squeeze=False)
-    for ax, (dataset, result) in zip(axes[0], figure12.items(), strict=True):
+    for ax, (dataset, result) in zip(axes[0], with_curves.items(), strict=False):
         for policy, points in result["curves"].items():
             label, color, marker = POLICY_STYLE[policy]
             ax.plot([p["request_rate"] for p in points],
                     [p["normalized_latency_s_mean"] for p in points],
                     marker=marker, color=color, label=label)
+            ax.axvline(result["capacity_requests_per_s"][policy], color=color, linestyle="--",
+                       alpha=0.5)
         ax.axhline(result["threshold_normalized_latency_s"], color="black", linestyle=":",
                    label="threshold")
+        ax.plot([], [], color="gray", linestyle="--", label="capacity (all at once)")
         ax.set_xlabel("Request rate (req/s, virtual clock)")
         ax.set_ylabel("Normalized latency (s/token)")
-        ax.set_title(f"{dataset}-like, pool {result['pool_tokens']} tokens")
+        ax.set_title(f"{DATASET_LABELS[dataset]}, pool {result['pool_tokens']} tokens")
         ax.set_yscale("log")
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="best")
+    capacity_bars(figure12, axes[0][-1])
     fig.suptitle("Figure 12 on the engine: SmolLM2-135M on CPU")
     return _save(fig, out_dir, "figure12_latency_vs_rate.png")
+
+
+def capacity_bars(figure12: dict, ax) -> None:
+    """Each policy's capacity (requests/s, all queued at once), grouped by dataset."""
+    policies = list(POLICY_STYLE)
+    width = 0.8 / len(policies)
+    for i, policy in enumerate(policies):
+        label, color, _ = POLICY_STYLE[policy]
+        xs = [d + (i - (len(policies) - 1) / 2) * width for d in range(len(figure12))]
+        values = [r["capacity_requests_per_s"][policy] for r in figure12.values()]
+        ax.bar(xs, values, width=width, color=color, label=label)
+    ax.set_xticks(range(len(figure12)), [DATASET_LABELS[dataset] for dataset in figure12])
+    ax.set_ylabel("Capacity (req/s, virtual clock)")
+    ax.set_title("Capacity: every request queued at once")
+    ax.legend(fontsize=8)
 
 
 def block_size_memory(runs: list[dict], out_dir: Path) -> str:

@@ -9,15 +9,25 @@ arrivals replayed on a virtual clock of measured step times
   requests of the workload's mean length (prompt + output), rounded up to whole
   blocks. max_num_seqs (64) is then well above what paging can run in that pool,
   so memory binds, not the sequence cap.
-- Rates: paged first serves the workload all at once; its request throughput
-  there is the capacity C. Every policy then runs at RATE_FRACTIONS x C, in
-  ascending order, and stops after the first rate whose mean normalized latency
-  exceeds the threshold: the interpolation needs no point past it, and a run
-  past a policy's capacity is the slowest to serve.
-- Threshold: THRESHOLD_FACTOR x the mean normalized latency paged measures at
-  the lowest rate (the unloaded system). The rate a policy sustains is where its
-  curve first crosses the threshold, interpolated linearly between the two
-  measured rates around the crossing.
+- Requests: NUM_REQUESTS per run, three times the max_num_seqs / 4 that the
+  pool holds for orca-oracle and more than any policy holds at once in it, so
+  that a queue forms past each policy's capacity and memory binds for all.
+- Capacity: each policy first serves the requests all at once; its request
+  throughput there (requests / virtual seconds) is its capacity C. It is the
+  rate the policy can serve with the queue never empty, so its latency curve
+  turns up near it.
+- Threshold: THRESHOLD_FACTOR x paged's mean normalized latency at
+  BASE_FRACTION x its capacity, where few requests are in flight (the
+  unloaded system). The factor sits above what a decode step of the batch
+  paging fits in this pool costs against a one-sequence step on a two-core CPU
+  (measured in the README): a lower threshold would be crossed by the growing
+  step alone, before any queue forms, and measure compute rather than memory.
+- Rates: each policy runs at fractions of its own capacity from RATE_FRACTIONS,
+  starting at 1.0 x C and stepping down while its mean normalized latency is
+  above the threshold, up while below, until two neighbouring fractions bracket
+  the threshold (or the ladder ends). The rate a policy sustains is where its
+  curve crosses the threshold, interpolated linearly between the bracketing
+  rates.
 
 The Orca policies here reserve paged blocks, which fragment nothing outside a
 sequence: they flatter Orca, whose contiguous slabs also fragment externally.
@@ -26,6 +36,7 @@ sequence: they flatter Orca, whose contiguous slabs also fragment externally.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -34,25 +45,31 @@ from experiments.engine_runs import make_engine, serve
 from experiments.workloads import RequestSpec, scaled_workload
 from jpaged.memory.reservation import ALLOCATIONS
 
-RATE_FRACTIONS = (0.25, 0.5, 0.75, 1.0, 1.25)
-THRESHOLD_FACTOR = 3.0
+NUM_REQUESTS = 48
+RATE_FRACTIONS = (0.5, 0.7, 1.0, 1.4, 2.0)
+BASE_FRACTION = 0.25
+THRESHOLD_FACTOR = 5.0
 # Lengths scaled as benchmarks/throughput.py scales them to fit a CPU.
 LENGTH_SCALES = {"sharegpt": 0.25, "alpaca": 1.0}
 PAPER_RATE_RATIOS = {"vs_orca_oracle": "1.7-2.7", "vs_orca_max": "2.7-8"}
+ORCA_POLICIES = ("orca-oracle", "orca-pow2", "orca-max")
 
 
 @dataclass(frozen=True)
 class RateSettings:
-    """One dataset's Figure-12 runs."""
+    """One dataset's Figure-12 runs; curves=False measures the capacities only."""
 
     dataset: str
-    num_requests: int = 16
+    num_requests: int = NUM_REQUESTS
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 256
     max_model_len: int = 512
     rate_fractions: tuple[float, ...] = RATE_FRACTIONS
+    base_fraction: float = BASE_FRACTION
+    threshold_factor: float = THRESHOLD_FACTOR
     policies: tuple[str, ...] = ALLOCATIONS
+    curves: bool = True
     seed: int = 0
     length_scale_override: float | None = None
 
@@ -60,6 +77,10 @@ class RateSettings:
         if self.policies[0] != "paged":
             raise ValueError(f"policies must start with 'paged' (it sets the threshold), "
                              f"got {self.policies}")
+        if 1.0 not in self.rate_fractions or list(self.rate_fractions) != sorted(
+                set(self.rate_fractions)):
+            raise ValueError(f"rate_fractions must ascend without repeats and hold 1.0 "
+                             f"(the search starts at the capacity), got {self.rate_fractions}")
 
     @property
     def length_scale(self) -> float:
@@ -95,6 +116,20 @@ def engines(loaded, settings: RateSettings, num_pool_tokens: int) -> dict:
     }
 
 
+def bracket_search(latency_at: Callable[[float], float], fractions: tuple[float, ...],
+                   threshold: float) -> None:
+    """Call latency_at on fractions from 1.0 towards the threshold's crossing: down
+    while above it, up while at or below it, until the last two calls bracket it or
+    the ladder ends. fractions ascending, holding 1.0."""
+    index = fractions.index(1.0)
+    above = latency_at(fractions[index]) > threshold
+    step = -1 if above else 1
+    while 0 <= index + step < len(fractions):
+        index += step
+        if (latency_at(fractions[index]) > threshold) != above:
+            return
+
+
 def sustained_rate(rates: list[float], latencies: list[float], threshold: float
                    ) -> dict[str, float | str]:
     """Where the latency-vs-rate curve first crosses `threshold`, interpolated.
@@ -120,52 +155,80 @@ def run_dataset(loaded, settings: RateSettings, vocab_size: int
     burst = workload(settings, vocab_size)
     num_pool_tokens = pool_tokens(burst, settings)
     by_policy = engines(loaded, settings, num_pool_tokens)
-    at_once = {}
-    for policy in ("paged", "orca-oracle"):
-        at_once[policy] = serve(by_policy[policy], burst,
-                                f"{settings.dataset} {policy} all at once").summary()
-    capacity = settings.num_requests / at_once["paged"]["virtual_s"]
-    rates = [fraction * capacity for fraction in settings.rate_fractions]
-    curves = {policy: [] for policy in settings.policies}
-    threshold = None
+    at_once = {policy: serve(by_policy[policy], burst,
+                             f"{settings.dataset} {policy} all at once").summary()
+               for policy in settings.policies}
+    capacity = {policy: settings.num_requests / run["virtual_s"]
+                for policy, run in at_once.items()}
+    result = {
+        "settings": asdict(settings) | {"length_scale": settings.length_scale},
+        "mean_prompt_len": float(np.mean([len(r.prompt_token_ids) for r in burst])),
+        "mean_output_len": float(np.mean([r.output_len for r in burst])),
+        "pool_tokens": num_pool_tokens,
+        "capacity_requests_per_s": capacity,
+        "capacity_ratios": ratios_to_paged(capacity, "capacity_ratio_vs_"),
+        "all_at_once": at_once,
+    }
+    if settings.curves:
+        result |= latency_curves(by_policy, settings, vocab_size, capacity)
+    return result, burst
+
+
+def latency_curves(by_policy: dict, settings: RateSettings, vocab_size: int,
+                   capacity: dict[str, float]) -> dict:
+    """The threshold from paged's unloaded run, then each policy's bracketing search
+    on fractions of its own capacity; the curves, sustained rates and their ratios."""
+
+    def run_at(policy: str, fraction: float) -> dict:
+        rate = fraction * capacity[policy]
+        run = serve(by_policy[policy], workload(settings, vocab_size, rate),
+                    f"{settings.dataset} {policy} {rate:.2f} req/s")
+        return {"request_rate": rate, "capacity_fraction": fraction, **run.summary()}
+
+    base = run_at("paged", settings.base_fraction)
+    unloaded = base["normalized_latency_s_mean"]
+    threshold = settings.threshold_factor * unloaded
+    curves = {}
     for policy in settings.policies:
-        for rate in rates:
-            run = serve(by_policy[policy], workload(settings, vocab_size, rate),
-                        f"{settings.dataset} {policy} {rate:.2f} req/s").summary()
-            curves[policy].append({"request_rate": rate, **run})
-            if threshold is None:
-                threshold = THRESHOLD_FACTOR * run["normalized_latency_s_mean"]
-            if run["normalized_latency_s_mean"] > threshold:
-                break
+        points = {settings.base_fraction: base} if policy == "paged" else {}
+
+        def latency_at(fraction: float, policy=policy, points=points) -> float:
+            if fraction not in points:
+                points[fraction] = run_at(policy, fraction)
+            return points[fraction]["normalized_latency_s_mean"]
+
+        bracket_search(latency_at, settings.rate_fractions, threshold)
+        curves[policy] = [points[f] for f in sorted(points)]
     sustained = {
         policy: sustained_rate([p["request_rate"] for p in points],
                                [p["normalized_latency_s_mean"] for p in points], threshold)
         for policy, points in curves.items()
     }
     return {
-        "settings": asdict(settings) | {"length_scale": settings.length_scale},
-        "mean_prompt_len": float(np.mean([len(r.prompt_token_ids) for r in burst])),
-        "mean_output_len": float(np.mean([r.output_len for r in burst])),
-        "pool_tokens": num_pool_tokens,
-        "capacity_requests_per_s": capacity,
+        "threshold_rule": f"{settings.threshold_factor:g} x paged's mean normalized latency "
+                          f"at {settings.base_fraction:g} x paged's capacity (unloaded)",
+        "unloaded_normalized_latency_s": unloaded,
         "threshold_normalized_latency_s": threshold,
         "curves": curves,
         "sustained_rate": sustained,
         "rate_ratios": rate_ratios(sustained),
-        "all_at_once": at_once,
-    }, burst
+    }
+
+
+def ratios_to_paged(values: dict[str, float], prefix: str) -> dict[str, float]:
+    """paged's value over each Orca policy's present, keyed prefix + policy."""
+    return {prefix + policy.replace("-", "_"): values["paged"] / values[policy]
+            for policy in ORCA_POLICIES if policy in values}
 
 
 def rate_ratios(sustained: dict[str, dict]) -> dict[str, float | str | None]:
     """paged's sustained rate over each Orca policy's, with the bound that applies."""
-    ratios = {}
-    paged = sustained.get("paged")
-    for policy in ("orca-oracle", "orca-pow2", "orca-max"):
-        if paged is None or policy not in sustained:
-            continue
-        key = "rate_ratio_vs_" + policy.replace("-", "_")
-        ratios[key] = paged["rate"] / sustained[policy]["rate"]
-        ratios[key + "_bound"] = _ratio_bound(paged["bound"], sustained[policy]["bound"])
+    ratios = ratios_to_paged({policy: s["rate"] for policy, s in sustained.items()},
+                             "rate_ratio_vs_")
+    for policy in ORCA_POLICIES:
+        if policy in sustained:
+            key = "rate_ratio_vs_" + policy.replace("-", "_") + "_bound"
+            ratios[key] = _ratio_bound(sustained["paged"]["bound"], sustained[policy]["bound"])
     return ratios
 
 

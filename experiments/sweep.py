@@ -49,7 +49,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from experiments import engine_studies, figures
+from experiments import engine_studies, figures, rate_study
 from experiments.simulator import SimConfig, simulate
 from experiments.workloads import make_workload
 
@@ -228,8 +228,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--figure2-requests", type=int, default=1000)
     parser.add_argument("--sharing-requests", type=int, default=500)
     parser.add_argument("--num-kv-slots", type=int, default=16384)
+    parser.add_argument("--rate-requests", type=int, default=rate_study.NUM_REQUESTS,
+                        help="requests per run of the rate study")
     parser.add_argument("--engine-requests", type=int, default=16,
-                        help="requests per real-engine run")
+                        help="requests per run of the block-size and preemption studies")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--jobs", type=int, default=2, help="simulations run in parallel")
     parser.add_argument("--out-dir", type=Path, default=Path("results"))
@@ -248,7 +250,7 @@ def apply_quick(args: argparse.Namespace) -> None:
     args.sharegpt_requests = args.alpaca_requests = args.figure2_requests = 100
     args.sharing_requests = 50
     args.num_kv_slots = 4096
-    args.engine_requests = 4
+    args.rate_requests = args.engine_requests = 4
 
 
 def memory_study(args: argparse.Namespace) -> tuple[dict, dict]:

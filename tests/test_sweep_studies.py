@@ -39,8 +39,8 @@ def test_every_figure_and_table_is_written(quick_sweep):
         "figure19_preemption_cost.png", "figures14_15_sharing.png"}
     for name in report["figures"]:
         assert (out_dir / name).read_bytes()[:8] == PNG_SIGNATURE
-    for table in ("block_size", "figure2", "sharing", "figure12", "validation", "figure18",
-                  "figure19", "figures14_15"):
+    for table in ("block_size", "figure2", "sharing", "figure12", "capacity", "validation",
+                  "figure18", "figure19", "figures14_15"):
         with (out_dir / f"sweep_{table}.csv").open() as f:
             assert list(csv.DictReader(f)), table
     assert report["versions"]["jax"] and report["args"]["quick"] == "True"
@@ -77,15 +77,31 @@ def test_engine_rate_study_is_in_sane_ranges(quick_sweep):
     for policy, points in result["curves"].items():
         rates = [p["request_rate"] for p in points]
         assert rates == sorted(rates) and rates[0] > 0, policy
+        assert 1.0 in [p["capacity_fraction"] for p in points], policy
         for point in points:
             assert 0 < point["mean_kv_utilization_pct"] <= 100, (policy, point)
             assert point["normalized_latency_s_mean"] > 0
-    lowest = {policy: points[0] for policy, points in result["curves"].items()}
-    assert lowest["orca-max"]["mean_kv_utilization_pct"] \
-        > lowest["orca-oracle"]["mean_kv_utilization_pct"]
     for key in ("rate_ratio_vs_orca_oracle", "rate_ratio_vs_orca_max"):
         assert report[key] > 0 and report[key + "_bound"] in (
             "interpolated", "at least", "at most", "unknown")
+
+
+def test_capacity_falls_with_what_a_policy_reserves(quick_sweep):
+    # All queued at once on one pool: the quick burst fits whole in it for paged and
+    # Oracle (the pool is sized for 16 mean requests), so paged takes no more steps;
+    # Max reserves max_model_len, which the pool holds once, so it takes more.
+    _, report = quick_sweep
+    result = report["figure12"]["sharegpt"]
+    at_once, capacity = result["all_at_once"], result["capacity_requests_per_s"]
+    steps = [at_once[policy]["num_steps"] for policy in ("paged", "orca-oracle", "orca-max")]
+    assert steps == sorted(steps) and steps[0] < steps[-1]
+    assert capacity["orca-max"] < capacity["orca-oracle"]
+    assert at_once["orca-max"]["mean_kv_utilization_pct"] \
+        > at_once["orca-oracle"]["mean_kv_utilization_pct"]
+    assert report["capacity_ratio_vs_orca_max"] > 1
+    assert set(result["capacity_ratios"]) == {
+        "capacity_ratio_vs_orca_oracle", "capacity_ratio_vs_orca_pow2",
+        "capacity_ratio_vs_orca_max"}
 
 
 def test_simulator_follows_the_engine_under_paging(quick_sweep):
