@@ -46,7 +46,7 @@ from experiments.workloads import RequestSpec, scaled_workload
 from jpaged.memory.reservation import ALLOCATIONS
 
 NUM_REQUESTS = 48
-RATE_FRACTIONS = (0.5, 0.7, 1.0, 1.4, 2.0)
+RATE_FRACTIONS = (0.5, 0.7, 1.0, 1.4, 2.0, 3.0)
 BASE_FRACTION = 0.25
 THRESHOLD_FACTOR = 5.0
 # Lengths scaled as benchmarks/throughput.py scales them to fit a CPU.
@@ -150,8 +150,8 @@ def sustained_rate(rates: list[float], latencies: list[float], threshold: float
 
 def run_dataset(loaded, settings: RateSettings, vocab_size: int
                 ) -> tuple[dict, list[RequestSpec]]:
-    """Figure 12 for one dataset, and the requests it served all at once (its
-    "all_at_once" runs of paged and orca-oracle are the simulator validation's)."""
+    """Figure 12 for one dataset, and the requests every policy served all at once
+    (its "all_at_once" runs; paged's and orca-oracle's are the simulator validation's)."""
     burst = workload(settings, vocab_size)
     num_pool_tokens = pool_tokens(burst, settings)
     by_policy = engines(loaded, settings, num_pool_tokens)
