@@ -7,8 +7,10 @@ Studies (all by default; --quick runs each with small settings in about two
 minutes, to check the pipeline rather than the numbers):
 
 - memory: the model-free simulator (below);
-- rate: the paper's Figure 12 on the real engine (experiments.rate_study) and
-  the simulator validated against the engine (experiments.validation);
+- rate: the paper's Figure 12 on the real engine (experiments.rate_study:
+  each policy's capacity on ShareGPT-like and Alpaca-like requests, latency
+  against rate on ShareGPT-like) and the simulator validated against the
+  engine (experiments.validation);
 - block-size and preemption: Figures 18 and 19 on the real engine
   (experiments.block_size_study);
 - sharing: Figures 14 and 15 on the real engine (experiments.sharing_study).
