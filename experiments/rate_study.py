@@ -18,10 +18,10 @@ arrivals replayed on a virtual clock of measured step times
   turns up near it.
 - Threshold: THRESHOLD_FACTOR x paged's mean normalized latency at
   BASE_FRACTION x its capacity, where few requests are in flight (the
-  unloaded system). The factor sits above what a decode step of the batch
-  paging fits in this pool costs against a one-sequence step on a two-core CPU
-  (measured in the README): a lower threshold would be crossed by the growing
-  step alone, before any queue forms, and measure compute rather than memory.
+  unloaded system). The factor sits above what paged's steps grow to with
+  the batch this pool holds (measured in the README), so the growing step alone
+  does not cross it, and below paged's latency with every request queued, so
+  that its curve crosses it within the rates measured.
 - Rates: each policy runs at fractions of its own capacity from RATE_FRACTIONS,
   starting at 1.0 x C and stepping down while its mean normalized latency is
   above the threshold, up while below, until two neighbouring fractions bracket
@@ -48,7 +48,7 @@ from jpaged.memory.reservation import ALLOCATIONS
 NUM_REQUESTS = 48
 RATE_FRACTIONS = (0.5, 0.7, 1.0, 1.4, 2.0, 3.0)
 BASE_FRACTION = 0.25
-THRESHOLD_FACTOR = 5.0
+THRESHOLD_FACTOR = 3.0
 # Lengths scaled as benchmarks/throughput.py scales them to fit a CPU.
 LENGTH_SCALES = {"sharegpt": 0.25, "alpaca": 1.0}
 PAPER_RATE_RATIOS = {"vs_orca_oracle": "1.7-2.7", "vs_orca_max": "2.7-8"}
