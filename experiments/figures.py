@@ -60,7 +60,7 @@ def latency_vs_rate(figure12: dict, out_dir: Path) -> str:
     """Figure 12: mean normalized latency against request rate, one panel per dataset
     with curves, each policy's capacity marked; then every dataset's capacities."""
     with_curves = {dataset: r for dataset, r in figure12.items() if "curves" in r}
-    fig, axes = plt.subplots(1, len(with_curves) + 1, figsize=(5.4 * len(with_curves) + 5.0, 4.2),
+    fig, axes = plt.subplots(1, len(with_curves) + 1, figsize=(5.4 * len(with_curves) + 5.0, 4.8),
                              squeeze=False)
     for ax, (dataset, result) in zip(axes[0], with_curves.items(), strict=False):
         for policy, points in result["curves"].items():
@@ -77,7 +77,7 @@ def latency_vs_rate(figure12: dict, out_dir: Path) -> str:
         ax.set_ylabel("Normalized latency (s/token)")
         ax.set_title(f"{DATASET_LABELS[dataset]}, pool {result['pool_tokens']} tokens")
         ax.set_yscale("log")
-        ax.legend(fontsize=8, loc="best")
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=3)
     capacity_bars(figure12, axes[0][-1])
     fig.suptitle("Figure 12 on the engine: SmolLM2-135M on CPU")
     return _save(fig, out_dir, "figure12_latency_vs_rate.png")
@@ -95,7 +95,7 @@ def capacity_bars(figure12: dict, ax) -> None:
     ax.set_xticks(range(len(figure12)), [DATASET_LABELS[dataset] for dataset in figure12])
     ax.set_ylabel("Capacity (req/s, virtual clock)")
     ax.set_title("Capacity: every request queued at once")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=2)
 
 
 def block_size_memory(runs: list[dict], out_dir: Path) -> str:
