@@ -18,10 +18,9 @@ arrivals replayed on a virtual clock of measured step times
   turns up near it.
 - Threshold: THRESHOLD_FACTOR x paged's mean normalized latency at
   BASE_FRACTION x its capacity, where few requests are in flight (the
-  unloaded system). The factor sits above what paged's steps grow to with
-  the batch this pool holds (measured in the README), so the growing step alone
-  does not cross it, and below paged's latency with every request queued, so
-  that its curve crosses it within the rates measured.
+  unloaded system). It must sit below paged's latency with every request
+  queued, so that its curve crosses it within the rates measured; the README
+  compares it with how much paged's steps themselves grow with the batch.
 - Rates: each policy runs at fractions of its own capacity from RATE_FRACTIONS,
   starting at 1.0 x C and stepping down while its mean normalized latency is
   above the threshold, up while below, until two neighbouring fractions bracket
