@@ -955,7 +955,8 @@ class LLMEngine:
             -(-self.max_model_len // self.config.block_size),
         )
         row_counts = sorted({s for _, s, _, decode_only in shapes if decode_only})
-        with ThreadPoolExecutor(max_workers=len(os.sched_getaffinity(0))) as pool:
+        # One thread per core; os.sched_getaffinity would exist on Linux only.
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
             jobs = [pool.submit(self.runner.compile_step, *shape) for shape in shapes]
             jobs += [pool.submit(call) for call in self._sampling_warmup_calls(row_counts)]
             for job in jobs:

@@ -289,7 +289,8 @@ class ModelRunner:
     def compile_step(
         self, num_tokens: int, num_seqs: int, num_blocks: int, decode_only: bool
     ) -> jax.stages.Compiled:
-        """The compiled model step of the given padded shape, for its `memory_analysis()`."""
+        """The compiled model step of the given padded shape (for its `memory_analysis()`;
+        `LLMEngine.warmup` compiles shapes with it in threads, filling jit's cache)."""
         step = self._decode_step if decode_only else self._mixed_step
         input_ids, metadata = self._padding_inputs(num_tokens, num_seqs, num_blocks)
         return step.lower(self._param_leaves, input_ids, self.kv_caches, metadata).compile()
