@@ -10,17 +10,20 @@ query ranges, sampled evenly); the engine's attention function then runs alone
 on a cache of the run's layout, timed after a compiling call, and its time per
 step is the mean over the sampled steps times the model's layers.
 
-Figure 19. What one preemption costs, recompute against swap, per block size:
-a burst of requests on a pool too small to hold them all, once with each
-preemption mode; cost = (virtual seconds - the same burst's on a pool that never
-preempts) / preemptions. Swapping moves whole blocks between the device pool
-and host memory, so its cost follows the block count and size; recomputing
-runs the preempted prompt and output again as a prefill.
+Figure 19. Recompute against swap, per block size, in the paper's two panels.
+(a) The operations alone: the time to move one sequence's blocks to host memory
+and back, and to compute its KV again as one prefill, on an idle engine.
+Swapping moves one block per copy, so at small block sizes many small copies
+cost more than their bytes; recomputing does not depend on the block size.
+(b) End to end: the burst of all requests on a pool of half the most KV the
+burst holds at once when nothing preempts, so that every block size
+preempts; normalized latency and preemptions with each mode.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import time
 from dataclasses import dataclass
@@ -31,16 +34,21 @@ import numpy as np
 
 from experiments.engine_runs import make_engine, serve
 from experiments.rate_study import LENGTH_SCALES
+from experiments.simulator import SimConfig, simulate
 from experiments.workloads import RequestSpec, scaled_workload
+from jpaged import SamplingParams
 from jpaged.engine.runner import attention_functions
+from jpaged.memory.allocator import BlockOps
 
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-# Figure 19 needs three runs per block size: every other power of four keeps it short.
-PREEMPTION_BLOCK_SIZES = (1, 4, 16, 64, 256)
+# Figure 19 (b) needs two runs per block size: powers of four keep it short. At 256
+# nearly every request of the burst fits one block, so none grows into a second
+# and nothing preempts.
+PREEMPTION_BLOCK_SIZES = (1, 4, 16, 64)
 SAMPLED_STEPS = 12
 # Figure 18's arrivals: this fraction of paged's all-at-once throughput at block size 16.
 RATE_FRACTION = 0.6
-# Figure 19's pool: this fraction of the burst's total tokens.
+# Figure 19's pool: this fraction of the most KV slots the burst holds when nothing preempts.
 PREEMPTION_POOL_FRACTION = 0.5
 TIMING_REPEATS = 3
 
@@ -146,39 +154,114 @@ def _whole_blocks(tokens: int, block_size: int) -> int:
     return math.ceil(tokens / block_size) * block_size
 
 
-def preemption_cost(loaded, settings: BlockSizeSettings, vocab_size: int,
-                    progress) -> list[dict]:
-    """Figure 19: seconds per preemption, recompute and swap, per block size.
+def preempting_pool(burst: list[RequestSpec], settings: BlockSizeSettings,
+                    block_size: int) -> int:
+    """Figure 19's pool at `block_size`: PREEMPTION_POOL_FRACTION of the most slots
+    the burst holds at once when nothing preempts (the simulator, which follows
+    the engine's scheduler step for step), in whole blocks; never less than the
+    max_model_len sequence the engine must be able to hold."""
+    roomy = simulate(burst, SimConfig(
+        block_size=block_size, num_kv_slots=_whole_blocks(
+            sum(r.total_len for r in burst) + block_size * len(burst), block_size),
+        max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        max_model_len=settings.max_model_len))
+    share = int(PREEMPTION_POOL_FRACTION * roomy.peak_kv_slots)
+    return _whole_blocks(max(settings.max_model_len, share), block_size)
 
-    The burst of all requests runs on a pool of PREEMPTION_POOL_FRACTION of its
-    total tokens (at least one max_model_len sequence), which preempts, and on
-    one that holds every request whole, which never does.
-    """
-    burst = workload(settings, vocab_size, math.inf)
-    roomy_tokens = sum(r.total_len for r in burst)
-    pool_tokens = max(settings.max_model_len, int(PREEMPTION_POOL_FRACTION * roomy_tokens))
+
+def operation_seconds(engine, num_tokens: int, vocab_size: int) -> dict:
+    """What preempting one sequence of `num_tokens` tokens costs on an idle engine:
+    moving its blocks to host memory and back (every layer's K and V), or
+    computing its KV again as one prefill. Median seconds of TIMING_REPEATS,
+    after one call that compiles."""
+    runner = engine.runner
+    num_blocks = math.ceil(num_tokens / engine.kv_cache_info.block_size)
+    device = np.arange(1, num_blocks + 1, dtype=np.int32)  # block 0 is the null block
+    host = np.arange(num_blocks, dtype=np.int32)
+    none = np.zeros((0, 2), np.int32)
+    swap_out = BlockOps(swap_out=np.stack([device, host], 1), swap_in=none, copies=none)
+    swap_in = BlockOps(swap_out=none, swap_in=np.stack([host, device], 1), copies=none)
+    prompt = np.random.default_rng(0).integers(vocab_size, size=num_tokens).tolist()
+    calls = itertools.count()
+
+    def swap(ops: BlockOps) -> None:
+        runner.apply_block_ops(ops)
+        jax.block_until_ready(runner.kv_caches)
+
+    def recompute() -> None:
+        engine.add_request(f"recompute-{next(calls)}", {"prompt_token_ids": prompt},
+                           SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            engine.step()
+
+    return {"tokens": num_tokens, "blocks": num_blocks,
+            "swap_out_s": _median_seconds(lambda: swap(swap_out)),
+            "swap_in_s": _median_seconds(lambda: swap(swap_in)),
+            "recompute_s": _median_seconds(recompute)}
+
+
+def _median_seconds(call) -> float:
+    call()
+    times = []
+    for _ in range(TIMING_REPEATS):
+        started = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - started)
+    return float(np.median(times))
+
+
+def operation_costs(loaded, settings: BlockSizeSettings, vocab_size: int,
+                    progress) -> list[dict]:
+    """Figure 19 (a): operation_seconds for one sequence of preempted_tokens(settings)
+    tokens, per block size, each on a fresh engine with room for it on both sides."""
+    num_tokens = preempted_tokens(settings)
     rows = []
     for block_size in settings.block_sizes:
-        base = dict(block_size=block_size, max_num_seqs=settings.max_num_seqs,
-                    max_num_batched_tokens=settings.max_num_batched_tokens,
-                    max_model_len=settings.max_model_len, allocation="paged")
-        roomy_pool = max(roomy_tokens + block_size * settings.num_requests,
-                         settings.max_model_len)
-        roomy = make_engine(loaded, num_pool_tokens=_whole_blocks(roomy_pool, block_size), **base)
-        reference = serve(roomy, burst).summary()
-        del roomy
-        row = {"block_size": block_size, "pool_tokens": _whole_blocks(pool_tokens, block_size),
-               "no_preemption_virtual_s": reference["virtual_s"]}
+        engine = make_engine(loaded, allocation="paged", block_size=block_size,
+                             num_pool_tokens=_whole_blocks(settings.max_model_len, block_size),
+                             preemption_mode="swap", num_host_tokens=num_tokens,
+                             max_num_seqs=settings.max_num_seqs,
+                             max_num_batched_tokens=settings.max_num_batched_tokens,
+                             max_model_len=settings.max_model_len)
+        rows.append({"block_size": block_size,
+                     **operation_seconds(engine, num_tokens, vocab_size)})
+        del engine
+        swap_ms = 1e3 * (rows[-1]["swap_out_s"] + rows[-1]["swap_in_s"])
+        progress(f"preemption operations, block size {block_size}, {num_tokens} tokens: "
+                 f"swap out + in {swap_ms:.1f} ms, "
+                 f"recompute {1e3 * rows[-1]['recompute_s']:.1f} ms")
+    return rows
+
+
+def preempted_tokens(settings: BlockSizeSettings) -> int:
+    """The sequence Figure 19 (a) moves: a full step's prefill, within max_model_len."""
+    return min(settings.max_num_batched_tokens, settings.max_model_len // 2)
+
+
+def preemption_runs(loaded, settings: BlockSizeSettings, vocab_size: int,
+                    progress) -> list[dict]:
+    """Figure 19 (b) per block size: the burst of all requests on a pool that
+    preempts (preempting_pool), once with each preemption mode."""
+    burst = workload(settings, vocab_size, math.inf)
+    rows = []
+    for block_size in settings.block_sizes:
+        pool = preempting_pool(burst, settings, block_size)
+        row = {"block_size": block_size, "pool_tokens": pool}
         for mode in ("recompute", "swap"):
-            engine = make_engine(loaded, num_pool_tokens=_whole_blocks(pool_tokens, block_size),
-                                 preemption_mode=mode, num_host_tokens=roomy_tokens, **base)
+            engine = make_engine(loaded, allocation="paged", block_size=block_size,
+                                 num_pool_tokens=pool, preemption_mode=mode,
+                                 num_host_tokens=sum(r.total_len for r in burst),
+                                 max_num_seqs=settings.max_num_seqs,
+                                 max_num_batched_tokens=settings.max_num_batched_tokens,
+                                 max_model_len=settings.max_model_len)
             run = serve(engine, burst, f"block size {block_size} {mode}").summary()
-            extra = run["virtual_s"] - reference["virtual_s"]
-            row[mode] = {"virtual_s": run["virtual_s"], "preemptions": run["num_preemptions"],
-                         "seconds_per_preemption": (extra / run["num_preemptions"]
-                                                    if run["num_preemptions"] else None)}
+            row[mode] = {key: run[key] for key in (
+                "normalized_latency_s_mean", "virtual_s", "num_preemptions",
+                "mean_running_requests")}
             del engine
-        progress(f"preemption, block size {block_size}: recompute "
-                 f"{row['recompute']['preemptions']}, swap {row['swap']['preemptions']}")
+        progress(f"preemption runs, block size {block_size}: preemptions recompute "
+                 f"{row['recompute']['num_preemptions']}, swap "
+                 f"{row['swap']['num_preemptions']}")
         rows.append(row)
     return rows

@@ -24,14 +24,14 @@ QUICK_BASE_FRACTION = 1.0
 QUICK_LENGTH_SCALE = 0.1
 QUICK_BLOCK_SIZES = (8, 32)
 QUICK_PREEMPTION_BLOCK_SIZES = (16,)
-QUICK_MAX_MODEL_LEN = 128  # so that a pool of half a quick burst holds one sequence
+QUICK_MAX_MODEL_LEN = 64  # below what the quick burst holds at once, so that it preempts
 
 
 def versions() -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
     found = {"python": platform.python_version(), "platform": platform.platform(),
-             "cpus": len(os.sched_getaffinity(0))}
+             "cpus": os.cpu_count()}
     for name in ("jax", "jaxlib", "flax", "numpy", "matplotlib"):
         try:
             found[name] = version(name)
@@ -103,8 +103,12 @@ def run(selected: list[str], args: argparse.Namespace, timings: dict) -> dict:
         began = time.perf_counter()
         sizes = (QUICK_PREEMPTION_BLOCK_SIZES if args.quick
                  else block_size_study.PREEMPTION_BLOCK_SIZES)
-        settings = dataclasses.replace(block_settings, block_sizes=sizes)
-        report["figure19"] = block_size_study.preemption_cost(loaded, settings, vocab, _progress)
+        report["figure19"] = {
+            "operations": block_size_study.operation_costs(loaded, block_settings, vocab,
+                                                           _progress),
+            "runs": block_size_study.preemption_runs(
+                loaded, dataclasses.replace(block_settings, block_sizes=sizes), vocab,
+                _progress)}
         timings["preemption"] = time.perf_counter() - began
     if "sharing" in selected:
         began = time.perf_counter()
@@ -160,12 +164,20 @@ def tables(report: dict) -> dict:
              "mean_running": _f(r["mean_running_requests"], 1),
              "preemptions": r["num_preemptions"]} for r in report["figure18"]])
     if "figure19" in report:
-        out["figure19"] = ("Figure 19 on the engine: seconds per preemption", [
-            {"block_size": r["block_size"],
-             "recompute_s": _f(r["recompute"]["seconds_per_preemption"]),
-             "recompute_preemptions": r["recompute"]["preemptions"],
-             "swap_s": _f(r["swap"]["seconds_per_preemption"]),
-             "swap_preemptions": r["swap"]["preemptions"]} for r in report["figure19"]])
+        out["figure19_operations"] = (
+            "Figure 19 (a) on the engine: preempting one sequence, engine idle", [
+                {"block_size": r["block_size"], "tokens": r["tokens"], "blocks": r["blocks"],
+                 "recompute_ms": _f(1e3 * r["recompute_s"], 1),
+                 "swap_out_ms": _f(1e3 * r["swap_out_s"], 1),
+                 "swap_in_ms": _f(1e3 * r["swap_in_s"], 1)}
+                for r in report["figure19"]["operations"]])
+        out["figure19_runs"] = ("Figure 19 (b) on the engine: a burst on a pool that preempts", [
+            {"block_size": r["block_size"], "pool_tokens": r["pool_tokens"],
+             "latency_recompute_s": _f(r["recompute"]["normalized_latency_s_mean"]),
+             "preemptions_recompute": r["recompute"]["num_preemptions"],
+             "latency_swap_s": _f(r["swap"]["normalized_latency_s_mean"]),
+             "preemptions_swap": r["swap"]["num_preemptions"]}
+            for r in report["figure19"]["runs"]])
     if "figures14_15" in report:
         out["figures14_15"] = ("Figures 14 and 15 on the engine: sharing, Alpaca-like", [
             {"sharing": f"{r['kind']} n={r['degree']}",

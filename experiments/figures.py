@@ -143,24 +143,38 @@ def block_size_engine(rows: list[dict], out_dir: Path) -> str:
     return _save(fig, out_dir, "figure18_block_size_engine.png")
 
 
-def preemption_cost(rows: list[dict], out_dir: Path) -> str:
-    """Figure 19: seconds per preemption against block size, recompute and swap."""
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+def preemption_cost(figure19: dict, out_dir: Path) -> str:
+    """Figure 19: (a) swapping and recomputing one sequence, (b) normalized latency
+    of a burst that preempts, with each mode, against block size."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    ops = figure19["operations"]
+    op_sizes = [o["block_size"] for o in ops]
+    for label, seconds, style in (
+            ("Recompute", [o["recompute_s"] for o in ops], dict(color="tab:blue")),
+            ("Swap in + out", [o["swap_in_s"] + o["swap_out_s"] for o in ops],
+             dict(color="tab:orange")),
+            ("Swap out", [o["swap_out_s"] for o in ops], dict(color="tab:orange", ls="--")),
+            ("Swap in", [o["swap_in_s"] for o in ops], dict(color="tab:orange", ls=":"))):
+        left.plot(op_sizes, [1e3 * s for s in seconds], marker="o", label=label, **style)
+    left.set_yscale("log")
+    left.set_ylabel("Time (ms)")
+    left.set_title(f"(a) One sequence of {ops[0]['tokens']} tokens, engine idle")
+    rows = figure19["runs"]
     sizes = [r["block_size"] for r in rows]
     for mode, color in (("recompute", "tab:blue"), ("swap", "tab:orange")):
-        costs = [r[mode]["seconds_per_preemption"] for r in rows]
-        points = [(s, c) for s, c in zip(sizes, costs, strict=True) if c is not None]
-        if points:
-            ax.plot(*zip(*points, strict=True), marker="o", color=color, label=mode.capitalize())
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("Block size (tokens)")
-    ax.set_ylabel("Extra time per preemption (s, virtual clock)")
-    ax.set_title("Figure 19 on the engine: preemption cost")
-    if ax.lines:
-        ax.legend()
-    else:
-        ax.text(0.5, 0.5, "no preemptions at these settings", transform=ax.transAxes,
-                ha="center")
+        latencies = [r[mode]["normalized_latency_s_mean"] for r in rows]
+        right.plot(sizes, latencies, marker="o", color=color, label=mode.capitalize())
+        for size, latency, row in zip(sizes, latencies, rows, strict=True):
+            right.annotate(str(row[mode]["num_preemptions"]), (size, latency), fontsize=7,
+                           textcoords="offset points", xytext=(0, 6 if mode == "swap" else -11),
+                           ha="center", color=color)
+    right.set_ylabel("Normalized latency (s/token)")
+    right.set_title("(b) A burst on a pool that preempts (labels: preemptions)")
+    for ax in (left, right):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("Block size (tokens)")
+        ax.legend(fontsize=8)
+    fig.suptitle("Figure 19 on the engine: recompute vs swap")
     return _save(fig, out_dir, "figure19_preemption_cost.png")
 
 

@@ -207,6 +207,7 @@ class SimResult:
     mean_running_requests: running requests after each step (those finished in
         it gone), as the engine's stats count them; mean over steps.
     mean_kv_utilization: allocated / pool slots after scheduling, mean over steps.
+    peak_kv_slots: the most slots allocated after scheduling any step.
     outputs: request id -> output token ids of each of its final sequences.
     """
 
@@ -222,6 +223,7 @@ class SimResult:
     peak_running_seqs: int
     mean_running_requests: float
     mean_kv_utilization: float
+    peak_kv_slots: int
     num_preemptions: int
     output_tokens: int
     mean_normalized_latency_s: float
@@ -339,7 +341,9 @@ class _Simulation:
             logical,
             physical,
         )
-        self.stats.kv_utilization_sum += 1.0 - free_slots(self.manager) / self.pool_slots
+        used_slots = self.pool_slots - free_slots(self.manager)
+        self.stats.kv_utilization_sum += used_slots / self.pool_slots
+        self.stats.kv_slots_peak = max(self.stats.kv_slots_peak, used_slots)
 
     def _seqs_holding_kv(self) -> Iterable[tuple[Seq, int]]:
         for group in self.scheduler.running:
@@ -402,6 +406,7 @@ class _Simulation:
             peak_running_seqs=stats.running_peak,
             mean_running_requests=stats.running_requests_sum / max(stats.num_steps, 1),
             mean_kv_utilization=stats.kv_utilization_sum / max(stats.num_steps, 1),
+            peak_kv_slots=stats.kv_slots_peak,
             num_preemptions=self.scheduler.num_preemptions,
             output_tokens=sum(len(s) for seqs in self.outputs.values() for s in seqs),
             mean_normalized_latency_s=_mean(self.normalized_latencies),
@@ -436,6 +441,7 @@ class _Stats:
     physical: int = 0
     running_requests_sum: int = 0
     kv_utilization_sum: float = 0.0
+    kv_slots_peak: int = 0
     points: list[tuple] = field(default_factory=list)
 
     def add_running_requests(self, num_running: int) -> None:

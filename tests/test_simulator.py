@@ -10,7 +10,7 @@ import pytest
 
 from experiments import sweep
 from experiments.simulator import SimConfig, simulate
-from experiments.workloads import make_workload
+from experiments.workloads import RequestSpec, make_workload
 
 
 def output_lengths_match(result, requests) -> bool:
@@ -117,6 +117,27 @@ def test_orca_slabs_as_the_paper_sizes_them(allocator, admitted):
     result = simulate(requests, SimConfig(allocator=allocator, num_kv_slots=arena))
     assert result.peak_running_seqs == admitted
     assert output_lengths_match(result, requests)
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_peak_kv_slots_counts_the_growing_burst(block_size):
+    """Requests that all arrive at once and all fit: the prefill step writes every
+    prompt; decode step k writes token k of each request still running (it holds
+    prompt + k slots, in whole blocks); the peak is the largest such sum."""
+    requests = [RequestSpec(r.request_id, 0.0, r.prompt_token_ids, r.output_len)
+                for r in make_workload("alpaca", 6, seed=7)]
+    result = simulate(requests, SimConfig(block_size=block_size, num_kv_slots=1 << 16,
+                                          max_num_batched_tokens=4096))
+
+    def held(r, step: int) -> int:
+        if step > r.output_len - 1:
+            return 0
+        return math.ceil((len(r.prompt_token_ids) + step) / block_size) * block_size
+
+    longest = max(r.output_len for r in requests)
+    expected = max(sum(held(r, step) for r in requests) for step in range(longest))
+    assert result.num_preemptions == 0
+    assert result.peak_kv_slots == expected
 
 
 def test_prefix_caching_hits_the_shared_prefix():
