@@ -29,6 +29,14 @@ DATASET_LABELS = {"sharegpt": "ShareGPT-like", "alpaca": "Alpaca-like"}
 DPI = 120
 
 
+def _block_size_axis(ax, sizes: list[int]) -> None:
+    """A log2 x axis ticked at the block sizes measured, in plain numbers."""
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes, [str(size) for size in sizes])
+    ax.minorticks_off()
+    ax.set_xlabel("Block size (tokens)")
+
+
 def _save(fig, out_dir: Path, name: str) -> str:
     fig.tight_layout()
     fig.savefig(out_dir / name, dpi=DPI)
@@ -111,8 +119,7 @@ def block_size_memory(runs: list[dict], out_dir: Path) -> str:
             left.plot(sizes, frag, marker="o", label=workload)
         right.plot(sizes, [r["mean_running_seqs"] for r in mine], marker="o", label=workload)
     for ax in (left, right):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("Block size (tokens)")
+        _block_size_axis(ax, sorted({r["config"]["block_size"] for r in rows}))
         ax.legend(fontsize=8)
     left.set_ylabel("Internal fragmentation (% of KV memory)")
     right.set_ylabel("Mean running sequences")
@@ -137,8 +144,7 @@ def block_size_engine(rows: list[dict], out_dir: Path) -> str:
     right.set_ylabel("Attention time per step, all layers (ms)")
     right.set_title("Attention op alone at the run's step shapes")
     for ax in (left, right):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("Block size (tokens)")
+        _block_size_axis(ax, sizes)
     fig.suptitle("Figure 18 on the engine: SmolLM2-135M on CPU")
     return _save(fig, out_dir, "figure18_block_size_engine.png")
 
@@ -150,12 +156,14 @@ def preemption_cost(figure19: dict, out_dir: Path) -> str:
     ops = figure19["operations"]
     op_sizes = [o["block_size"] for o in ops]
     for label, seconds, style in (
-            ("Recompute", [o["recompute_s"] for o in ops], dict(color="tab:blue")),
+            ("Recompute", [o["recompute_s"] for o in ops], dict(color="tab:blue", marker="o")),
             ("Swap in + out", [o["swap_in_s"] + o["swap_out_s"] for o in ops],
-             dict(color="tab:orange")),
-            ("Swap out", [o["swap_out_s"] for o in ops], dict(color="tab:orange", ls="--")),
-            ("Swap in", [o["swap_in_s"] for o in ops], dict(color="tab:orange", ls=":"))):
-        left.plot(op_sizes, [1e3 * s for s in seconds], marker="o", label=label, **style)
+             dict(color="tab:orange", marker="o")),
+            ("Swap out", [o["swap_out_s"] for o in ops],
+             dict(color="tab:orange", ls="--", marker="^")),
+            ("Swap in", [o["swap_in_s"] for o in ops],
+             dict(color="tab:orange", ls=":", marker="v"))):
+        left.plot(op_sizes, [1e3 * s for s in seconds], label=label, **style)
     left.set_yscale("log")
     left.set_ylabel("Time (ms)")
     left.set_title(f"(a) One sequence of {ops[0]['tokens']} tokens, engine idle")
@@ -169,10 +177,11 @@ def preemption_cost(figure19: dict, out_dir: Path) -> str:
                            textcoords="offset points", xytext=(0, 6 if mode == "swap" else -11),
                            ha="center", color=color)
     right.set_ylabel("Normalized latency (s/token)")
-    right.set_title("(b) A burst on a pool that preempts (labels: preemptions)")
+    right.set_title("(b) A burst on a pool that preempts")
+    right.text(0.02, 0.02, "numbers: preemptions", transform=right.transAxes, fontsize=8)
+    _block_size_axis(left, op_sizes)
+    _block_size_axis(right, sizes)
     for ax in (left, right):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("Block size (tokens)")
         ax.legend(fontsize=8)
     fig.suptitle("Figure 19 on the engine: recompute vs swap")
     return _save(fig, out_dir, "figure19_preemption_cost.png")
