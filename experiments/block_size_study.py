@@ -41,10 +41,8 @@ from jpaged.engine.runner import attention_functions
 from jpaged.memory.allocator import BlockOps
 
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-# Figure 19 (b) needs two runs per block size: powers of four keep it short. At 256
-# nearly every request of the burst fits one block, so none grows into a second
-# and nothing preempts.
-PREEMPTION_BLOCK_SIZES = (1, 4, 16, 64)
+# Figure 19 (b) needs two runs per block size: the smallest, the default and the largest.
+PREEMPTION_BLOCK_SIZES = (1, 16, 256)
 SAMPLED_STEPS = 12
 # Figure 18's arrivals: this fraction of paged's all-at-once throughput at block size 16.
 RATE_FRACTION = 0.6
@@ -56,7 +54,7 @@ TIMING_REPEATS = 3
 @dataclass(frozen=True)
 class BlockSizeSettings:
     dataset: str = "sharegpt"
-    num_requests: int = 16
+    num_requests: int = 12
     block_sizes: tuple[int, ...] = BLOCK_SIZES
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 256

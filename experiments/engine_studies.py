@@ -50,6 +50,7 @@ def rate_settings(dataset: str, args: argparse.Namespace) -> rate_study.RateSett
                                        curves=dataset == "sharegpt")
     if args.quick:
         settings = dataclasses.replace(settings, rate_fractions=QUICK_RATE_FRACTIONS,
+                                       start_fraction=QUICK_RATE_FRACTIONS[0],
                                        base_fraction=QUICK_BASE_FRACTION,
                                        length_scale_override=QUICK_LENGTH_SCALE)
     return settings

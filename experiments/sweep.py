@@ -232,7 +232,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--num-kv-slots", type=int, default=16384)
     parser.add_argument("--rate-requests", type=int, default=rate_study.NUM_REQUESTS,
                         help="requests per run of the rate study")
-    parser.add_argument("--engine-requests", type=int, default=16,
+    parser.add_argument("--engine-requests", type=int, default=12,
                         help="requests per run of the block-size and preemption studies")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--jobs", type=int, default=2, help="simulations run in parallel")
