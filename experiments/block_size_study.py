@@ -4,11 +4,11 @@ Figure 18. The same ShareGPT-like requests (lengths scaled as in the rate study,
 Poisson arrivals at RATE_FRACTION of paged's capacity at block size 16) on
 pools of the same number of token slots, one engine per block size. Per block
 size: the mean normalized latency on the virtual clock (experiments.engine_runs)
-and the attention op's own time at the step shapes the run met. Those shapes
-are recorded from the run's steps (their block tables, context lengths and
-query ranges, sampled evenly); the engine's attention function then runs alone
-on a cache of the run's layout, timed after a compiling call, and its time per
-step is the mean over the sampled steps times the model's layers.
+and the attention op's own time. The op is timed at the same steps for every
+block size: SAMPLED_STEPS steps of the first run (their context lengths and
+query ranges, sampled evenly), each laid out in block tables of the block size
+on a shuffled pool; the engine's attention function runs alone on them, and
+its time per step is the mean over those steps times the model's layers.
 
 Figure 19. Recompute against swap, per block size, in the paper's two panels.
 (a) The operations alone: the time to move one sequence's blocks to host memory
@@ -37,6 +37,7 @@ from experiments.rate_study import LENGTH_SCALES
 from experiments.simulator import SimConfig, simulate
 from experiments.workloads import RequestSpec, scaled_workload
 from jpaged import SamplingParams
+from jpaged.core.batch_builder import BucketSizes, bucket
 from jpaged.engine.runner import attention_functions
 from jpaged.memory.allocator import BlockOps
 
@@ -48,7 +49,7 @@ SAMPLED_STEPS = 12
 RATE_FRACTION = 0.6
 # Figure 19's pool: this fraction of the most KV slots the burst holds when nothing preempts.
 PREEMPTION_POOL_FRACTION = 0.5
-TIMING_REPEATS = 3
+TIMING_REPEATS = 5
 
 
 @dataclass(frozen=True)
@@ -70,46 +71,75 @@ def workload(settings: BlockSizeSettings, vocab_size: int, rate: float) -> list[
                            request_rate=rate, seed=settings.seed)
 
 
+@dataclass(frozen=True)
+class StepShape:
+    """What an attention call's cost depends on, apart from the block size.
+
+    context_lens: int32 [S] tokens each sequence row attends to (0 for padding rows).
+    query_start_loc: int32 [S + 1] where each row's new tokens start in the batch.
+    """
+
+    decode_only: bool
+    num_tokens: int
+    context_lens: np.ndarray
+    query_start_loc: np.ndarray
+
+
 class StepRecorder:
-    """Keeps the attention metadata of every step an engine's runner executes."""
+    """Keeps the shape of every step an engine's runner executes."""
 
     def __init__(self, runner):
-        self.steps: list[tuple[bool, object]] = []
+        self.steps: list[StepShape] = []
         self._execute = runner.execute
 
         def execute(input_ids, metadata, *, decode_only, num_rows):
-            self.steps.append((decode_only, metadata))
+            self.steps.append(StepShape(decode_only, len(input_ids), metadata.context_lens,
+                                        metadata.query_start_loc))
             return self._execute(input_ids, metadata, decode_only=decode_only,
                                  num_rows=num_rows)
 
         runner.execute = execute
 
 
-def attention_seconds(engine, steps: list[tuple[bool, object]]) -> dict:
-    """The engine's attention op alone at up to SAMPLED_STEPS of `steps`, evenly
-    sampled: mean seconds per step over all layers, and per call."""
-    model_config = engine.model_config
-    ragged, decode = attention_functions(engine.runner.attention_backend)
-    num_blocks, block_size = engine.kv_cache_info.num_blocks, engine.kv_cache_info.block_size
-    shape = (model_config.num_kv_heads, num_blocks, block_size, model_config.head_dim)
-    keys = jax.random.split(jax.random.key(0), 3)
-    k_cache = jax.random.normal(keys[0], shape, jnp.float32)
-    v_cache = jax.random.normal(keys[1], shape, jnp.float32)
+def block_tables_for(context_lens: np.ndarray, block_size: int,
+                     rng: np.random.Generator) -> tuple[np.ndarray, int]:
+    """Block tables as the engine lays them out for `context_lens` at `block_size`
+    (width bucketed, padding 0), on distinct blocks of a shuffled pool whose block
+    0 is the null block: (tables int32 [S, width], blocks in that pool)."""
+    blocks = -(-context_lens // block_size)
+    width = bucket(int(blocks.max(initial=0)), BucketSizes().min_blocks_per_seq)
+    ids = rng.permutation(np.arange(1, blocks.sum() + 1, dtype=np.int32))
+    tables = np.zeros((len(context_lens), width), np.int32)
+    ends = np.cumsum(blocks)
+    for row, (n, end) in enumerate(zip(blocks, ends, strict=True)):
+        tables[row, :n] = ids[end - n:end]
+    return tables, int(blocks.sum()) + 1
+
+
+def attention_seconds(model_config, backend: str, shapes: list[StepShape],
+                      block_size: int) -> dict:
+    """The engine's attention op alone at up to SAMPLED_STEPS of `shapes`, evenly
+    sampled, with block tables of `block_size`: median seconds of TIMING_REPEATS
+    calls after a compiling one; their mean per call and per step (all layers)."""
+    ragged, decode = attention_functions(backend)
     scale = model_config.head_dim ** -0.5
     jitted = {flag: jax.jit(functools.partial(fn, layer=None, scale=scale))
               for flag, fn in ((True, decode), (False, ragged))}
-    picks = np.linspace(0, len(steps) - 1, min(SAMPLED_STEPS, len(steps))).astype(int)
+    rng = np.random.default_rng(0)
+    keys = jax.random.split(jax.random.key(0), 3)
+    picks = np.linspace(0, len(shapes) - 1, min(SAMPLED_STEPS, len(shapes))).astype(int)
     per_call = []
     for index in picks:
-        decode_only, meta = steps[index]
-        q = jax.random.normal(keys[2], (len(meta.slot_mapping), model_config.num_heads,
+        shape = shapes[index]
+        tables, num_blocks = block_tables_for(shape.context_lens, block_size, rng)
+        cache_shape = (model_config.num_kv_heads, num_blocks, block_size, model_config.head_dim)
+        k_cache = jax.random.normal(keys[0], cache_shape, jnp.float32)
+        v_cache = jax.random.normal(keys[1], cache_shape, jnp.float32)
+        q = jax.random.normal(keys[2], (shape.num_tokens, model_config.num_heads,
                                         model_config.head_dim), jnp.float32)
-        args = (q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.query_start_loc)
-        jitted[decode_only](*args).block_until_ready()
-        started = time.perf_counter()
-        for _ in range(TIMING_REPEATS):
-            jitted[decode_only](*args).block_until_ready()
-        per_call.append((time.perf_counter() - started) / TIMING_REPEATS)
+        args = (q, k_cache, v_cache, tables, shape.context_lens, shape.query_start_loc)
+        call = functools.partial(jitted[shape.decode_only], *args)
+        per_call.append(_median_seconds(lambda call=call: call().block_until_ready()))
     mean_call = float(np.mean(per_call))
     return {"attention_s_per_call": mean_call,
             "attention_s_per_step": mean_call * model_config.num_layers,
@@ -120,7 +150,9 @@ def latency_by_block_size(loaded, settings: BlockSizeSettings, vocab_size: int,
                           pool_tokens: int, capacity: float | None, progress) -> list[dict]:
     """Figure 18: one run per block size at RATE_FRACTION x `capacity` (requests/s of
     paged at block size 16 serving the requests all at once; measured here if None),
-    on pools of about pool_tokens slots (rounded up to whole blocks)."""
+    on pools of about pool_tokens slots (rounded up to whole blocks). Then the
+    attention op alone at every block size, at the same steps: those the first
+    run met, so that only the block size differs between them."""
     if capacity is None:
         engine = make_engine(loaded, allocation="paged", block_size=16,
                              num_pool_tokens=_whole_blocks(pool_tokens, 16),
@@ -130,7 +162,7 @@ def latency_by_block_size(loaded, settings: BlockSizeSettings, vocab_size: int,
         burst = serve(engine, workload(settings, vocab_size, math.inf), "capacity")
         capacity = settings.num_requests / burst.virtual_s
     rate = RATE_FRACTION * capacity
-    rows = []
+    rows, shapes = [], None
     for block_size in settings.block_sizes:
         engine = make_engine(loaded, allocation="paged", block_size=block_size,
                              num_pool_tokens=_whole_blocks(pool_tokens, block_size),
@@ -139,12 +171,15 @@ def latency_by_block_size(loaded, settings: BlockSizeSettings, vocab_size: int,
                              max_model_len=settings.max_model_len)
         recorder = StepRecorder(engine.runner)
         run = serve(engine, workload(settings, vocab_size, rate), f"block size {block_size}")
+        shapes = shapes or recorder.steps
+        model_config, backend = engine.model_config, engine.runner.attention_backend
         rows.append({"block_size": block_size, "request_rate": rate,
-                     "pool_tokens": _whole_blocks(pool_tokens, block_size),
-                     **run.summary(), **attention_seconds(engine, recorder.steps)})
+                     "pool_tokens": _whole_blocks(pool_tokens, block_size), **run.summary()})
         progress(f"block size {block_size}: normalized latency "
                  f"{rows[-1]['normalized_latency_s_mean']:.3f} s/token")
         del engine, recorder
+    for row in rows:
+        row |= attention_seconds(model_config, backend, shapes, row["block_size"])
     return rows
 
 

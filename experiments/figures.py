@@ -60,7 +60,7 @@ def memory_breakdown(runs: list[dict], paper: dict[str, float], out_dir: Path) -
     ax.set_ylabel("KV cache memory (%)")
     ax.set_ylim(0, 100)
     ax.set_title("Figure 2: KV memory by use (simulator, ShareGPT-like)")
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), markerscale=0.3)
     return _save(fig, out_dir, "figure2_memory_breakdown.png")
 
 
@@ -142,7 +142,7 @@ def block_size_engine(rows: list[dict], out_dir: Path) -> str:
     right.plot(sizes, [1e3 * r["attention_s_per_step"] for r in rows], marker="o",
                color="tab:purple")
     right.set_ylabel("Attention time per step, all layers (ms)")
-    right.set_title("Attention op alone at the run's step shapes")
+    right.set_title("Attention op alone, the same steps at every block size")
     for ax in (left, right):
         _block_size_axis(ax, sizes)
     fig.suptitle("Figure 18 on the engine: SmolLM2-135M on CPU")
@@ -169,20 +169,23 @@ def preemption_cost(figure19: dict, out_dir: Path) -> str:
     left.set_title(f"(a) One sequence of {ops[0]['tokens']} tokens, engine idle")
     rows = figure19["runs"]
     sizes = [r["block_size"] for r in rows]
-    for mode, color in (("recompute", "tab:blue"), ("swap", "tab:orange")):
+    for mode, other, color in (("recompute", "swap", "tab:blue"),
+                               ("swap", "recompute", "tab:orange")):
         latencies = [r[mode]["normalized_latency_s_mean"] for r in rows]
         right.plot(sizes, latencies, marker="o", color=color, label=mode.capitalize())
         for size, latency, row in zip(sizes, latencies, rows, strict=True):
+            # The higher point's count goes above it, the lower's below, so they never meet.
+            higher = latency >= row[other]["normalized_latency_s_mean"]
             right.annotate(str(row[mode]["num_preemptions"]), (size, latency), fontsize=7,
-                           textcoords="offset points", xytext=(0, 6 if mode == "swap" else -11),
+                           textcoords="offset points", xytext=(0, 6 if higher else -11),
                            ha="center", color=color)
     right.set_ylabel("Normalized latency (s/token)")
     right.set_title("(b) A burst on a pool that preempts")
-    right.text(0.02, 0.02, "numbers: preemptions", transform=right.transAxes, fontsize=8)
+    right.margins(y=0.15)
     _block_size_axis(left, op_sizes)
     _block_size_axis(right, sizes)
-    for ax in (left, right):
-        ax.legend(fontsize=8)
+    left.legend(fontsize=8)
+    right.legend(fontsize=8, title="numbers: preemptions", title_fontsize=8)
     fig.suptitle("Figure 19 on the engine: recompute vs swap")
     return _save(fig, out_dir, "figure19_preemption_cost.png")
 

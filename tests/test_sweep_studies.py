@@ -16,9 +16,11 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from experiments import sweep
+from experiments.block_size_study import block_tables_for
 
 pytestmark = pytest.mark.default_model
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -127,3 +129,15 @@ def test_block_size_and_sharing_studies_are_in_sane_ranges(quick_sweep):
         assert min(ops["swap_out_s"], ops["swap_in_s"], ops["recompute_s"]) > 0
     saved = {r["kind"]: r["memory_saved_pct"] for r in report["figures14_15"]}
     assert 0 < saved["parallel"] < saved["beam"] < 100
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 16, 256])
+def test_block_tables_for_lay_out_every_context_on_distinct_blocks(block_size):
+    context_lens = np.array([0, 1, 17, 300, 256, 5], np.int32)
+    tables, num_blocks = block_tables_for(context_lens, block_size, np.random.default_rng(1))
+    needed = [math.ceil(c / block_size) for c in context_lens]
+    assert num_blocks == sum(needed) + 1
+    assert tables.shape[1] >= max(needed) and tables.shape[1] & (tables.shape[1] - 1) == 0
+    used = np.concatenate([row[:n] for row, n in zip(tables, needed, strict=True)])
+    assert sorted(used) == list(range(1, num_blocks))  # each pool block once, none null
+    assert all((row[n:] == 0).all() for row, n in zip(tables, needed, strict=True))
