@@ -126,15 +126,17 @@ def attention_seconds(model_config, backend: str, shapes: list[StepShape],
     jitted = {flag: jax.jit(functools.partial(fn, layer=None, scale=scale))
               for flag, fn in ((True, decode), (False, ragged))}
     rng = np.random.default_rng(0)
-    keys = jax.random.split(jax.random.key(0), 3)
     picks = np.linspace(0, len(shapes) - 1, min(SAMPLED_STEPS, len(shapes))).astype(int)
+    laid_out = [(shapes[i], *block_tables_for(shapes[i].context_lens, block_size, rng))
+                for i in picks]
+    # One pool for every step, so that steps of one shape share a compiled call.
+    cache_shape = (model_config.num_kv_heads, max(n for _, _, n in laid_out), block_size,
+                   model_config.head_dim)
+    keys = jax.random.split(jax.random.key(0), 3)
+    k_cache = jax.random.normal(keys[0], cache_shape, jnp.float32)
+    v_cache = jax.random.normal(keys[1], cache_shape, jnp.float32)
     per_call = []
-    for index in picks:
-        shape = shapes[index]
-        tables, num_blocks = block_tables_for(shape.context_lens, block_size, rng)
-        cache_shape = (model_config.num_kv_heads, num_blocks, block_size, model_config.head_dim)
-        k_cache = jax.random.normal(keys[0], cache_shape, jnp.float32)
-        v_cache = jax.random.normal(keys[1], cache_shape, jnp.float32)
+    for shape, tables, _ in laid_out:
         q = jax.random.normal(keys[2], (shape.num_tokens, model_config.num_heads,
                                         model_config.head_dim), jnp.float32)
         args = (q, k_cache, v_cache, tables, shape.context_lens, shape.query_start_loc)
