@@ -142,7 +142,7 @@ def block_size_engine(rows: list[dict], out_dir: Path) -> str:
     right.plot(sizes, [1e3 * r["attention_s_per_step"] for r in rows], marker="o",
                color="tab:purple")
     right.set_ylabel("Attention time per step, all layers (ms)")
-    right.set_title("Attention op alone, the same steps at every block size")
+    right.set_title("Attention op alone, same steps")
     for ax in (left, right):
         _block_size_axis(ax, sizes)
     fig.suptitle("Figure 18 on the engine: SmolLM2-135M on CPU")
