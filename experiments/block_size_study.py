@@ -13,8 +13,9 @@ its time per step is the mean over those steps times the model's layers.
 Figure 19. Recompute against swap, per block size, in the paper's two panels.
 (a) The operations alone: the time to move one sequence's blocks to host memory
 and back, and to compute its KV again as one prefill, on an idle engine.
-Swapping moves one block per copy, so at small block sizes many small copies
-cost more than their bytes; recomputing does not depend on the block size.
+Swapping gathers and scatters the sequence's blocks one index each, so many
+small blocks cost more than their bytes (on a GPU each is also a small PCIe
+copy); recomputing does not depend on the block size.
 (b) End to end: the burst of all requests on a pool of half the most KV the
 burst holds at once when nothing preempts, so that every block size
 preempts; normalized latency and preemptions with each mode.

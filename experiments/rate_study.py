@@ -48,7 +48,7 @@ from jpaged.memory.reservation import ALLOCATIONS
 
 NUM_REQUESTS = 48
 RATE_FRACTIONS = (0.5, 0.7, 1.0, 1.4, 2.0, 3.0)
-# Curves cross past capacity: 1.1 to 1.55 x C in the runs the README reports.
+# Curves cross the threshold past capacity (the README reports where), so the search starts there.
 START_FRACTION = 1.4
 BASE_FRACTION = 0.25
 THRESHOLD_FACTOR = 3.0
