@@ -129,7 +129,8 @@ def test_paging_walkthrough_draws_every_state(kernel):
 @pytest.mark.default_model
 def test_block_size_and_rate_study_draws_its_figures(kernel):
     parameters = "\n".join([
-        "NUM_REQUESTS = 3", "RATE_FRACTIONS = (1.0, 2.0)", "BASE_FRACTION = 1.0",
+        "NUM_REQUESTS = 3", "RATE_FRACTIONS = (1.0, 2.0)", "START_FRACTION = 1.0",
+        "BASE_FRACTION = 1.0",
         "BLOCK_SIZES = (8, 32)",
         "SIM_REQUESTS = 60", "LENGTH_SCALE = 0.1", "MAX_MODEL_LEN = 128", "FIGURE_DPI = 50",
     ])
