@@ -72,6 +72,16 @@ def workload(settings: BlockSizeSettings, vocab_size: int, rate: float) -> list[
                            request_rate=rate, seed=settings.seed)
 
 
+def paged_engine(loaded, settings: BlockSizeSettings, block_size: int, pool_tokens: int,
+                 **options):
+    """A paged engine with the settings' limits, a pool of pool_tokens slots and
+    `options` for experiments.engine_runs.make_engine (preemption mode, host pool)."""
+    return make_engine(loaded, allocation="paged", block_size=block_size,
+                       num_pool_tokens=pool_tokens, max_num_seqs=settings.max_num_seqs,
+                       max_num_batched_tokens=settings.max_num_batched_tokens,
+                       max_model_len=settings.max_model_len, **options)
+
+
 @dataclass(frozen=True)
 class StepShape:
     """What an attention call's cost depends on, apart from the block size.
@@ -157,21 +167,14 @@ def latency_by_block_size(loaded, settings: BlockSizeSettings, vocab_size: int,
     attention op alone at every block size, at the same steps: those the first
     run met, so that only the block size differs between them."""
     if capacity is None:
-        engine = make_engine(loaded, allocation="paged", block_size=16,
-                             num_pool_tokens=_whole_blocks(pool_tokens, 16),
-                             max_num_seqs=settings.max_num_seqs,
-                             max_num_batched_tokens=settings.max_num_batched_tokens,
-                             max_model_len=settings.max_model_len)
+        engine = paged_engine(loaded, settings, 16, _whole_blocks(pool_tokens, 16))
         burst = serve(engine, workload(settings, vocab_size, math.inf), "capacity")
         capacity = settings.num_requests / burst.virtual_s
     rate = RATE_FRACTION * capacity
     rows, shapes = [], None
     for block_size in settings.block_sizes:
-        engine = make_engine(loaded, allocation="paged", block_size=block_size,
-                             num_pool_tokens=_whole_blocks(pool_tokens, block_size),
-                             max_num_seqs=settings.max_num_seqs,
-                             max_num_batched_tokens=settings.max_num_batched_tokens,
-                             max_model_len=settings.max_model_len)
+        engine = paged_engine(loaded, settings, block_size,
+                              _whole_blocks(pool_tokens, block_size))
         recorder = StepRecorder(engine.runner)
         run = serve(engine, workload(settings, vocab_size, rate), f"block size {block_size}")
         shapes = shapes or recorder.steps
@@ -254,12 +257,9 @@ def operation_costs(loaded, settings: BlockSizeSettings, vocab_size: int,
     num_tokens = preempted_tokens(settings)
     rows = []
     for block_size in settings.block_sizes:
-        engine = make_engine(loaded, allocation="paged", block_size=block_size,
-                             num_pool_tokens=_whole_blocks(settings.max_model_len, block_size),
-                             preemption_mode="swap", num_host_tokens=num_tokens,
-                             max_num_seqs=settings.max_num_seqs,
-                             max_num_batched_tokens=settings.max_num_batched_tokens,
-                             max_model_len=settings.max_model_len)
+        engine = paged_engine(loaded, settings, block_size,
+                              _whole_blocks(settings.max_model_len, block_size),
+                              preemption_mode="swap", num_host_tokens=num_tokens)
         rows.append({"block_size": block_size,
                      **operation_seconds(engine, num_tokens, vocab_size)})
         del engine
@@ -285,12 +285,8 @@ def preemption_runs(loaded, settings: BlockSizeSettings, vocab_size: int,
         pool = preempting_pool(burst, settings, block_size)
         row = {"block_size": block_size, "pool_tokens": pool}
         for mode in ("recompute", "swap"):
-            engine = make_engine(loaded, allocation="paged", block_size=block_size,
-                                 num_pool_tokens=pool, preemption_mode=mode,
-                                 num_host_tokens=sum(r.total_len for r in burst),
-                                 max_num_seqs=settings.max_num_seqs,
-                                 max_num_batched_tokens=settings.max_num_batched_tokens,
-                                 max_model_len=settings.max_model_len)
+            engine = paged_engine(loaded, settings, block_size, pool, preemption_mode=mode,
+                                  num_host_tokens=sum(r.total_len for r in burst))
             run = serve(engine, burst, f"block size {block_size} {mode}").summary()
             row[mode] = {key: run[key] for key in (
                 "normalized_latency_s_mean", "virtual_s", "num_preemptions",
