@@ -127,7 +127,7 @@ SMOKE = Plan(
     test_args=("tests/test_kernels.py", "-k", "test_scale_and_soft_cap and decode"),
     batches=(2,), contexts=(64,), block_sizes=(16, 32),
     attention_shape=(4, 2, 128), chain_length=2, repeats=1, interpret=True,
-    model_shape=TINY_LLAMA, attention_backend="pallas",
+    model_shape=TINY_LLAMA, attention_backend="triton",
     num_requests=4, scale=0.05, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=4,
     hf_batch_size=4,
     limits_s={"machine": 60, "tests": 90, "kernels": 90, "transformers": 60},
@@ -553,11 +553,11 @@ def jpaged_section(plan: Plan) -> Iterator[dict]:
     import jax.numpy as jnp
     from flax import nnx
 
-    import kernels_pallas as kp
     from jpaged import LLM, SamplingParams
-    from jpaged.core.batch_builder import BucketSizes
+    from jpaged.core.step_shapes import BucketSizes
     from jpaged.engine.stats import num_compilations
-    from jpaged.model.llama import LlamaConfig, LlamaForCausalLM
+    from jpaged.model.config import LlamaConfig
+    from jpaged.model.llama import LlamaForCausalLM
 
     config = LlamaConfig.from_hf_config(plan.model_shape)
     started = time.perf_counter()
@@ -577,7 +577,6 @@ def jpaged_section(plan: Plan) -> Iterator[dict]:
     backend = llm.engine.runner.attention_backend
     section |= {
         "start_s": time.perf_counter() - started, "attention_backend": backend,
-        "kernel": kp.default_implementation(plan.interpret) if backend == "pallas" else backend,
         "interpret": plan.interpret, "kv_cache": str(llm.engine.kv_cache_info),
     }
     yield section

@@ -2,11 +2,12 @@
 
 For 64, 256 and 1024 running sequences at block size 16, each step times
 `Scheduler.schedule()` (with the BlockManager's slot appends and its committed
-transition), `build_model_input()` (the padded int32 arrays the device step
-reads) and `Scheduler.update_after_step()` (computed tokens, prefix-cache
-registration). Contexts of 128 and 2048 tokens and a 4x larger pool show what
-the cost does not depend on. The peer, measured in the same run, is the same
-scheduler over a contiguous Orca-style manager, which keeps no block tables.
+step), `build_model_input()` (the padded int32 arrays the device step reads)
+and `Scheduler.update_from_output()` (computed tokens, prefix-cache
+registration, the drawn tokens appended and their stop checks). Contexts of
+128 and 2048 tokens and a 4x larger pool show what the cost does not depend on.
+The peer, measured in the same run, is the same scheduler over Orca's
+contiguous arena (experiments.baselines), which keeps no block tables.
 
 Target: <= 1 ms per step at 256 running sequences, growing at most linearly
 with the number of running sequences. Times are this thread's CPU time (a
@@ -26,10 +27,11 @@ import time
 
 import numpy as np
 
-from experiments.baselines import ContiguousKVManager
+from experiments.baselines import ContiguousArena
 from jpaged.config import CacheConfig, SchedulerConfig
 from jpaged.core.batch_builder import build_model_input
 from jpaged.core.scheduler import Scheduler
+from jpaged.core.scheduler_output import SampledTokens
 from jpaged.memory.block_manager import BlockManager
 from jpaged.sequence import Sequence, SequenceGroup
 
@@ -62,13 +64,19 @@ def running_scheduler(manager, num_seqs: int, context_len: int, steps: int, seed
     tokens = np.random.default_rng(seed).integers(0, 32000, (num_seqs, context_len)).tolist()
     prompts = [row[: context_len - seq_id % BLOCK_SIZE] for seq_id, row in enumerate(tokens)]
     for seq_id, prompt in enumerate(prompts):
-        scheduler.add_request(SequenceGroup(f"r{seq_id}", [Sequence(seq_id, prompt)]))
+        scheduler.add_request(SequenceGroup(f"r{seq_id}", [Sequence(0, prompt)]))
     decoding: set[str] = set()
     while len(decoding) < num_seqs:
-        for group in scheduler.update_after_step(scheduler.schedule()):
-            group.seqs[0].append_token(1)
-            decoding.add(group.request_id)
+        output = scheduler.schedule()
+        scheduler.update_from_output(output, tokens_for(output, 1))
+        decoding.update(group.request_id for group, _ in output.draws)
     return scheduler
+
+
+def tokens_for(output, token: int) -> SampledTokens:
+    """`token` for every draw of the step, all finite."""
+    return SampledTokens(np.full(output.num_draws, token, np.int64),
+                         np.ones(output.num_draws, bool))
 
 
 def time_steps(scheduler: Scheduler, steps: int, build: bool) -> dict[str, float]:
@@ -86,11 +94,9 @@ def time_steps(scheduler: Scheduler, steps: int, build: bool) -> dict[str, float
         if build:
             build_model_input(output.scheduled, scheduler.block_manager)
         built = time.thread_time()
-        ready = scheduler.update_after_step(output)
+        scheduler.update_from_output(output, tokens_for(output, step))
         updated = time.thread_time()
         walls.append(time.perf_counter() - wall_start)
-        for group in ready:
-            group.seqs[0].append_token(step)
         phases["schedule"].append(scheduled - start)
         phases["build"].append(built - scheduled)
         phases["update"].append(updated - built)
@@ -115,7 +121,7 @@ def measure_paged(num_seqs: int, context_len: int, pool_scale: int, steps: int) 
 def measure_contiguous(num_seqs: int, context_len: int, steps: int) -> dict:
     total = max_len(num_seqs, context_len, steps)
     slots = num_seqs * total
-    manager = ContiguousKVManager(slots, "oracle", total, lambda group: total)
+    manager = ContiguousArena(slots, "orca-max", total)  # every slab max_model_len = total
     scheduler = running_scheduler(manager, num_seqs, context_len, steps)
     timings = time_steps(scheduler, steps, build=False)
     return {

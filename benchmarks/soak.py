@@ -67,7 +67,7 @@ def inject_faults(engine: LLMEngine, rng: random.Random, rate: float, counts: Co
                 counts.faults_injected += 1
                 if name == "execute" and (not counts.kv_caches_consumed or rng.random() < 0.25):
                     counts.kv_caches_consumed += 1
-                    for array in jax.tree.leaves(runner.kv_caches):
+                    for array in jax.tree.leaves(runner.kv_cache):
                         array.delete()
                 raise InjectedFault(f"injected into {name}")
             return original(*args, **kwargs)

@@ -1,6 +1,7 @@
 """What a new user meets: `LLM()` with its defaults against transformers, same run.
 
     python -m benchmarks.startup [--only mixed,batch1,bf16,cli] [--quick] [--model DIR]
+                                 [--baseline REV]
 
 Figures, each peer measured in this run. Every section runs in a fresh process
 per system, transformers right after jpaged, so the two meet about the same
@@ -26,6 +27,8 @@ load on a shared machine and each one's peak memory is its own:
   default limits (`python -m benchmarks.warmup`, whose whole report lands
   under "warmup": step shapes, step times, the decode step's memory analysis).
 
+--baseline REV runs jpaged's mixed and batch-1 sections from that git revision
+too, just before jpaged's own in each round, and reports the ratios against it.
 --quick runs every code path with a few short requests (a smoke test, not a
 measurement). Prints one JSON object last.
 """
@@ -42,9 +45,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
+from benchmarks.cli_start import REPO, export_revision
 from benchmarks.throughput import hf_generate, mixed_workload
 
 FIGURES = ("mixed", "batch1", "bf16", "cli", "cold_warmup")
@@ -146,7 +151,7 @@ def batch1_profile(llm, args, rounds: int = 16) -> dict:
     seq = engine.scheduler.running[0].seqs[0]
     started = time.perf_counter()
     for _ in range(rounds):
-        inputs = build_model_input([(seq, 1)], engine.block_manager, engine.buckets, 1)
+        inputs = build_model_input([(seq, 1)], engine.block_manager, engine.shapes.buckets, 1)
     build_ms = (time.perf_counter() - started) / rounds * 1e3
     # Rewrites position 60's K/V with the same values: harmless to the request.
     logits = runner.execute(inputs.input_ids, inputs.metadata, decode_only=True,
@@ -298,13 +303,30 @@ def cold_warmup(args) -> dict:
     return json.loads(lines.strip().splitlines()[-1])
 
 
-def _child_result(system: str, section: str) -> dict:
-    """Run one section in a fresh process: its peak RSS is that section's alone."""
+def _child_result(system: str, section: str, source: Path = REPO) -> dict:
+    """Run one section in a fresh process: its peak RSS is that section's alone. source:
+    the jpaged tree it runs (a baseline revision's, for --baseline)."""
+    argv = _without_baseline(sys.argv[1:])
     command = [sys.executable, "-m", "benchmarks.startup", "--system", system,
-               "--section", section, *sys.argv[1:]]
-    _progress(f"running {system} {section} ...")
-    lines = subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True).stdout
+               "--section", section, *argv]
+    _progress(f"running {system} {section} from {source} ...")
+    env = os.environ | {"PYTHONPATH": str(source)}
+    lines = subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True, cwd=source,
+                           env=env).stdout
     return json.loads(lines.strip().splitlines()[-1])
+
+
+def _without_baseline(argv: list[str]) -> list[str]:
+    """The arguments but --baseline REV: a child measures one tree."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--baseline":
+            skip = True
+        elif not arg.startswith("--baseline="):
+            kept.append(arg)
+    return kept
 
 
 def _child(args) -> None:
@@ -314,29 +336,35 @@ def _child(args) -> None:
     print(json.dumps(result))
 
 
-def _run_sections(args, figures: list[str]) -> tuple[dict, dict]:
-    """Each peer right after jpaged on the same section, so both meet the same load.
-    -> (jpaged's results, transformers' results) by figure."""
-    ours, theirs = {}, {}
+def _run_sections(args, figures: list[str], baseline: Path | None
+                  ) -> tuple[dict, dict, dict]:
+    """Each peer right after jpaged on the same section, so all meet the same load:
+    the baseline revision's jpaged (if any), jpaged, transformers.
+    -> (jpaged's results, transformers' results, the baseline's) by figure."""
+    ours, theirs, base = {}, {}, {}
+    systems = [("jpaged", ours, REPO), ("transformers", theirs, REPO)]
+    if baseline is not None:
+        systems.insert(0, ("jpaged", base, baseline))
     if "mixed" in figures:
-        ours["mixed"], theirs["mixed"] = {}, {}
+        for _, results, _ in systems:
+            results["mixed"] = {}
         for dataset in DATASETS:
-            for system, results in (("jpaged", ours), ("transformers", theirs)):
-                results["mixed"][dataset] = _child_result(system, f"mixed:{dataset}")
+            for system, results, source in systems:
+                results["mixed"][dataset] = _child_result(system, f"mixed:{dataset}", source)
         # Peak memory of the ShareGPT-like run: model, pool, compiled steps, workload.
-        for results in (ours, theirs):
+        for _, results, _ in systems:
             results["peak_rss_mib"] = results["mixed"]["sharegpt"]["peak_rss_mib"]
     if "batch1" in figures:
         # Alternating rounds: batch-1 decode is short, so a burst of load on a shared
         # machine can hit one system's run alone; the median round ratio resists it.
-        for results in (ours, theirs):
+        for _, results, _ in systems:
             results["batch1"] = {"rounds": []}
         for _ in range(_settings(args)["batch1_rounds"]):
-            for system, results in (("jpaged", ours), ("transformers", theirs)):
-                results["batch1"]["rounds"].append(_child_result(system, "batch1"))
+            for system, results, source in systems:
+                results["batch1"]["rounds"].append(_child_result(system, "batch1", source))
     if "bf16" in figures:
         ours["bf16"] = _child_result("jpaged", "bf16")
-    return ours, theirs
+    return ours, theirs, base
 
 
 def _ratio(ours: dict, theirs: dict, *keys: str) -> float:
@@ -360,8 +388,21 @@ def _report(args, figures: list[str]) -> dict:
                           "cpus": len(os.sched_getaffinity(0)),
                           "load_average": os.getloadavg()},
               "versions": _versions(), "settings": vars(args) | _settings(args)}
-    ours, theirs = _run_sections(args, figures)
+    with tempfile.TemporaryDirectory(prefix="jpaged-baseline-") as scratch:
+        baseline = export_revision(args.baseline, Path(scratch)) if args.baseline else None
+        ours, theirs, base = _run_sections(args, figures, baseline)
     report |= {"jpaged": ours, "transformers": theirs}
+    if args.baseline:
+        report["baseline"] = base
+        if "mixed" in figures:
+            report["mixed_ratio_vs_baseline"] = {
+                dataset: _ratio(ours, base, "mixed", dataset, "output_tokens_per_s")
+                for dataset in DATASETS}
+        if "batch1" in figures:
+            report["batch1_ratio_vs_baseline"] = statistics.median(
+                _ratio(mine, old, "output_tokens_per_s")
+                for mine, old in zip(ours["batch1"]["rounds"], base["batch1"]["rounds"],
+                                     strict=True))
     if "mixed" in figures:
         report["mixed_ratio_vs_transformers"] = {
             dataset: _ratio(ours, theirs, "mixed", dataset, "output_tokens_per_s")
@@ -404,6 +445,9 @@ def main() -> None:
                         help="alternating jpaged / transformers batch-1 runs; the ratio is "
                              "the median round's")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--baseline", default=None, metavar="REV",
+                        help="also run jpaged's sections from this git revision, in the same "
+                             "rounds (mixed_ratio_vs_baseline, batch1_ratio_vs_baseline)")
     parser.add_argument("--system", choices=["jpaged", "transformers"], help=argparse.SUPPRESS)
     parser.add_argument("--section", help=argparse.SUPPRESS)
     args = parser.parse_args()

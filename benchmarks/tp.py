@@ -43,7 +43,8 @@ from flax import nnx  # noqa: E402
 
 from jpaged.core.attention_metadata import AttentionMetadata  # noqa: E402
 from jpaged.engine.runner import ModelRunner  # noqa: E402
-from jpaged.model.llama import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from jpaged.model.config import LlamaConfig  # noqa: E402
+from jpaged.model.llama import LlamaForCausalLM  # noqa: E402
 from jpaged.model.sharding import bytes_per_device, model_mesh, shard_model  # noqa: E402
 
 SIZES = (1, 2, 4, 8)
@@ -140,7 +141,7 @@ def main() -> None:
                 prefill_ms / (1e3 * statistics.median(times[1]["prefill"])), 3),
             "param_bytes_per_device": sum(
                 bytes_per_device(leaf) for leaf in jax.tree.leaves(runner.params)),
-            "kv_bytes_per_device": sum(bytes_per_device(c) for c in runner.kv_caches),
+            "kv_bytes_per_device": sum(bytes_per_device(c) for c in runner.kv_cache),
         }
         print(f"TP={size}: {results[f'tp{size}']}", file=sys.stderr, flush=True)
     print(json.dumps({

@@ -60,7 +60,8 @@ def _step_times(engine, vocab: int, prompt_len: int, seed: int) -> dict:
         engine.add_request(f"batch-{i}", rng.integers(0, vocab, prompt_len).tolist(), params)
     num_prefill_steps = num_seqs * prompt_len // config.max_num_batched_tokens
     prefill = _timed_steps(engine, num_prefill_steps)
-    while any(len(r.group.seqs[0].output_token_ids) == 0 for r in engine._requests.values()):
+    while any(not s.group.seqs[0].output_token_ids
+              for s in engine.output_processor.requests.values()):
         engine.step()
     decode = _timed_steps(engine, NUM_DECODE_STEPS)
     while engine.has_unfinished_requests():
@@ -77,13 +78,13 @@ def _step_times(engine, vocab: int, prompt_len: int, seed: int) -> dict:
 
 def _step_memory(engine) -> dict:
     """Bytes of the largest decode step's memory analysis beside the KV cache's."""
-    from jpaged.core.batch_builder import bucket
+    from jpaged.core.step_shapes import bucket
 
-    config, buckets = engine.config, engine.buckets
+    config, buckets = engine.config, engine.shapes.buckets
     num_seqs = bucket(config.max_num_seqs, buckets.min_num_seqs, buckets.linear_step)
     num_blocks = bucket(-(-engine.max_model_len // config.block_size), buckets.min_blocks_per_seq)
     memory = engine.runner.compile_step(num_seqs, num_seqs, num_blocks, True).memory_analysis()
-    return {"kv_cache_bytes": sum(cache.nbytes for cache in engine.runner.kv_caches),
+    return {"kv_cache_bytes": sum(cache.nbytes for cache in engine.runner.kv_cache),
             "alias_bytes": memory.alias_size_in_bytes, "temp_bytes": memory.temp_size_in_bytes}
 
 

@@ -1,67 +1,44 @@
-"""The paper's contiguous-allocation baselines: Orca (Max), Orca (Pow2), Orca (Oracle).
+"""Orca's contiguous slabs for the simulator: the external fragmentation of Figure 2.
 
 Orca-style systems store each request's KV cache in one contiguous slab of
 token slots, reserved when the request is admitted and freed when it ends
-(the vLLM paper, Section 2.3 and Figure 2). The slab size is the policy:
-
-- "max":    max_model_len slots, whatever the request needs;
-- "pow2":   the prompt plus the next power of two of the request's true
-            output length (a 25-token output reserves 32 output slots): the
-            output over-reserved by less than 2x, as the paper defines it;
-            never more than max_model_len;
-- "oracle": exactly the true total length, as if it knew the output length.
+(the vLLM paper, Section 2.3 and Figure 2). The slab's size is the policy's
+reservation, "orca-max", "orca-pow2" or "orca-oracle" (jpaged.memory.reservation,
+the same rule the engine's reserving blocks follow); pow2 and oracle know a
+request's output length from its parameters (max_tokens with ignore_eos).
 
 Slabs are placed first-fit in a single arena, so freed slabs leave holes and a
 request can wait while enough slots are free in total (external fragmentation).
 A slab covers the whole request, so a running request never needs more memory
-and is never preempted; these managers have no swap space and no prefix cache.
+and is never preempted; the arena has no swap space and no prefix cache.
 
-`ContiguousKVManager` offers the scheduler's `KVCacheManager` interface (less
-the swap methods) plus the slot accounting the Figure-2 breakdown needs.
+`ContiguousArena` implements the scheduler's `KVCacheManager` for requests of
+one sequence, plus the slot accounting the Figure-2 breakdown needs.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable
-
-import numpy as np
 
 from jpaged.memory.allocator import BlockOps
-from jpaged.memory.block_manager import AllocStatus
+from jpaged.memory.kv_cache_manager import AllocStatus
+from jpaged.memory.reservation import ALLOCATIONS, known_output_len, reserved_tokens
 from jpaged.sequence import Sequence, SequenceGroup, SequenceStatus
 
-POLICIES = ("max", "pow2", "oracle")
 
-_NO_PAIRS = np.zeros((0, 2), np.int32)
-_NO_PAIRS.flags.writeable = False
-
-
-class ContiguousKVManager:
-    """First-fit contiguous slabs in an arena of `num_slots` token slots.
-
-    total_len_of(group) is the request's true total length (prompt + output),
-    known in advance to the "pow2" and "oracle" policies; the prompt is the
-    group's first sequence's.
-    """
+class ContiguousArena:
+    """First-fit contiguous slabs in an arena of `num_slots` token slots."""
 
     num_host_blocks = 0
 
-    def __init__(
-        self,
-        num_slots: int,
-        policy: str,
-        max_model_len: int,
-        total_len_of: Callable[[SequenceGroup], int],
-    ):
-        if policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    def __init__(self, num_slots: int, allocation: str, max_model_len: int):
+        if allocation not in ALLOCATIONS[1:]:
+            raise ValueError(f"allocation must be one of {ALLOCATIONS[1:]}, got {allocation!r}")
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         self.num_slots = num_slots
-        self.policy = policy
+        self.allocation = allocation
         self.max_model_len = max_model_len
-        self.total_len_of = total_len_of
         # Free holes as parallel sorted lists of start offsets and lengths.
         self._hole_starts: list[int] = [0]
         self._hole_lens: list[int] = [num_slots]
@@ -69,21 +46,22 @@ class ContiguousKVManager:
 
     def reservation(self, group: SequenceGroup) -> int:
         """Slots reserved for each sequence of `group` under the policy."""
-        if self.policy == "max":
-            return self.max_model_len
-        total = self.total_len_of(group)
-        if self.policy == "oracle":
-            return total
-        prompt_len = group.seqs[0].num_prompt_tokens
-        if total <= prompt_len:
-            raise ValueError(
-                f"request {group.request_id!r}: total length {total} must exceed its "
-                f"{prompt_len} prompt tokens (every request outputs at least one token)"
-            )
-        output_slots = 1 << (total - prompt_len - 1).bit_length()  # next power of two
-        return min(prompt_len + output_slots, self.max_model_len)
+        try:
+            return reserved_tokens(self.allocation, group.seqs[0].num_prompt_tokens,
+                                   known_output_len(group, self.max_model_len),
+                                   self.max_model_len)
+        except ValueError as error:
+            raise ValueError(f"request {group.request_id!r}: {error}") from None
 
     # Scheduler interface.
+
+    def check_fits(self, group: SequenceGroup) -> None:
+        if group.max_seqs > 1:
+            raise ValueError(f"request {group.request_id!r}: the arena serves one sequence "
+                             "per request")
+        if self.reservation(group) > self.num_slots:
+            raise ValueError(f"request {group.request_id!r} reserves more slots than the "
+                             f"arena's {self.num_slots}")
 
     def can_allocate(self, group: SequenceGroup) -> AllocStatus:
         size = self.reservation(group)
@@ -145,7 +123,7 @@ class ContiguousKVManager:
 
     def end_step(self) -> BlockOps:
         """Slabs never move: no copies, no swaps."""
-        return BlockOps(swap_out=_NO_PAIRS, swap_in=_NO_PAIRS, copies=_NO_PAIRS)
+        return BlockOps.none()
 
     # Accounting.
 

@@ -38,7 +38,7 @@ from experiments.rate_study import LENGTH_SCALES
 from experiments.simulator import SimConfig, simulate
 from experiments.workloads import RequestSpec, scaled_workload
 from jpaged import SamplingParams
-from jpaged.core.batch_builder import BucketSizes, bucket
+from jpaged.core.step_shapes import BucketSizes, bucket
 from jpaged.engine.runner import attention_functions
 from jpaged.memory.allocator import BlockOps
 
@@ -226,7 +226,7 @@ def operation_seconds(engine, num_tokens: int, vocab_size: int) -> dict:
 
     def swap(ops: BlockOps) -> None:
         runner.apply_block_ops(ops)
-        jax.block_until_ready(runner.kv_caches)
+        jax.block_until_ready(runner.kv_cache)
 
     def recompute() -> None:
         engine.add_request(f"recompute-{next(calls)}", {"prompt_token_ids": prompt},

@@ -75,7 +75,7 @@ def run(selected: list[str], args: argparse.Namespace, timings: dict) -> dict:
             result, burst = rate_study.run_dataset(loaded, settings, vocab)
             report["figure12"][dataset] = result
             validated = {policy: result["all_at_once"][policy]
-                         for policy in validation.SIM_ALLOCATOR}
+                         for policy in validation.VALIDATED}
             report["validation"][dataset] = validation.validate(
                 validated, burst, result["pool_tokens"], settings)
             _progress(f"rate study {dataset}: {result.get('rate_ratios')} "

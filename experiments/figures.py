@@ -20,7 +20,7 @@ POLICY_STYLE = {
     "orca-max": ("Orca (Max)", "tab:red", "v"),
 }
 SYSTEM_LABELS = {"orca-max": "Orca\n(Max)", "orca-pow2": "Orca\n(Pow2)",
-                 "orca-oracle": "Orca\n(Oracle)", "jpaged": "jpaged"}
+                 "orca-oracle": "Orca\n(Oracle)", "paged": "jpaged"}
 BREAKDOWN = (("token_states", "Token states", "tab:green"),
              ("reserved", "Reserved", "tab:orange"),
              ("internal_fragmentation", "Internal fragmentation", "tab:red"),

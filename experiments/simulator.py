@@ -1,11 +1,13 @@
 """Serving simulation without a model: the real scheduler and a KV manager over a workload.
 
 Every step runs jpaged's `Scheduler` against jpaged's paged `BlockManager` or
-one of the contiguous Orca baselines. There is no model: each sequence whose
-scheduled tokens complete its prefill or decode gets one new token, and a
-request ends at its workload's output length. Parallel samples fork from the
-prompt when it is computed. Beam search picks the surviving beams each step by
-a seeded random choice of parents, so beams share blocks along a tree.
+one of Orca's contiguous arenas (experiments.baselines). There is no model:
+each step's draws get stand-in tokens through `update_from_output`, exactly as
+the engine hands the scheduler its sampled tokens, and a request ends at its
+workload's output length (its max_tokens, with ignore_eos). Parallel samples
+fork from the prompt when it is computed. Beam search picks the surviving beams
+each step by a seeded random choice of parents, so beams share blocks along a
+tree.
 
 Time advances by a linear step-cost model (`StepCost`) so Poisson arrivals and
 latencies have a plausible scale; memory results do not depend on it.
@@ -22,19 +24,26 @@ import json
 import math
 import random
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from experiments.baselines import ContiguousKVManager
+import numpy as np
+
+from experiments.baselines import ContiguousArena
 from experiments.workloads import VOCAB_SIZE, RequestSpec, make_workload
 from jpaged.config import CacheConfig, SchedulerConfig
-from jpaged.core.scheduler import KVCacheManager, Scheduler, SchedulerOutput
+from jpaged.core.scheduler import Scheduler
+from jpaged.core.scheduler_output import BeamChoice, SampledTokens, SchedulerOutput
 from jpaged.memory.block_manager import BlockManager
+from jpaged.memory.kv_cache_manager import KVCacheManager
+from jpaged.memory.reservation import ALLOCATIONS
+from jpaged.sampling_params import BeamSearchParams, SamplingParams
 from jpaged.sequence import Sequence as Seq
 from jpaged.sequence import SequenceGroup, SequenceStatus
 
-ALLOCATORS = ("jpaged", "orca-max", "orca-pow2", "orca-oracle")
+ALLOCATORS = ALLOCATIONS
 TIMELINE_POINTS = 200
 
 
@@ -63,11 +72,11 @@ class StepCost:
 class SimConfig:
     """One simulated server. Every allocator gets the same `num_kv_slots` of KV memory.
 
-    jpaged's pool is num_kv_slots // block_size blocks (plus the null block);
+    The paged pool is num_kv_slots // block_size blocks (plus the null block);
     the Orca baselines get an arena of num_kv_slots token slots.
     """
 
-    allocator: str = "jpaged"
+    allocator: str = "paged"
     block_size: int = 16
     num_kv_slots: int = 16384
     max_num_seqs: int = 256
@@ -82,6 +91,10 @@ class SimConfig:
     seed: int = 0
 
     def __post_init__(self):
+        if self.allocator == "jpaged":
+            warnings.warn("allocator='jpaged' is deprecated: use 'paged', the engine's name",
+                          DeprecationWarning, stacklevel=3)
+            object.__setattr__(self, "allocator", "paged")
         if self.allocator not in ALLOCATORS:
             raise ValueError(f"allocator must be one of {ALLOCATORS}, got {self.allocator!r}")
         if self.num_kv_slots < self.block_size:
@@ -154,41 +167,42 @@ class MemoryBreakdown:
 
 def slots_counter(manager: KVCacheManager) -> Callable[[Seq], int]:
     """seq -> slots `manager` holds for it: its slab, or its blocks times the block size."""
-    if isinstance(manager, ContiguousKVManager):
+    if isinstance(manager, ContiguousArena):
         return manager.allocated_slots
     block_table, block_size = manager.block_table, manager.block_size
     return lambda seq: len(block_table(seq)) * block_size
 
 
 def free_slots(manager: KVCacheManager) -> int:
-    if isinstance(manager, ContiguousKVManager):
+    if isinstance(manager, ContiguousArena):
         return manager.num_free_slots
     return manager.num_free_blocks * manager.block_size
 
 
 def pool_slots(manager: KVCacheManager) -> int:
-    """Token slots of the pool (jpaged's null block excluded)."""
-    if isinstance(manager, ContiguousKVManager):
+    """Token slots of the pool (the paged pool's null block excluded)."""
+    if isinstance(manager, ContiguousArena):
         return manager.num_slots
     return manager.num_device_blocks * manager.block_size
 
 
 def kv_breakdown(
-    manager: KVCacheManager, seqs: Iterable[tuple[Seq, int]], requests_waiting: bool
+    manager: KVCacheManager, seqs: Iterable[tuple[Seq, int, int]], requests_waiting: bool
 ) -> MemoryBreakdown:
     """Figure-2 breakdown of the KV memory of a run without block sharing.
 
-    seqs: (sequence, its final length = prompt + output tokens) for every
-    sequence holding KV. Free slots count as external fragmentation only while
-    requests wait; otherwise they are idle capacity and left out.
+    seqs: (sequence, its tokens with K/V once the step ran, its final length =
+    prompt + output tokens) for every sequence holding KV. Free slots count as
+    external fragmentation only while requests wait; otherwise they are idle
+    capacity and left out.
     """
     allocated_slots = slots_counter(manager)
     token_states = reserved = internal = 0
-    for seq, final_len in seqs:
+    for seq, computed, final_len in seqs:
         allocated = allocated_slots(seq)
         will_fill = min(allocated, final_len)
-        token_states += seq.num_computed_tokens
-        reserved += will_fill - seq.num_computed_tokens
+        token_states += computed
+        reserved += will_fill - computed
         internal += allocated - will_fill
     external = free_slots(manager) if requests_waiting else 0
     return MemoryBreakdown(token_states, reserved, internal, external)
@@ -203,7 +217,7 @@ class SimResult:
     token_states_of_allocated: token-state slots / allocated slots, summed over
         all steps (None when blocks are shared).
     sharing_saved: blocks saved by sharing / blocks that tables reference,
-        summed over all steps (jpaged only).
+        summed over all steps (paged only).
     mean_running_requests: running requests after each step (those finished in
         it gone), as the engine's stats count them; mean over steps.
     mean_kv_utilization: allocated / pool slots after scheduling, mean over steps.
@@ -250,38 +264,44 @@ def simulate(requests: Sequence[RequestSpec], config: SimConfig = SimConfig()) -
     return _Simulation(requests, config).run()
 
 
-def make_manager(config: SimConfig, total_len_of) -> KVCacheManager:
-    """jpaged's BlockManager or a contiguous baseline, sized by config.num_kv_slots."""
-    if config.allocator == "jpaged":
+def make_manager(config: SimConfig) -> KVCacheManager:
+    """jpaged's BlockManager or a contiguous Orca arena, sized by config.num_kv_slots."""
+    if config.allocator == "paged":
         return BlockManager(config.cache_config())
-    policy = config.allocator.removeprefix("orca-")
-    return ContiguousKVManager(config.num_kv_slots, policy, config.max_model_len, total_len_of)
+    return ContiguousArena(config.num_kv_slots, config.allocator, config.max_model_len)
 
 
-def _token(seq: Seq) -> int:
-    """A deterministic stand-in for a sampled token, different across sequences."""
-    return (seq.seq_id * 7919 + len(seq)) % VOCAB_SIZE
+def _token(seq: Seq, draw: int) -> int:
+    """A deterministic stand-in for the draw-th token drawn from seq's logits this step,
+    different across sequences."""
+    return (seq.seq_id * 7919 + draw * 104729 + len(seq)) % VOCAB_SIZE
+
+
+def _params(spec: RequestSpec) -> SamplingParams | BeamSearchParams:
+    """The request's parameters: its output length, reached whatever the tokens."""
+    if spec.beam_search:
+        return BeamSearchParams(beam_width=spec.n, max_tokens=spec.output_len, ignore_eos=True)
+    return SamplingParams(n=spec.n, max_tokens=spec.output_len, ignore_eos=True)
 
 
 class _Simulation:
     def __init__(self, requests: Sequence[RequestSpec], config: SimConfig):
-        if config.allocator != "jpaged" and any(r.n > 1 for r in requests):
+        if config.allocator != "paged" and any(r.n > 1 for r in requests):
             raise ValueError(
                 f"allocator {config.allocator!r} serves one sequence per request; "
-                "parallel sampling and beam search need allocator='jpaged'"
+                "parallel sampling and beam search need allocator='paged'"
             )
         self.config = config
         self.specs = {r.request_id: r for r in requests}
         if len(self.specs) != len(requests):
             raise ValueError("request ids of a workload must be unique")
         self.pending = deque(sorted(requests, key=lambda r: r.arrival_time))
-        self.manager = make_manager(config, lambda g: self.specs[g.request_id].total_len)
+        self.manager = make_manager(config)
         self.scheduler = Scheduler(config.scheduler_config(), self.manager)
         self.pool_slots = pool_slots(self.manager)
         self.sharing = config.enable_prefix_caching or any(r.n > 1 for r in requests)
         self.rng = random.Random(config.seed)
         self.clock = 0.0
-        self.next_seq_id = 0
         self.outputs: dict[str, list[list[int]]] = {}
         self.normalized_latencies: list[float] = []
         self.num_ignored = 0
@@ -300,34 +320,33 @@ class _Simulation:
     def _add_arrivals(self) -> None:
         while self.pending and self.pending[0].arrival_time <= self.clock:
             spec = self.pending.popleft()
-            seq = Seq(self._new_seq_id(), list(spec.prompt_token_ids))
-            group = SequenceGroup(spec.request_id, [seq], arrival_time=spec.arrival_time)
+            seq = Seq(0, list(spec.prompt_token_ids))
+            group = SequenceGroup(spec.request_id, [seq], _params(spec),
+                                  arrival_time=spec.arrival_time)
             self.scheduler.add_request(group)
-
-    def _new_seq_id(self) -> int:
-        self.next_seq_id += 1
-        return self.next_seq_id
 
     def _step(self) -> None:
         output = self.scheduler.schedule()
         self.num_ignored += len(output.ignored)
         if output.is_empty and not output.ignored:
             raise RuntimeError("the scheduler scheduled nothing while requests are unfinished")
-        ready = self.scheduler.update_after_step(output)
-        self.clock += self.config.step_cost.seconds(
-            output.num_batched_tokens, sum(seq.num_computed_tokens for seq, _ in output.scheduled)
-        )
-        self._record(output)
-        for group in ready:
-            self._sample(group)
+        # Measured as the step leaves the memory: its tokens computed, nothing sampled yet.
+        computed = {seq: seq.num_computed_tokens + n for seq, n in output.scheduled}
+        self.clock += self.config.step_cost.seconds(output.num_batched_tokens,
+                                                    sum(computed.values()))
+        self._record(output, computed)
+        stats = self.scheduler.update_from_output(output, self._draw(output))
+        for group, _ in output.draws:
+            if group.is_finished:
+                self._finished(group)
         # After sampling, as the engine counts them: requests that finished this step are gone.
-        self.stats.add_running_requests(self.scheduler.num_running)
+        self.stats.add_running_requests(stats.num_running)
 
-    def _record(self, output: SchedulerOutput) -> None:
+    def _record(self, output: SchedulerOutput, computed: dict[Seq, int]) -> None:
         breakdown = None
         if not self.sharing:
             breakdown = kv_breakdown(
-                self.manager, self._seqs_holding_kv(), self.scheduler.num_waiting > 0
+                self.manager, self._seqs_holding_kv(computed), self.scheduler.num_waiting > 0
             )
         logical = physical = 0
         if isinstance(self.manager, BlockManager):
@@ -345,48 +364,39 @@ class _Simulation:
         self.stats.kv_utilization_sum += used_slots / self.pool_slots
         self.stats.kv_slots_peak = max(self.stats.kv_slots_peak, used_slots)
 
-    def _seqs_holding_kv(self) -> Iterable[tuple[Seq, int]]:
+    def _seqs_holding_kv(self, computed: dict[Seq, int]) -> Iterable[tuple[Seq, int, int]]:
         for group in self.scheduler.running:
             final_len = self.specs[group.request_id].total_len
             for seq in group.seqs:
                 if seq.status is SequenceStatus.RUNNING:
-                    yield seq, final_len
+                    yield seq, computed.get(seq, seq.num_computed_tokens), final_len
 
-    def _sample(self, group: SequenceGroup) -> None:
-        spec = self.specs[group.request_id]
-        seqs = group.seqs_with(SequenceStatus.RUNNING)
-        if spec.n > 1 and len(group.seqs) == 1:
-            seqs += [
-                self.scheduler.fork(group, seqs[0], self._new_seq_id()) for _ in range(spec.n - 1)
-            ]
-        elif spec.beam_search:
-            seqs = self._select_beams(group, seqs)
-        for seq in seqs:
-            seq.append_token(_token(seq))
-            if len(seq.output_token_ids) == spec.output_len:
-                self.scheduler.finish_seq(seq, SequenceStatus.FINISHED_LENGTH)
-        # All sequences of a request end together, at the request's output length.
-        if len(seqs[0].output_token_ids) == spec.output_len:
-            self.outputs[group.request_id] = [seq.output_token_ids for seq in group.seqs]
-            self.normalized_latencies.append((self.clock - spec.arrival_time) / spec.output_len)
+    def _draw(self, output: SchedulerOutput) -> SampledTokens:
+        """Stand-in tokens for every draw; beam searches choose their beams at random."""
+        tokens, beams = [], {}
+        for group, rows in output.draws:
+            parents = [output.scheduled[row][0] for row in rows]
+            tokens += [_token(seq, draw) for draw, seq in enumerate(parents)]
+            if group.is_beam_search:
+                beams[group.request_id] = self._choose_beams(group, tokens[-len(rows):])
+        tokens = np.array(tokens, np.int64)
+        return SampledTokens(tokens, np.ones(len(tokens), bool), beams)
 
-    def _select_beams(self, group: SequenceGroup, beams: list[Seq]) -> list[Seq]:
-        """The next beams: each picks a parent at random; unpicked beams are pruned."""
-        width = len(beams)
+    def _choose_beams(self, group: SequenceGroup, tokens: list[int]) -> BeamChoice:
+        """The next beams: each picks a parent at random, the prompt all of them."""
+        width = group.max_seqs
+        if len(group.seqs) == 1 and width > 1:
+            return BeamChoice([0] * width, [tokens[0] + i for i in range(width)])
         children = [0] * width
         for _ in range(width):
             children[self.rng.randrange(width)] += 1
-        for beam, count in zip(beams, children, strict=True):
-            if count == 0:
-                self.scheduler.remove_seq(group, beam)
-        survivors = []
-        for beam, count in zip(beams, children, strict=True):
-            if count:
-                survivors.append(beam)
-                survivors += [
-                    self.scheduler.fork(group, beam, self._new_seq_id()) for _ in range(count - 1)
-                ]
-        return survivors
+        parents = [parent for parent, count in enumerate(children) for _ in range(count)]
+        return BeamChoice(parents, [tokens[parent] for parent in parents])
+
+    def _finished(self, group: SequenceGroup) -> None:
+        spec = self.specs[group.request_id]
+        self.outputs[group.request_id] = [seq.output_token_ids for seq in group.seqs]
+        self.normalized_latencies.append((self.clock - spec.arrival_time) / spec.output_len)
 
     def _result(self, wall_s: float, cpu_s: float) -> SimResult:
         stats = self.stats
@@ -496,7 +506,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dataset", default="sharegpt", choices=["sharegpt", "alpaca"])
     parser.add_argument("--num-requests", type=int, default=10_000)
     parser.add_argument("--request-rate", type=float, default=math.inf)
-    parser.add_argument("--allocator", default="jpaged", choices=ALLOCATORS)
+    parser.add_argument("--allocator", default="paged", choices=ALLOCATORS)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-kv-slots", type=int, default=16384)
     parser.add_argument("--seed", type=int, default=0)

@@ -55,7 +55,7 @@ from experiments import engine_studies, figures, rate_study
 from experiments.simulator import SimConfig, simulate
 from experiments.workloads import make_workload
 
-PAPER_TOKEN_STATES = {"orca-max": 20.4, "orca-pow2": 26.8, "orca-oracle": 38.2, "jpaged": 96.3}
+PAPER_TOKEN_STATES = {"orca-max": 20.4, "orca-pow2": 26.8, "orca-oracle": 38.2, "paged": 96.3}
 PAPER_SHARING_SAVED = {"parallel": "6.1-9.8", "beam": "37.6-55.2"}
 DEFAULT_BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 

@@ -15,7 +15,9 @@ from __future__ import annotations
 from experiments.simulator import SimConfig, simulate
 from experiments.workloads import RequestSpec
 
-SIM_ALLOCATOR = {"paged": "jpaged", "orca-oracle": "orca-oracle"}
+# The policies validated: paged, and the Orca policy the simulator's arena models
+# closest to the engine's reserving blocks.
+VALIDATED = ("paged", "orca-oracle")
 MEASURES = {  # simulator's name -> engine's name
     "mean_running_requests": "mean_running_requests",
     "num_preemptions": "num_preemptions",
@@ -27,7 +29,7 @@ MEASURES = {  # simulator's name -> engine's name
 def simulated(policy: str, requests: list[RequestSpec], pool_tokens: int, settings) -> dict:
     """The simulator's measures for `policy` on the engine's pool and limits."""
     config = SimConfig(
-        allocator=SIM_ALLOCATOR[policy], block_size=settings.block_size,
+        allocator=policy, block_size=settings.block_size,
         num_kv_slots=pool_tokens, max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens,
         max_model_len=settings.max_model_len,

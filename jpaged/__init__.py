@@ -10,7 +10,8 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from jpaged.engine.llm_engine import EngineConfig, LLMEngine
+    from jpaged.engine.config import EngineConfig
+    from jpaged.engine.llm_engine import LLMEngine
     from jpaged.entrypoints.llm import LLM
     from jpaged.inputs import TextPrompt, TokensPrompt
     from jpaged.outputs import (
@@ -28,7 +29,7 @@ _MODULE_OF = {
     "BeamSearchParams": "jpaged.sampling_params",
     "BeamSearchSequence": "jpaged.outputs",
     "CompletionOutput": "jpaged.outputs",
-    "EngineConfig": "jpaged.engine.llm_engine",
+    "EngineConfig": "jpaged.engine.config",
     "LLMEngine": "jpaged.engine.llm_engine",
     "Logprob": "jpaged.outputs",
     "RequestOutput": "jpaged.outputs",

@@ -78,8 +78,11 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="M",
                          help="run M replicas of the engine, each on its own N devices; "
                          "requests go to the least loaded")
-        sub.add_argument("--attention-backend", choices=["pallas", "xla", "reference"],
-                         default=None, help="default: pallas on TPU/GPU, xla on CPU")
+        # kernels_pallas.IMPLEMENTATIONS, spelled out: importing it would load jax for --help.
+        sub.add_argument("--attention-backend",
+                         choices=["tpu", "triton", "xla", "reference", "pallas"],
+                         default=None, help="default: the device's own (tpu on a TPU, triton "
+                         "on a GPU, xla on a CPU); 'pallas' is a deprecated name for it")
         sub.add_argument("--debug", action="store_true",
                          help="show the traceback of an error instead of one line")
     return parser

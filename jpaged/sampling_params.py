@@ -13,6 +13,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from jpaged.errors import InvalidParameter, InvalidParameterType
+
 # Below this temperature a request is greedy, as in vLLM.
 GREEDY_TEMPERATURE = 1e-5
 
@@ -30,20 +32,23 @@ class RequestOutputKind(enum.Enum):
     FINAL_ONLY = 2
 
 
-def _check_int(name: str, value, low: int | None = None, high: int | None = None) -> None:
+def _check_int(name: str, value, low: int | None = None, high: int | None = None,
+               param: str | None = None) -> None:
+    """param: the parameter `name` is part of (default: name itself)."""
+    param = param or name
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        raise InvalidParameterType(param, f"{name} must be an int, got {type(value).__name__}")
     if low is not None and value < low:
-        raise ValueError(f"{name} must be >= {low}, got {value}")
+        raise InvalidParameter(param, f"{name} must be >= {low}, got {value}")
     if high is not None and value > high:
-        raise ValueError(f"{name} must be <= {high}, got {value}")
+        raise InvalidParameter(param, f"{name} must be <= {high}, got {value}")
 
 
 def _check_float(name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+        raise InvalidParameterType(name, f"{name} must be a number, got {type(value).__name__}")
     if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value}")
+        raise InvalidParameter(name, f"{name} must be finite, got {value}")
     return float(value)
 
 
@@ -53,16 +58,17 @@ def _stop_strings(stop: str | list[str] | tuple[str, ...] | None) -> tuple[str, 
     strings = (stop,) if isinstance(stop, str) else tuple(stop)
     for s in strings:
         if not isinstance(s, str):
-            raise TypeError(f"stop must be a string or a list of strings, got {type(s).__name__}")
+            raise InvalidParameterType(
+                "stop", f"stop must be a string or a list of strings, got {type(s).__name__}")
         if not s:
-            raise ValueError("stop strings must not be empty")
+            raise InvalidParameter("stop", "stop strings must not be empty")
     return strings
 
 
 def _token_ids(name: str, ids) -> tuple[int, ...]:
     ids = tuple(ids or ())
     for t in ids:
-        _check_int(f"every entry of {name}", t, low=0)
+        _check_int(f"every entry of {name}", t, low=0, param=name)
     return ids
 
 
@@ -119,32 +125,34 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             value = _check_float(name, getattr(self, name))
             if not -2.0 <= value <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+                raise InvalidParameter(name, f"{name} must be in [-2, 2], got {value}")
         if _check_float("repetition_penalty", self.repetition_penalty) <= 0.0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+            raise InvalidParameter("repetition_penalty",
+                                   f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if _check_float("temperature", self.temperature) < 0.0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise InvalidParameter("temperature",
+                                   f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < _check_float("top_p", self.top_p) <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise InvalidParameter("top_p", f"top_p must be in (0, 1], got {self.top_p}")
         _check_int("top_k", self.top_k, low=-1)
         if not 0.0 <= _check_float("min_p", self.min_p) <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise InvalidParameter("min_p", f"min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None:
             _check_int("seed", self.seed, low=0, high=2**32 - 1)
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens, low=1)
         _check_int("min_tokens", self.min_tokens, low=0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
-            )
+            raise InvalidParameter(
+                "min_tokens",
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), low=0)
         if not isinstance(self.output_kind, RequestOutputKind):
-            raise TypeError(
-                f"output_kind must be a RequestOutputKind, got {type(self.output_kind).__name__}"
-            )
+            raise InvalidParameterType(
+                "output_kind",
+                f"output_kind must be a RequestOutputKind, got {type(self.output_kind).__name__}")
         object.__setattr__(self, "stop", _stop_strings(self.stop))
         object.__setattr__(self, "stop_token_ids", _token_ids("stop_token_ids",
                                                               self.stop_token_ids))
@@ -191,11 +199,13 @@ class BeamSearchParams:
         _check_int("beam_width", self.beam_width, low=1)
         _check_int("max_tokens", self.max_tokens, low=1)
         if _check_float("temperature", self.temperature) < 0.0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise InvalidParameter("temperature",
+                                   f"temperature must be >= 0, got {self.temperature}")
         _check_float("length_penalty", self.length_penalty)
         if self.scoring not in ("vllm", "transformers"):
-            raise ValueError(f"scoring must be 'vllm' or 'transformers', got {self.scoring!r}")
+            raise InvalidParameter(
+                "scoring", f"scoring must be 'vllm' or 'transformers', got {self.scoring!r}")
         if self.early_stopping not in (True, False, "never"):
-            raise ValueError(
-                f"early_stopping must be True, False or 'never', got {self.early_stopping!r}"
-            )
+            raise InvalidParameter(
+                "early_stopping",
+                f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")

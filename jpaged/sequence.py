@@ -2,13 +2,17 @@
 
 A request is a SequenceGroup. It starts with one Sequence holding the prompt;
 parallel sampling (n > 1) and beam search fork more sequences from it once the
-prompt is computed, and all of them share the prompt's KV blocks.
+prompt is computed, and all of them share the prompt's KV blocks. Only the
+scheduler, and the KV cache manager it calls, change them.
 """
 
 from __future__ import annotations
 
 import enum
+import warnings
 from dataclasses import dataclass, field
+
+from jpaged.sampling_params import BeamSearchParams, SamplingParams
 
 
 class SequenceStatus(enum.Enum):
@@ -34,7 +38,10 @@ class SequenceStatus(enum.Enum):
 
 @dataclass(eq=False)
 class Sequence:
-    """One token stream. `num_computed_tokens` counts tokens whose K/V are in the cache."""
+    """One token stream. `num_computed_tokens` counts tokens whose K/V are in the cache.
+
+    seq_id: given by the scheduler when it admits or forks the sequence.
+    """
 
     seq_id: int
     prompt_token_ids: list[int]
@@ -81,29 +88,64 @@ class Sequence:
         return self.status.is_finished
 
 
+# What a group without parameters of its own runs to: max_model_len, one sequence.
+UNTIL_MAX_MODEL_LEN = SamplingParams(max_tokens=None, ignore_eos=True)
+
+
 @dataclass(eq=False)
 class SequenceGroup:
-    """All sequences of one request.
+    """All sequences of one request, and what decides how they grow and end.
 
-    cache_salt:       isolates prefix-cache tenants.
-    num_samples:      sequences the prompt's one sequence turns into in the step
-                      that computes its last prompt token (parallel sampling's n):
-                      that step draws a token for each, from the same logits.
-    use_prefix_cache: False for a request that needs the logits of every prompt
-                      token (prompt logprobs): cached blocks would skip them.
-    reserved_len:     token slots each of its sequences (up to num_samples of them)
-                      holds from admission until the request ends, as Orca
-                      reserves (jpaged.memory.reservation); 0 allocates blocks as
-                      tokens arrive (paging).
+    params:        SamplingParams (n parallel samples, stop conditions) or
+                   BeamSearchParams (beam_width beams, which beam search ends).
+    arrival_time:  when the request arrived (time.perf_counter seconds).
+    cache_salt:    isolates prefix-cache tenants.
+    eos_token_ids: the tokens that end a sample unless params.ignore_eos.
+    seed:          the seed of the request's draws (params.seed, or one the engine
+                   chose for an unseeded request).
+
+    The sequences of a sampling request stay in sample order: seqs[i] is sample i.
     """
 
     request_id: str
     seqs: list[Sequence]
+    params: SamplingParams | BeamSearchParams = UNTIL_MAX_MODEL_LEN
     arrival_time: float = 0.0
     cache_salt: str | None = None
-    num_samples: int = 1
-    use_prefix_cache: bool = True
-    reserved_len: int = 0
+    eos_token_ids: tuple[int, ...] = ()
+    seed: int = 0
+    # Read from params once: the scheduler reads them for every group and token.
+    # max_seqs: the most sequences the group holds at once (n samples, or beam_width
+    # beams); stop_token_ids, min_tokens, max_tokens: its stop rule.
+    is_beam_search: bool = field(init=False, repr=False)
+    max_seqs: int = field(init=False, repr=False)
+    stop_token_ids: frozenset[int] = field(init=False, repr=False)
+    min_tokens: int = field(init=False, repr=False)
+    max_tokens: int | None = field(init=False, repr=False)
+
+    def __post_init__(self):
+        params = self.params
+        self.is_beam_search = isinstance(params, BeamSearchParams)
+        self.max_seqs = params.beam_width if self.is_beam_search else params.n
+        stop = () if params.ignore_eos else self.eos_token_ids
+        if not self.is_beam_search:
+            stop = (*stop, *params.stop_token_ids)
+        self.stop_token_ids = frozenset(stop)
+        self.min_tokens = getattr(params, "min_tokens", 0)
+        self.max_tokens = params.max_tokens
+
+    @property
+    def use_prefix_cache(self) -> bool:
+        """False for a request that needs the logits of every prompt token (prompt
+        logprobs): cached blocks would skip them."""
+        return self.is_beam_search or self.params.prompt_logprobs is None
+
+    @property
+    def num_samples(self) -> int:
+        """Deprecated: `max_seqs` (this held the beam width too)."""
+        warnings.warn("SequenceGroup.num_samples is deprecated: use max_seqs",
+                      DeprecationWarning, stacklevel=2)
+        return self.max_seqs
 
     def seqs_with(self, status: SequenceStatus) -> list[Sequence]:
         return [s for s in self.seqs if s.status is status]

@@ -41,9 +41,11 @@ Public ops (all usable under jit with the cache donated):
 
 from kernels_pallas.attention import (
     IMPLEMENTATIONS,
+    Implementation,
     check_cache_layout,
     default_implementation,
     paged_decode_attention,
+    pallas_implementation,
     ragged_paged_attention,
 )
 from kernels_pallas.reference import (
@@ -55,10 +57,12 @@ from kernels_pallas.write_kv import write_kv
 
 __all__ = [
     "IMPLEMENTATIONS",
+    "Implementation",
     "check_cache_layout",
     "default_implementation",
     "paged_decode_attention",
     "paged_decode_attention_reference",
+    "pallas_implementation",
     "ragged_paged_attention",
     "ragged_paged_attention_reference",
     "write_kv",

@@ -52,6 +52,14 @@ def default_implementation(interpret: bool | pltpu.InterpretParams) -> Implement
     return "xla"
 
 
+def pallas_implementation(interpret: bool | pltpu.InterpretParams) -> Implementation:
+    """The Pallas kernel for this process's default backend: "tpu" on a TPU (or under
+    TPU interpret mode), else "triton"."""
+    if isinstance(interpret, pltpu.InterpretParams) or jax.default_backend() == "tpu":
+        return "tpu"
+    return "triton"
+
+
 def _check_common(q, k_cache, v_cache, block_tables, context_lens, layer, implementation,
                   knobs):
     """Checks both ops share (shapes as in their docstrings); raises before any work."""

@@ -37,12 +37,13 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from flax import nnx
 from jax.experimental.compilation_cache import compilation_cache
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 import kernels_pallas
 from jpaged.core.attention_metadata import AttentionMetadata
-from jpaged.core.batch_builder import BucketSizes
+from jpaged.core.step_shapes import BucketSizes
 from jpaged.model.loader import default_model_directory, load_model
 
 TINY_MERGES = [("t", "h"), ("th", "e"), ("Ġ", "th"), ("i", "n"), ("e", "r"), ("Ġ", "a")]
@@ -258,6 +259,18 @@ class PagedCacheBook:
             logits_indices=np.array(logits_indices + [0] * pad_seqs, np.int32),
         )
         return np.array(ids + [0] * padding, np.int32), metadata
+
+
+def _model_step(graphdef, state, input_ids, kv_cache, metadata):
+    """The runner's path through the model with the reference kernels: logits f32 [B, vocab]
+    at metadata.logits_indices, and the updated cache."""
+    model = nnx.merge(graphdef, state)
+    hidden, kv_cache = model.hidden_states(input_ids, kv_cache, metadata)
+    return model.compute_logits(hidden[metadata.logits_indices]), kv_cache
+
+
+# One jitted model step, the cache donated: model_step(*nnx.split(model), input_ids, ...).
+model_step = jax.jit(_model_step, static_argnums=0, donate_argnums=3)
 
 
 @pytest.fixture

@@ -1,4 +1,5 @@
-"""Orca's reservation policies on the block manager and scheduler, then in the engine.
+"""Orca's reservation policies on the reserving block manager and scheduler, then in the
+engine.
 
 Oracles: the policies' definitions written out here (max_model_len; prompt plus
 the least power of two not below the output, found by doubling; prompt plus
@@ -19,14 +20,15 @@ import re
 import numpy as np
 import pytest
 
-from experiments.baselines import ContiguousKVManager
+from experiments.baselines import ContiguousArena
 from jpaged import __main__ as cli
 from jpaged.config import CacheConfig, SchedulerConfig
-from jpaged.core.batch_builder import BucketSizes
 from jpaged.core.scheduler import Scheduler
+from jpaged.core.scheduler_output import BeamChoice, SampledTokens
+from jpaged.core.step_shapes import BucketSizes
 from jpaged.entrypoints.llm import LLM
-from jpaged.memory.block_manager import BlockManager
 from jpaged.memory.reservation import reserved_tokens
+from jpaged.memory.reserving_block_manager import ReservingBlockManager
 from jpaged.model.loader import load_model
 from jpaged.sampling_params import BeamSearchParams, SamplingParams
 from jpaged.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -77,57 +79,57 @@ def test_unknown_allocation_is_rejected():
         reserved_tokens("orca", 10, 5, 64)
 
 
-def test_reservations_need_the_prefix_cache_off():
-    manager = BlockManager(CacheConfig(block_size=4, num_blocks=20))
-    group = SequenceGroup("r0", [Sequence(0, [1, 2, 3])], reserved_len=8)
-    with pytest.raises(ValueError, match="'r0'.*enable_prefix_caching=False"):
-        manager.can_allocate(group)
+def test_the_reserving_manager_takes_only_orca_policies():
+    config = CacheConfig(block_size=4, num_blocks=20, enable_prefix_caching=False)
+    with pytest.raises(ValueError, match="'paged' reserves nothing"):
+        ReservingBlockManager(config, "paged", 64)
+    with pytest.raises(ValueError, match="allocation must be one of"):
+        ReservingBlockManager(config, "orca", 64)
 
 
 class Driver:
     """Runs a scheduler as an engine would; request i emits output_lens[i] tokens per
-    sequence, beams keep their width by forking the first and dropping the last."""
+    sequence (its max_tokens), beams keep their width by forking the first and dropping
+    the last."""
 
-    def __init__(self, num_blocks: int, max_num_seqs: int = 64, max_tokens: int = 4096):
-        self.manager = BlockManager(CacheConfig(
-            block_size=BLOCK_SIZE, num_blocks=num_blocks + 1, enable_prefix_caching=False))
+    def __init__(self, num_blocks: int, policy: str = "orca-oracle", max_num_seqs: int = 64,
+                 max_tokens: int = 4096):
+        self.manager = ReservingBlockManager(CacheConfig(
+            block_size=BLOCK_SIZE, num_blocks=num_blocks + 1, enable_prefix_caching=False),
+            policy, MAX_MODEL_LEN)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens,
             max_model_len=MAX_MODEL_LEN), self.manager)
         self.groups: dict[str, SequenceGroup] = {}
-        self.output_lens: dict[str, int] = {}
-        self.beam: set[str] = set()
-        self._seq_ids = iter(range(10**6))
 
-    def add(self, request_id: str, prompt_len: int, output_len: int, reserved_len: int,
-            n: int = 1, beam: bool = False) -> SequenceGroup:
-        seq = Sequence(next(self._seq_ids), list(range(1, prompt_len + 1)))
-        group = SequenceGroup(request_id, [seq], num_samples=n, reserved_len=reserved_len)
+    def add(self, request_id: str, prompt_len: int, output_len: int, n: int = 1,
+            beam: bool = False) -> SequenceGroup:
+        params = (BeamSearchParams(beam_width=n, max_tokens=output_len, ignore_eos=True) if beam
+                  else SamplingParams(n=n, max_tokens=output_len, ignore_eos=True))
+        group = SequenceGroup(request_id, [Sequence(0, list(range(1, prompt_len + 1)))], params)
         self.scheduler.add_request(group)
         self.groups[request_id] = group
-        self.output_lens[request_id] = output_len
-        if beam:
-            self.beam.add(request_id)
         return group
 
-    def step(self) -> None:
+    def step(self):
         output = self.scheduler.schedule()
         assert not output.preempted and not output.ignored
-        for group in self.scheduler.update_after_step(output):
-            self._sample(group)
+        self.update(output)
+        return output
 
-    def _sample(self, group: SequenceGroup) -> None:
-        seqs = group.seqs_with(SequenceStatus.RUNNING)
-        if group.num_samples > 1 and len(group.seqs) == 1:
-            seqs += [self.scheduler.fork(group, seqs[0], next(self._seq_ids))
-                     for _ in range(group.num_samples - 1)]
-        elif group.request_id in self.beam:
-            self.scheduler.remove_seq(group, seqs.pop())
-            seqs.append(self.scheduler.fork(group, seqs[0], next(self._seq_ids)))
-        for seq in seqs:
-            seq.append_token(7)
-            if len(seq.output_token_ids) == self.output_lens[group.request_id]:
-                self.scheduler.finish_seq(seq, SequenceStatus.FINISHED_LENGTH)
+    def update(self, output) -> None:
+        beams = {group.request_id: self._beams(group) for group, _ in output.draws
+                 if group.is_beam_search}
+        num_draws = output.num_draws
+        self.scheduler.update_from_output(output, SampledTokens(
+            np.full(num_draws, 7), np.ones(num_draws, bool), beams))
+
+    @staticmethod
+    def _beams(group: SequenceGroup) -> BeamChoice:
+        width = group.max_seqs
+        if len(group.seqs) == 1:
+            return BeamChoice([0] * width, [7] * width)
+        return BeamChoice([*range(width - 1), 0], [7] * width)
 
     def running(self) -> list[SequenceGroup]:
         return [g for g in self.scheduler.running if g.seqs_with(SequenceStatus.RUNNING)]
@@ -148,11 +150,11 @@ def random_requests(rng: random.Random, num: int) -> list[tuple[int, int]]:
 @pytest.mark.parametrize("policy", ORCA)
 def test_each_running_request_holds_its_reservation_until_it_ends(policy):
     rng = random.Random(1)
-    driver = Driver(num_blocks=48)
+    driver = Driver(num_blocks=48, policy=policy)
     expected_blocks = {}
     for i, (prompt_len, output_len) in enumerate(random_requests(rng, 25)):
         reserved = by_definition(policy, prompt_len, output_len, MAX_MODEL_LEN)
-        driver.add(f"r{i}", prompt_len, output_len, reserved)
+        driver.add(f"r{i}", prompt_len, output_len)
         expected_blocks[f"r{i}"] = math.ceil(reserved / BLOCK_SIZE)
     while driver.scheduler.has_unfinished_requests:
         driver.step()
@@ -174,13 +176,13 @@ def test_admission_stops_exactly_when_the_next_reservation_does_not_fit(seed):
     blocks = []
     for i, (prompt_len, output_len) in enumerate(random_requests(rng, 30)):
         reserved = by_definition("orca-oracle", prompt_len, output_len, MAX_MODEL_LEN)
-        driver.add(f"r{i}", prompt_len, output_len, reserved)
+        driver.add(f"r{i}", prompt_len, output_len)
         blocks.append(math.ceil(reserved / BLOCK_SIZE))
     admitted: list[int] = []  # request indices in admission order
     while driver.scheduler.has_unfinished_requests:
         before = {g.request_id for g in driver.running()}
         free = pool - sum(blocks[int(r[1:])] for r in before)
-        driver.step()
+        running_in_step = driver.step().running
         # Brute force: first come, first served, the waiting requests fit while
         # their running sum of blocks stays within the free blocks.
         waiting = [i for i in range(len(blocks)) if i not in admitted and f"r{i}" not in before]
@@ -190,7 +192,7 @@ def test_admission_stops_exactly_when_the_next_reservation_does_not_fit(seed):
                 break
             free -= blocks[i]
             expected.append(i)
-        now = {int(g.request_id[1:]) for g in driver.scheduler.running}
+        now = {int(g.request_id[1:]) for g in running_in_step}
         assert sorted(now - {int(r[1:]) for r in before}) == expected
         admitted += expected
 
@@ -200,12 +202,12 @@ def test_samples_and_beams_each_hold_a_reservation(policy):
     """Orca gives every sequence a slab of its own: a request with n samples (or a
     beam width) holds n reservations from admission to its end, whatever its
     sequences share, fork or drop; forks copy the parent's computed blocks."""
-    driver = Driver(num_blocks=120)
+    driver = Driver(num_blocks=120, policy=policy)
     requests = {"n3": (9, 6, 3, False), "beam4": (5, 7, 4, True), "single": (3, 2, 1, False)}
     expected = {}
     for request_id, (prompt_len, output_len, n, beam) in requests.items():
         reserved = by_definition(policy, prompt_len, output_len, MAX_MODEL_LEN)
-        driver.add(request_id, prompt_len, output_len, reserved, n=n, beam=beam)
+        driver.add(request_id, prompt_len, output_len, n=n, beam=beam)
         expected[request_id] = n * math.ceil(reserved / BLOCK_SIZE)
     copies = 0
     while driver.scheduler.has_unfinished_requests:
@@ -218,12 +220,11 @@ def test_samples_and_beams_each_hold_a_reservation(policy):
         for group in running:
             for seq in group.seqs_with(SequenceStatus.RUNNING):
                 assert len(driver.manager.block_table(seq)) == expected[group.request_id] // (
-                    group.num_samples)
+                    group.max_seqs)
         tables = [b for g in running for s in g.seqs_with(SequenceStatus.RUNNING)
                   for b in driver.manager.block_table(s)]
         assert len(tables) == len(set(tables)), "reserved sequences share no block"
-        for group in driver.scheduler.update_after_step(output):
-            driver._sample(group)
+        driver.update(output)
     assert copies > 0
     driver.manager.end_step()  # commits the frees of the last step
     assert driver.manager.num_free_blocks == driver.manager.num_device_blocks
@@ -231,10 +232,10 @@ def test_samples_and_beams_each_hold_a_reservation(policy):
 
 
 def test_a_reservation_larger_than_the_pool_is_never_admitted():
-    driver = Driver(num_blocks=10)
-    with pytest.raises(ValueError, match="'big'"):
-        driver.add("big", 3, 5, reserved_len=44)
-    driver.add("fits", 3, 5, reserved_len=40)
+    driver = Driver(num_blocks=10)  # orca-oracle: prompt + output
+    with pytest.raises(ValueError, match="'big'.*44 tokens = 11 blocks"):
+        driver.add("big", 3, 41)
+    driver.add("fits", 3, 37)
     driver.step()
     assert driver.held_blocks() == 10
 
@@ -299,7 +300,7 @@ def _serve(llm: LLM, requests) -> tuple[dict[str, list[list[int]]], list[dict[st
         engine.check_invariants()
         held_per_step.append(_held_blocks(engine))
     assert engine.block_manager.num_free_blocks == NUM_BLOCKS - 1
-    assert engine.block_manager.spare_blocks == []
+    assert _spare_blocks(engine.block_manager) == 0
     return outputs, held_per_step, engine.scheduler.num_preemptions
 
 
@@ -312,7 +313,11 @@ def _held_blocks(engine) -> dict[str, int]:
         seqs = group.seqs_with(SequenceStatus.RUNNING)
         if seqs:
             held[group.request_id] = len({b for seq in seqs for b in manager.block_table(seq)})
-    return held | {"spare": len(manager.spare_blocks)}
+    return held | {"spare": _spare_blocks(manager)}
+
+
+def _spare_blocks(manager) -> int:
+    return len(manager.spare_blocks) if isinstance(manager, ReservingBlockManager) else 0
 
 
 @pytest.fixture(scope="module")
@@ -361,10 +366,8 @@ def test_engine_blocks_equal_the_simulators_slabs(runs, policy):
     for request_id, (prompt, params) in requests.items():
         if not request_id.startswith("greedy"):
             continue  # the simulator's Orca serves one sequence per request
-        total = len(prompt) + params.max_tokens
-        slabs = ContiguousKVManager(10_000, policy.removeprefix("orca-"), ENGINE_MAX_MODEL_LEN,
-                                    lambda group, total=total: total)
-        slab = slabs.reservation(SequenceGroup(request_id, [Sequence(0, prompt)]))
+        slabs = ContiguousArena(10_000, policy, ENGINE_MAX_MODEL_LEN)
+        slab = slabs.reservation(SequenceGroup(request_id, [Sequence(0, prompt)], params))
         held = {step[request_id] for step in held_per_step if request_id in step}
         assert held == {math.ceil(slab / BLOCK_SIZE)}
 
@@ -408,9 +411,9 @@ def test_cli_allocation_flag(tiny_llama_dir, capsys, jpaged_logger_restored):
 
 def test_a_fork_beyond_the_reservation_is_refused():
     driver = Driver(num_blocks=20)
-    group = driver.add("r0", 3, 5, reserved_len=8, n=2)
-    driver.scheduler.update_after_step(driver.scheduler.schedule())
+    group = driver.add("r0", 3, 5, n=2)
+    driver.scheduler.schedule()  # the prompt's blocks: two reservations of 8 tokens
     parent = group.seqs[0]
-    driver.scheduler.fork(group, parent, 100)
+    driver.manager.fork(parent, Sequence(100, parent.prompt_token_ids))
     with pytest.raises(ValueError, match="no blocks left for another sequence"):
-        driver.scheduler.fork(group, parent, 101)
+        driver.manager.fork(parent, Sequence(101, parent.prompt_token_ids))

@@ -4,20 +4,24 @@ from __future__ import annotations
 
 import pytest
 
-from experiments.baselines import ContiguousKVManager
+from experiments.baselines import ContiguousArena
 from experiments.simulator import MemoryBreakdown, kv_breakdown
 from jpaged.config import CacheConfig
-from jpaged.memory.block_manager import AllocStatus, BlockManager
+from jpaged.memory.block_manager import BlockManager
+from jpaged.memory.kv_cache_manager import AllocStatus
+from jpaged.sampling_params import SamplingParams
 from jpaged.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
 def request(seq_id: int, prompt_len: int, total_len: int) -> tuple[SequenceGroup, int]:
+    """A request whose output length is known in advance: total_len - prompt_len tokens."""
     seq = Sequence(seq_id, list(range(prompt_len)))
-    return SequenceGroup(f"r{seq_id}", [seq]), total_len
+    params = SamplingParams(max_tokens=total_len - prompt_len, ignore_eos=True)
+    return SequenceGroup(f"r{seq_id}", [seq], params), total_len
 
 
-def arena(num_slots: int, policy: str, totals: dict[str, int], max_model_len: int = 40):
-    return ContiguousKVManager(num_slots, policy, max_model_len, lambda g: totals[g.request_id])
+def arena(num_slots: int, policy: str, max_model_len: int = 40) -> ContiguousArena:
+    return ContiguousArena(num_slots, f"orca-{policy}", max_model_len)
 
 
 def admit(manager, group: SequenceGroup) -> Sequence:
@@ -44,7 +48,7 @@ def admit(manager, group: SequenceGroup) -> Sequence:
 )
 def test_reservation_policies(policy, prompt_len, total, reserved):
     group, _ = request(1, prompt_len, total)
-    manager = arena(100, policy, {"r1": total})
+    manager = arena(100, policy)
     assert manager.reservation(group) == reserved
     assert manager.allocated_slots(admit(manager, group)) == reserved
     assert manager.num_free_slots == 100 - reserved
@@ -63,21 +67,21 @@ def test_pow2_over_reserves_the_output_less_than_twice():
     for prompt_len in (1, 7, 64, 200):
         for output_len in range(1, max_model_len - prompt_len + 1):
             group, total = request(1, prompt_len, prompt_len + output_len)
-            manager = arena(1000, "pow2", {"r1": total}, max_model_len)
+            manager = arena(1000, "pow2", max_model_len)
             reserved = manager.reservation(group)
             assert reserved == brute_force_pow2_slots(prompt_len, output_len, max_model_len)
             assert total <= reserved < prompt_len + 2 * output_len
 
 
-def test_pow2_rejects_a_request_without_output():
-    group, total = request(1, 5, 5)
-    with pytest.raises(ValueError, match="total length 5 must exceed its 5 prompt tokens"):
-        arena(100, "pow2", {"r1": total}).reservation(group)
+@pytest.mark.parametrize("policy", ["pow2", "oracle"])
+def test_an_unknown_output_length_is_rejected(policy):
+    group = SequenceGroup("r1", [Sequence(1, [1, 2, 3])], SamplingParams(max_tokens=5))
+    with pytest.raises(ValueError, match=f"'r1'.*orca-{policy}.*ignore_eos"):
+        arena(100, policy).check_fits(group)
 
 
 def test_first_fit_leaves_holes_and_coalesces_them():
-    totals = {f"r{i}": 30 for i in range(3)} | {"r3": 20, "r4": 15}
-    manager = arena(100, "oracle", totals)
+    manager = arena(100, "oracle")
     groups = [request(i, 5, 30)[0] for i in range(3)]
     seqs = [admit(manager, group) for group in groups]
     assert [manager.slab(seq) for seq in seqs] == [(0, 30), (30, 30), (60, 30)]
@@ -95,13 +99,13 @@ def test_first_fit_leaves_holes_and_coalesces_them():
 
 
 def test_a_request_larger_than_the_arena_never_fits():
-    manager = arena(30, "max", {}, max_model_len=40)
+    manager = arena(30, "max", max_model_len=40)
     assert manager.can_allocate(request(1, 3, 10)[0]) is AllocStatus.NEVER
 
 
 def test_appends_stay_inside_the_slab():
     group, total = request(1, 6, 9)
-    manager = arena(100, "oracle", {"r1": total})
+    manager = arena(100, "oracle")
     seq = admit(manager, group)
     assert manager.can_append_slots(group, 9)
     assert not manager.can_append_slots(group, 10)
@@ -116,10 +120,9 @@ def test_contiguous_breakdown_by_hand():
     # Two requests in a 64-slot arena under Pow2: prompts 10 and 4 with outputs 20
     # and 6 reserve 10 + 32 and 4 + 8 slots.
     (a, total_a), (b, total_b) = request(1, 10, 30), request(2, 4, 10)
-    manager = arena(64, "pow2", {"r1": total_a, "r2": total_b}, max_model_len=64)
+    manager = arena(64, "pow2", max_model_len=64)
     seq_a, seq_b = admit(manager, a), admit(manager, b)
-    seq_a.num_computed_tokens, seq_b.num_computed_tokens = 15, 4
-    seqs = [(seq_a, total_a), (seq_b, total_b)]
+    seqs = [(seq_a, 15, total_a), (seq_b, 4, total_b)]
     # token states 15 + 4; reserved (30 - 15) + (10 - 4); internal 12 + 2; free 10.
     assert kv_breakdown(manager, seqs, requests_waiting=True) == MemoryBreakdown(19, 21, 14, 10)
     assert kv_breakdown(manager, seqs, requests_waiting=False) == MemoryBreakdown(19, 21, 14, 0)
@@ -129,11 +132,10 @@ def test_paged_breakdown_by_hand():
     manager = BlockManager(CacheConfig(block_size=4, num_blocks=11, enable_prefix_caching=False))
     (a, total_a), (b, total_b) = request(1, 10, 11), request(2, 5, 20)
     seq_a, seq_b = admit(manager, a), admit(manager, b)
-    seq_a.num_computed_tokens, seq_b.num_computed_tokens = 10, 5
     # a: 3 blocks = 12 slots, 10 computed, will reach 11 -> reserved 1, internal 1.
     # b: 2 blocks = 8 slots, 5 computed, will reach 20 -> reserved 3, internal 0.
     # 10 usable blocks, 5 taken: 20 free slots.
-    seqs = [(seq_a, total_a), (seq_b, total_b)]
+    seqs = [(seq_a, 10, total_a), (seq_b, 5, total_b)]
     breakdown = kv_breakdown(manager, seqs, requests_waiting=True)
     assert breakdown == MemoryBreakdown(15, 4, 1, 20)
     assert breakdown.total == 40 and breakdown.allocated == 20

@@ -6,7 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jpaged.config import CacheConfig
-from jpaged.core.batch_builder import BucketSizes, build_model_input, sampler_rows
+from jpaged.core.batch_builder import build_model_input
+from jpaged.core.step_shapes import BucketSizes, sampler_rows
 from jpaged.memory.block_manager import BlockManager, BlockTable
 from jpaged.sequence import Sequence, SequenceGroup, SequenceStatus
 

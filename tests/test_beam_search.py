@@ -18,7 +18,7 @@ import pytest
 import torch
 import transformers
 
-from jpaged.core.batch_builder import BucketSizes
+from jpaged.core.step_shapes import BucketSizes
 from jpaged.engine.beam_search import vllm_score
 from jpaged.entrypoints.llm import LLM
 from jpaged.model.loader import load_model

@@ -68,7 +68,7 @@ def test_engine_sides_generate_every_requested_token(smoke_run):
     requested = sum(length for _, length in engine_workload(SMOKE))
     jpaged, transformers = engine["jpaged"], engine["transformers"]
     assert jpaged["output_tokens"] == transformers["output_tokens"] == requested
-    assert jpaged["attention_backend"] == "pallas" and jpaged["kernel"] == "triton"
+    assert jpaged["attention_backend"] == "triton"
     assert jpaged["compilations_during_run"] == 0
     assert engine["output_tokens_per_s_ratio"] == pytest.approx(
         jpaged["output_tokens_per_s"] / transformers["output_tokens_per_s"])

@@ -20,7 +20,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from jpaged.config import CacheConfig
-from jpaged.memory.block_manager import AllocStatus, BlockManager, BlockTable
+from jpaged.memory.allocator import free_queue
+from jpaged.memory.block_manager import BlockManager
+from jpaged.memory.block_table import BlockTable
+from jpaged.memory.kv_cache_manager import AllocStatus
 from jpaged.sequence import Sequence, SequenceGroup, SequenceStatus
 
 TOKENS = st.lists(st.integers(0, 2), min_size=1, max_size=14)
@@ -132,7 +135,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             needed += max(0, last + 1 - len(table))
             copied = table[:] if seq.seq_id in self.owing else table[first : last + 1]
             for block in copied:
-                count = refcounts.setdefault(block, self.bm.step.refcount(block))
+                count = refcounts.setdefault(block, self.bm.refcount(block))
                 if count > 1:
                     needed += 1
                     refcounts[block] = count - 1
@@ -186,7 +189,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             table = self.bm.block_table(seq)
             start = seq.num_computed_tokens
             written = {table[p // self.bs] for p in range(start, start + n)}
-            assert all(self.bm.step.refcount(block) == 1 for block in written)
+            assert all(self.bm.refcount(block) == 1 for block in written)
             self.pending.append((seq, n))
 
     @precondition(lambda self: self.groups_with(RUNNING))
@@ -290,7 +293,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             table = self.bm.block_table(seq)
             for position in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
                 block = table[position // self.bs]
-                assert self.bm.state.device.refcounts.item(block) == 1, "write into a shared block"
+                assert self.bm.state.device.refcounts[block] == 1, "write into a shared block"
                 self.device_kv[block * self.bs + position % self.bs] = self.kv(group, seq, position)
             seq.num_computed_tokens += n
             if seq.num_computed_tokens == len(seq):
@@ -338,13 +341,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def check_committed_state(self):
         state = self.bm.state
         used = np.bincount(sum(self.device_tables(), []), minlength=self.num_blocks)
-        np.testing.assert_array_equal(state.device.refcounts.to_numpy(), used)
-        free = state.device.free_queue()
+        np.testing.assert_array_equal(state.device.refcounts, used)
+        free = free_queue(state.device)
         assert sorted(free) == [b for b in range(1, self.num_blocks) if used[b] == 0]
         assert self.bm.physical_blocks_used == np.count_nonzero(used)
         assert self.bm.num_free_blocks + self.bm.physical_blocks_used == self.num_blocks - 1
         host_used = np.bincount(sum(self.host_tables(), []), minlength=self.num_host_blocks)
-        np.testing.assert_array_equal(state.host.refcounts.to_numpy(), host_used)
+        np.testing.assert_array_equal(state.host.refcounts, host_used)
         assert state.host.num_free == np.count_nonzero(host_used == 0)
 
     @invariant()
@@ -369,10 +372,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert 0 not in entries, "the null block is handed out"
         counts = np.bincount(entries, minlength=self.num_blocks)
         for block in range(self.num_blocks):
-            assert self.bm.step.refcount(block) == counts[block]
+            assert self.bm.refcount(block) == counts[block]
         host_counts = np.bincount(sum(self.host_tables(), []), minlength=self.num_host_blocks)
         for block in range(self.num_host_blocks):
-            assert self.bm.step.host_refcount(block) == host_counts[block]
+            assert self.bm.host_refcount(block) == host_counts[block]
         assert self.bm.logical_blocks_used == len(entries)
         assert self.bm.num_free_blocks + np.count_nonzero(counts) <= self.num_blocks - 1
         for _, seq in self.live(RUNNING):
@@ -387,7 +390,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.bm.end_step()
         assert self.bm.num_free_blocks == self.num_blocks - 1, "leaked device blocks"
         assert self.bm.num_free_host_blocks == self.num_host_blocks, "leaked host blocks"
-        assert not self.bm.state.device.refcounts.to_numpy().any()
+        assert not self.bm.state.device.refcounts.any()
         assert self.bm.logical_blocks_used == 0
 
 

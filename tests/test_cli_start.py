@@ -9,7 +9,7 @@ import psutil
 from test_tokenizer import transformers_answer
 
 from jpaged import __main__ as cli
-from jpaged.engine.llm_engine import available_host_memory
+from jpaged.engine.machine import available_host_memory
 from jpaged.model.loader import read_hf_config
 
 

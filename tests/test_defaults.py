@@ -8,14 +8,10 @@ import pytest
 import torch
 import transformers
 
-from jpaged.engine import llm_engine
-from jpaged.engine.llm_engine import (
-    ACCELERATOR_DEFAULTS,
-    CPU_DEFAULTS,
-    EngineConfig,
-    MemoryFigures,
-    kv_cache_budget,
-)
+from jpaged.engine import machine
+from jpaged.engine.config import EngineConfig
+from jpaged.engine.kv_cache_sizing import MemoryFigures, kv_cache_budget
+from jpaged.engine.machine import ACCELERATOR_DEFAULTS, CPU_DEFAULTS
 from jpaged.entrypoints.llm import LLM
 from jpaged.model.loader import load_model
 
@@ -43,8 +39,8 @@ def oracle(tiny_llama_dir) -> dict:
 
 
 def _engine_blocks(loaded, monkeypatch, *, free_bytes: int, accelerator: bool, **kwargs) -> LLM:
-    monkeypatch.setattr(llm_engine, "free_device_memory", lambda device=None: free_bytes)
-    monkeypatch.setattr(llm_engine, "on_accelerator", lambda: accelerator)
+    monkeypatch.setattr(machine, "free_device_memory", lambda device=None: free_bytes)
+    monkeypatch.setattr(machine, "on_accelerator", lambda: accelerator)
     llm = LLM("tiny", loaded=loaded, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
               persistent_compilation_cache=False, **kwargs)
     return llm.engine

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from conftest import greedy_continuations, kernel_interpret
 
-from jpaged.core.batch_builder import BucketSizes
-from jpaged.engine.llm_engine import default_buckets, step_shapes
+import kernels_pallas
+from jpaged.core.step_shapes import BucketSizes, default_buckets, step_shapes
 from jpaged.engine.stats import num_compilations
 from jpaged.entrypoints.llm import LLM
 from jpaged.model.loader import load_model
@@ -104,11 +104,11 @@ def test_chunked_prefill_on_and_off(loaded, prompts, expected, chunked):
     assert _tokens(llm.generate(prompts, GREEDY)) == expected
 
 
-@pytest.mark.parametrize("backend", ["pallas", "reference"])
+@pytest.mark.parametrize("backend", [kernels_pallas.pallas_implementation(False), "reference"])
 def test_other_attention_backends(loaded, prompts, expected, backend):
     # The default on CPU is "xla"; there the Pallas kernels run in interpret mode.
     llm = _llm(loaded, attention_backend=backend,
-               interpret=backend == "pallas" and kernel_interpret(None))
+               interpret=backend != "reference" and kernel_interpret(backend))
     picked = [0, 3, 6]
     outputs = llm.generate([prompts[i] for i in picked], GREEDY)
     assert _tokens(outputs) == [expected[i] for i in picked]
@@ -117,7 +117,7 @@ def test_other_attention_backends(loaded, prompts, expected, backend):
 def test_default_buckets_pad_xla_tables_to_one_width(loaded, prompts, expected):
     # The XLA loop stops each tile at its own length: full-width tables cost nothing.
     llm = _llm(loaded, buckets=None, attention_backend="xla")
-    shapes = step_shapes(llm.engine.buckets, 64, 8, 128 // 8)
+    shapes = step_shapes(llm.engine.shapes.buckets, 64, 8, 128 // 8)
     assert {width for _, _, width, _ in shapes} == {16}
     reference_buckets = default_buckets("reference", 16, 8)
     assert {width for _, _, width, _ in step_shapes(reference_buckets, 64, 8, 16)} == {8, 16}
@@ -216,3 +216,51 @@ def test_seeded_sampling_is_independent_of_the_batch(loaded, prompts):
     alone = _tokens(llm.generate([prompts[2]], params))[0]
     in_batch = _tokens(llm.generate(prompts, params))[2]
     assert alone == in_batch
+
+
+class CallRecorder:
+    """Stands in for the scheduler and records the names of the methods called on it
+    (attribute reads, properties included, pass through unrecorded)."""
+
+    def __init__(self, target):
+        self.target, self.calls = target, []
+
+    def __getattr__(self, name):
+        value = getattr(self.target, name)
+        if not callable(value):
+            return value
+
+        def recorded(*args, **kwargs):
+            self.calls.append(name)
+            return value(*args, **kwargs)
+
+        return recorded
+
+
+def test_a_step_calls_the_scheduler_once_back(loaded, prompts, expected):
+    """schedule, then update_from_output, and nothing else, in prefill and decode steps;
+    a stop string found in the text adds one finish_seq call (and a reading of the
+    queues) before the next step."""
+    engine = _llm(loaded).engine
+    recorder = engine.core.scheduler = CallRecorder(engine.core.scheduler)
+    engine.add_request("plain", prompts[3], GREEDY)
+    text = engine.tokenizer.decode(expected[4][:6], skip_special_tokens=True)
+    stop = text.strip()[-3:]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                            stop=[stop])
+    engine.add_request("stopped", prompts[4], params)
+    recorder.calls.clear()
+    steps, outputs = [], {}
+    while engine.has_unfinished_requests():
+        outputs |= {o.request_id: o for o in engine.step() if o.finished}
+        steps.append(recorder.calls[:])
+        recorder.calls.clear()
+    stopped = outputs["stopped"].outputs[0]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == stop
+    assert outputs["plain"].outputs[0].token_ids == expected[3]
+    with_stop = [calls for calls in steps if "finish_seq" in calls]
+    assert with_stop == [["schedule", "update_from_output", "finish_seq", "stats"]]
+    assert len(stopped.token_ids) < MAX_TOKENS
+    assert all(calls == ["schedule", "update_from_output"]
+               for calls in steps if "finish_seq" not in calls)
+    assert len(steps) > 2

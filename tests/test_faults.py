@@ -19,8 +19,9 @@ import pytest
 from conftest import greedy_continuations
 
 from jpaged.config import CacheConfig, SchedulerConfig
-from jpaged.core.batch_builder import BucketSizes
 from jpaged.core.scheduler import Scheduler
+from jpaged.core.scheduler_output import SampledTokens
+from jpaged.core.step_shapes import BucketSizes
 from jpaged.entrypoints.llm import LLM
 from jpaged.memory.block_manager import BlockManager
 from jpaged.model.loader import load_model
@@ -157,7 +158,7 @@ def test_a_kv_cache_consumed_by_donation_is_rebuilt(loaded, prompts, expected, m
     runner = llm.engine.runner
 
     def consume_cache():
-        for array in jax.tree.leaves(runner.kv_caches):
+        for array in jax.tree.leaves(runner.kv_cache):
             array.delete()
 
     fired = fail_on_call(monkeypatch, runner, "execute", lambda call, *args: call == 12,
@@ -222,7 +223,7 @@ def test_nan_logits_end_only_their_request(tiny_llama_dir, prompts, expected):
 
 
 def break_pallas_kernels(monkeypatch) -> None:
-    """The Pallas kernels (implementation None: the device's own) fail to lower;
+    """The Pallas kernels ("tpu", "triton") fail to lower;
     the "xla" and "reference" implementations of the same ops still work."""
     import kernels_pallas
 
@@ -230,7 +231,7 @@ def break_pallas_kernels(monkeypatch) -> None:
         op = getattr(kernels_pallas, name)
 
         def failing(*args, op=op, implementation=None, **kwargs):
-            if implementation is None:
+            if implementation in ("tpu", "triton"):
                 raise NotImplementedError("lowering is not supported for this kernel")
             return op(*args, implementation=implementation, **kwargs)
 
@@ -238,7 +239,7 @@ def break_pallas_kernels(monkeypatch) -> None:
 
 
 def test_the_default_kernel_falls_back_to_xla(loaded, prompts, expected, monkeypatch, caplog):
-    monkeypatch.setattr("jpaged.engine.llm_engine.default_attention_backend", lambda: "pallas")
+    monkeypatch.setattr("jpaged.engine.runner.device_attention_backend", lambda: "triton")
     break_pallas_kernels(monkeypatch)
     with caplog.at_level(logging.WARNING, logger="jpaged"):
         llm = _llm(loaded, interpret=True)
@@ -249,16 +250,16 @@ def test_the_default_kernel_falls_back_to_xla(loaded, prompts, expected, monkeyp
 
 def test_a_requested_kernel_that_cannot_compile_raises(loaded, monkeypatch):
     break_pallas_kernels(monkeypatch)
-    with pytest.raises(RuntimeError, match="attention_backend='pallas'.*lowering is not"):
-        _llm(loaded, attention_backend="pallas", interpret=True)
+    with pytest.raises(RuntimeError, match="attention_backend='triton'.*lowering is not"):
+        _llm(loaded, attention_backend="triton", interpret=True)
 
 
 def test_kernel_limits_are_checked_at_start(loaded, monkeypatch, caplog):
-    # On CPU under interpret mode "pallas" is the Triton kernel: block_size a power of two.
+    # The Triton kernel (on CPU under interpret mode) needs block_size a power of two.
     monkeypatch.setattr("jax.default_backend", lambda: "cpu")
     with pytest.raises(ValueError, match="Triton kernel needs block_size a power of two, got 12"):
-        _llm(loaded, attention_backend="pallas", interpret=True, block_size=12)
-    monkeypatch.setattr("jpaged.engine.llm_engine.default_attention_backend", lambda: "pallas")
+        _llm(loaded, attention_backend="triton", interpret=True, block_size=12)
+    monkeypatch.setattr("jpaged.engine.runner.device_attention_backend", lambda: "triton")
     with caplog.at_level(logging.WARNING, logger="jpaged"):
         llm = _llm(loaded, interpret=True, block_size=12)
     assert llm.engine.runner.attention_backend == "xla"
@@ -281,13 +282,20 @@ def test_a_swapped_group_that_can_never_return_does_not_stall_the_queue():
     waiting = SequenceGroup("waiting", [Sequence(2, [5])])
     for _ in range(20):
         plan = scheduler.schedule()
-        scheduler.update_after_step(plan)
-        for seq, _ in plan.scheduled:
-            if seq.status is SequenceStatus.RUNNING and seq.num_computed_tokens == len(seq):
-                seq.append_token(7)
+        scheduler.update_from_output(plan, SampledTokens(np.full(plan.num_draws, 7),
+                                                         np.ones(plan.num_draws, bool)))
         if newer in scheduler.swapped and waiting not in scheduler.waiting:
             scheduler.add_request(waiting)
         if waiting.seqs[0].status is SequenceStatus.RUNNING:
             break
     assert newer.seqs[0].status is SequenceStatus.FINISHED_IGNORED
     assert waiting.seqs[0].status is SequenceStatus.RUNNING
+
+
+def test_the_old_name_pallas_still_picks_the_devices_kernel(loaded, monkeypatch):
+    """attention_backend='pallas' (deprecated) is the device's Pallas kernel: Triton here,
+    interpreted on a CPU, and its limits."""
+    monkeypatch.setattr("jax.default_backend", lambda: "cpu")
+    with pytest.warns(DeprecationWarning, match="'pallas' is deprecated"), \
+            pytest.raises(ValueError, match="Triton kernel needs block_size a power of two"):
+        _llm(loaded, attention_backend="pallas", interpret=True, block_size=12)

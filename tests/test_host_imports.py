@@ -16,7 +16,9 @@ HEAVY = ("jax", "flax", "transformers", "torch")
 HOST_MODULES = (
     "jpaged.memory.allocator",
     "jpaged.memory.block_manager",
+    "jpaged.memory.reserving_block_manager",
     "jpaged.core.scheduler",
+    "jpaged.core.step_shapes",
     "jpaged.core.batch_builder",
     "experiments.simulator",
 )
@@ -65,3 +67,14 @@ def test_package_lists_and_resolves_every_public_name():
     assert jpaged.LLM is LLM
     with pytest.raises(AttributeError, match="no_such_name"):
         jpaged.no_such_name  # noqa: B018
+
+
+def test_a_deprecated_name_warns_and_resolves_to_its_new_home():
+    from jpaged.core import step_shapes
+    from jpaged.engine import llm_engine
+
+    with pytest.warns(DeprecationWarning, match="llm_engine.step_shapes is deprecated: use "
+                                                "jpaged.core.step_shapes.step_shapes"):
+        assert llm_engine.step_shapes is step_shapes.step_shapes
+    with pytest.raises(AttributeError, match="no_such_name"):
+        llm_engine.no_such_name  # noqa: B018

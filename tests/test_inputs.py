@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from jpaged.core.batch_builder import BucketSizes
+from jpaged.core.step_shapes import BucketSizes
 from jpaged.entrypoints.llm import LLM
 from jpaged.model.loader import load_model
 from jpaged.sampling_params import BeamSearchParams, SamplingParams

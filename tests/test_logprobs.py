@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 
-from jpaged.core.batch_builder import BucketSizes
+from jpaged.core.step_shapes import BucketSizes
 from jpaged.entrypoints.llm import LLM
 from jpaged.model.loader import load_model
 from jpaged.sampling_params import SamplingParams

@@ -14,14 +14,16 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from conftest import model_step
 from flax import nnx
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from jpaged.model.llama import LlamaConfig, forward, init_kv_caches, rope_inverse_frequencies
+from jpaged.model.config import LlamaConfig
+from jpaged.model.llama import init_kv_cache
 from jpaged.model.loader import load_model
+from jpaged.model.rope import rope_inverse_frequencies
 
 BLOCK_SIZE = 4
-STEP = jax.jit(forward, static_argnums=0, donate_argnums=3)
 
 
 def oracle_logits(directory, token_ids: list[int]) -> np.ndarray:
@@ -40,9 +42,9 @@ def test_ragged_prefill_matches_transformers(tiny_model_dir, paged_cache_book):
     prompts = random_tokens(np.random.default_rng(0), config.vocab_size, (1, 4, 9, 23, 40))
     book = paged_cache_book(BLOCK_SIZE, num_blocks=32, max_blocks_per_seq=16)
     input_ids, metadata = book.step(list(enumerate(prompts)), num_tokens=96, num_seqs=8)
-    kv_caches = init_kv_caches(config, book.num_blocks, BLOCK_SIZE)
+    kv_cache = init_kv_cache(config, book.num_blocks, BLOCK_SIZE)
 
-    logits, _ = STEP(*nnx.split(model), input_ids, kv_caches, metadata)
+    logits, _ = model_step(*nnx.split(model), input_ids, kv_cache, metadata)
 
     expected = np.stack([oracle_logits(tiny_model_dir, p)[-1] for p in prompts])
     assert logits.shape == (8, config.vocab_size) and logits.dtype == jnp.float32
@@ -58,7 +60,7 @@ def test_chunked_prefill_and_decode_match_transformers(tiny_model_dir, paged_cac
     prompt_lens, arrival_step, budget = (30, 11, 6), (0, 0, 2), 12
     expected = [oracle_logits(tiny_model_dir, s) for s in streams]
     book = paged_cache_book(BLOCK_SIZE, num_blocks=24, max_blocks_per_seq=12, seed=3)
-    kv_caches = init_kv_caches(config, book.num_blocks, BLOCK_SIZE)
+    kv_cache = init_kv_cache(config, book.num_blocks, BLOCK_SIZE)
     graphdef, state = nnx.split(model)
     fed, step, checked = [0, 0, 0], 0, 0
     while any(f < len(s) for f, s in zip(fed, streams, strict=True)):
@@ -71,7 +73,7 @@ def test_chunked_prefill_and_decode_match_transformers(tiny_model_dir, paged_cac
             fed[i] += take
             room -= take
         input_ids, metadata = book.step(chunks, num_tokens=budget, num_seqs=4)
-        logits, kv_caches = STEP(graphdef, state, input_ids, kv_caches, metadata)
+        logits, kv_cache = model_step(graphdef, state, input_ids, kv_cache, metadata)
         for row, (i, _) in enumerate(chunks):
             np.testing.assert_allclose(
                 np.asarray(logits[row]), expected[i][fed[i] - 1], atol=1e-4, rtol=0,
@@ -87,11 +89,11 @@ def test_bfloat16_parameters_track_float32_oracle(tiny_llama_dir, paged_cache_bo
     prompts = random_tokens(np.random.default_rng(2), config.vocab_size, (3, 17))
     book = paged_cache_book(BLOCK_SIZE, num_blocks=16, max_blocks_per_seq=8)
     input_ids, metadata = book.step(list(enumerate(prompts)), num_tokens=32, num_seqs=2)
-    kv_caches = init_kv_caches(config, book.num_blocks, BLOCK_SIZE, jnp.bfloat16)
+    kv_cache = init_kv_cache(config, book.num_blocks, BLOCK_SIZE, jnp.bfloat16)
 
-    logits, kv_caches = STEP(*nnx.split(model), input_ids, kv_caches, metadata)
+    logits, kv_cache = model_step(*nnx.split(model), input_ids, kv_cache, metadata)
 
-    assert logits.dtype == jnp.float32 and kv_caches[0].dtype == jnp.bfloat16
+    assert logits.dtype == jnp.float32 and kv_cache[0].dtype == jnp.bfloat16
     assert all(p.dtype == jnp.bfloat16 for p in jax.tree.leaves(nnx.state(model)))
     expected = np.stack([oracle_logits(tiny_llama_dir, p)[-1] for p in prompts])
     scale = np.abs(expected).max()
@@ -102,11 +104,11 @@ def test_jitted_step_donates_the_kv_cache(tiny_qwen2_dir, paged_cache_book):
     model, config, _ = load_model(tiny_qwen2_dir)
     book = paged_cache_book(BLOCK_SIZE, num_blocks=8, max_blocks_per_seq=4)
     input_ids, metadata = book.step([(0, [5, 6, 7])], num_tokens=4, num_seqs=1)
-    kv_caches = init_kv_caches(config, book.num_blocks, BLOCK_SIZE)
+    kv_cache = init_kv_cache(config, book.num_blocks, BLOCK_SIZE)
 
-    _, new_caches = STEP(*nnx.split(model), input_ids, kv_caches, metadata)
+    _, new_caches = model_step(*nnx.split(model), input_ids, kv_cache, metadata)
 
-    assert all(a.is_deleted() for a in kv_caches)
+    assert all(a.is_deleted() for a in kv_cache)
     assert all(not a.is_deleted() for a in new_caches)
 
 
@@ -177,7 +179,7 @@ def test_config_rejects_unsupported_architectures(change, message):
 def test_init_kv_caches_layout():
     config = LlamaConfig(vocab_size=10, hidden_size=8, intermediate_size=16, num_layers=3,
                          num_heads=4, num_kv_heads=2, head_dim=6)
-    k_cache, v_cache = init_kv_caches(config, num_blocks=5, block_size=3, dtype=jnp.bfloat16)
+    k_cache, v_cache = init_kv_cache(config, num_blocks=5, block_size=3, dtype=jnp.bfloat16)
     for cache in (k_cache, v_cache):
         chex.assert_shape(cache, (3, 2, 5, 3, 6))
         assert cache.dtype == jnp.bfloat16 and not np.asarray(cache, np.float32).any()

@@ -202,7 +202,7 @@ def test_cli_debug_shows_the_traceback(sources, tmp_path):
     result = run_cli("--debug", "--model", str(broken.model), "hi")
     assert result.returncode == 1
     assert result.stderr.startswith("Traceback (most recent call last):")
-    assert re.match(f"jpaged.model.loader.ModelLoadError: {broken.message}",
+    assert re.match(f"jpaged.model.checkpoint.ModelLoadError: {broken.message}",
                     result.stderr.splitlines()[-1])
 
 

@@ -75,7 +75,7 @@ def test_notebooks_are_committed_without_outputs(name):
 
 def test_quickstart_runs_on_tiny_checkpoints(kernel, tiny_llama_dir, tiny_qwen2_dir):
     parameters = "\n".join([
-        "from jpaged.core.batch_builder import BucketSizes",
+        "from jpaged.core.step_shapes import BucketSizes",
         f"MODEL = {str(tiny_llama_dir)!r}",
         f"HF_CHECKPOINT = {str(tiny_qwen2_dir)!r}",
         "MAX_TOKENS = 8",

@@ -1,11 +1,14 @@
-"""Prefix caching: the hash chain, the persistent index, and hits through the BlockManager."""
+"""Prefix caching: the hash chain, the map of cached blocks, and hits through the BlockManager."""
 
+import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jpaged.config import CacheConfig
+from jpaged.memory.allocator import free_queue
 from jpaged.memory.block_manager import BlockManager
-from jpaged.memory.prefix_cache import NO_HASH, HashIndex, hash_block, pack_tokens
+from jpaged.memory.prefix_cache import NO_HASH, PrefixCache, hash_block, pack_tokens
 from jpaged.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
@@ -26,22 +29,41 @@ def test_hash_depends_on_parent_tokens_and_salt():
 
 @settings(max_examples=60, deadline=None)
 @given(
-    capacity=st.integers(1, 64),
-    batches=st.lists(
-        st.dictionaries(st.integers(1, 40), st.one_of(st.none(), st.integers(0, 9))), max_size=8
-    ),
+    num_blocks=st.integers(2, 16),
+    operations=st.lists(st.one_of(
+        st.tuples(st.just("register"), st.integers(1, 15), st.integers(1, 6), st.integers(0, 2)),
+        st.tuples(st.just("evict"), st.lists(st.integers(1, 15), max_size=4, unique=True)),
+    ), max_size=30),
 )
-def test_hash_index_matches_a_dict_and_keeps_old_versions(capacity, batches):
-    versions = [(HashIndex.empty(capacity), {})]
-    for changes in batches:
-        index, model = versions[-1]
-        model = {**model, **changes}
-        model = {h: b for h, b in model.items() if b is not None}
-        versions.append((index.updated(changes), model))
-    for index, model in versions:
-        assert dict(index.items()) == model and len(index) == len(model)
-        for block_hash in range(1, 41):
-            assert index.get(block_hash) == model.get(block_hash)
+def test_the_cache_map_matches_a_dict(num_blocks, operations):
+    """Registrations and evictions against a dict of hash -> (block, cache id, key) and
+    the block -> hash it implies."""
+    cache, model, next_id = PrefixCache(num_blocks), {}, 1
+    for operation in operations:
+        if operation[0] == "register":
+            _, block, block_hash, parent = operation
+            block %= num_blocks
+            key = (parent, None, b"t")
+            entry = model.get(block_hash)
+            if entry is not None:
+                expected = entry[1] if entry[2:] == key else None
+                assert cache.register(block, block_hash, *key) == expected
+            elif any(e[0] == block for e in model.values()):
+                with pytest.raises(ValueError, match="already cached"):
+                    cache.register(block, block_hash, *key)
+            else:
+                assert cache.register(block, block_hash, *key) == next_id
+                model[block_hash] = (block, next_id, *key)
+                next_id += 1
+        else:
+            blocks = sorted({b % num_blocks for b in operation[1]})
+            cache.evict(np.array(blocks, np.int64))
+            model = {h: e for h, e in model.items() if e[0] not in blocks}
+        assert cache.entries == model
+        for block in range(num_blocks):
+            hashes = [h for h, e in model.items() if e[0] == block]
+            assert cache.block_hashes[block] == (hashes[0] if hashes else NO_HASH)
+            assert cache.holds(block) == bool(hashes)
 
 
 def make_manager(num_blocks=64, block_size=4, caching=True):
@@ -89,7 +111,7 @@ def test_freed_blocks_stay_cached_until_evicted_least_recently_freed_first():
     manager.free(seq)
     manager.end_step()
     # Free queue: 5 6 7 8 then seq's blocks last first: 4 3 2 1.
-    assert manager.state.device.free_queue() == [5, 6, 7, 8, 4, 3, 2, 1]
+    assert free_queue(manager.state.device) == [5, 6, 7, 8, 4, 3, 2, 1]
     filler = Sequence(1, [90] * 10)  # five blocks: 5, 6, 7, 8 and 4, evicting its hash
     manager.allocate(SequenceGroup("filler", [filler]))
     assert manager.block_table(filler) == [5, 6, 7, 8, 4]

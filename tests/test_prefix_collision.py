@@ -20,8 +20,9 @@ from hypothesis.stateful import initialize, run_state_machine_as_test
 from test_block_manager import BlockManagerMachine
 
 from jpaged.config import CacheConfig, SchedulerConfig
-from jpaged.core.batch_builder import BucketSizes
 from jpaged.core.scheduler import Scheduler
+from jpaged.core.scheduler_output import SampledTokens
+from jpaged.core.step_shapes import BucketSizes
 from jpaged.entrypoints.llm import LLM
 from jpaged.memory import block_manager
 from jpaged.memory.block_manager import BlockManager
@@ -119,7 +120,7 @@ def check_tables_against_refcounts(manager: BlockManager, seqs: list[Sequence]) 
     holders = np.bincount(sum(tables, []), minlength=manager.num_device_blocks + 1)
     assert holders[0] == 0, "the null block is handed out"
     for block, count in enumerate(holders):
-        assert manager.step.refcount(block) == count, block
+        assert manager.refcount(block) == count, block
     assert manager.num_free_blocks + np.count_nonzero(holders) == manager.num_device_blocks
 
 
@@ -128,19 +129,19 @@ def test_scheduler_serves_no_hit_across_prompts_without_a_shared_prefix(collidin
     config = SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=16, max_model_len=64)
     scheduler = Scheduler(config, manager)
     prompts = distinct_prompts(0, [9, 17, 13, 22, 10, 30, 5, 18], vocab_size=1000)
-    seqs = [Sequence(i, prompt) for i, prompt in enumerate(prompts)]
-    for seq in seqs:
-        scheduler.add_request(SequenceGroup(f"r{seq.seq_id}", [seq]))
+    six_tokens = SamplingParams(max_tokens=6, ignore_eos=True)
+    groups = [SequenceGroup(f"r{i}", [Sequence(0, prompt)], six_tokens)
+              for i, prompt in enumerate(prompts)]
+    seqs = [group.seqs[0] for group in groups]
+    for group in groups:
+        scheduler.add_request(group)
     for _ in range(500):
         if not scheduler.has_unfinished_requests:
             break
         output = scheduler.schedule()
         check_tables_against_refcounts(manager, seqs)
-        for group in scheduler.update_after_step(output):
-            seq = group.seqs[0]
-            seq.append_token(7)
-            if len(seq.output_token_ids) == 6:
-                scheduler.finish_seq(seq, SequenceStatus.FINISHED_LENGTH)
+        scheduler.update_from_output(output, SampledTokens(
+            np.full(output.num_draws, 7), np.ones(output.num_draws, bool)))
     manager.end_step()
     assert all(seq.status is SequenceStatus.FINISHED_LENGTH for seq in seqs)
     assert manager.num_free_blocks == manager.num_device_blocks, "leaked blocks"

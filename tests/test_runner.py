@@ -25,20 +25,20 @@ def runner(tiny_qwen2_dir):
     runner = ModelRunner(model, config, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
                          num_host_blocks=NUM_HOST_BLOCKS)
     rng = np.random.default_rng(0)
-    runner.kv_caches = tuple(
-        jnp.asarray(rng.standard_normal(cache.shape), cache.dtype) for cache in runner.kv_caches
+    runner.kv_cache = tuple(
+        jnp.asarray(rng.standard_normal(cache.shape), cache.dtype) for cache in runner.kv_cache
     )
     return runner
 
 
 def _device(runner) -> list[np.ndarray]:
     """The k and v caches, each [layers, kv heads, blocks, block_size, head_dim]."""
-    return [np.array(cache) for cache in runner.kv_caches]
+    return [np.array(cache) for cache in runner.kv_cache]
 
 
 def test_cache_stacks_every_layer(runner):
     config = runner.config
-    for cache in (*runner.kv_caches, *runner.host_kv):
+    for cache in (*runner.kv_cache, *runner.host_kv):
         num_blocks = NUM_BLOCKS if isinstance(cache, jax.Array) else NUM_HOST_BLOCKS
         chex.assert_shape(cache, (config.num_layers, config.num_kv_heads, num_blocks,
                                   BLOCK_SIZE, config.head_dim))
@@ -76,8 +76,8 @@ def test_compiled_step_writes_the_cache_in_place(tiny_qwen2_dir, decode_only):
     let alone the whole cache, is copied."""
     model, config, _ = load_model(tiny_qwen2_dir)
     runner = ModelRunner(model, config, num_blocks=2048, block_size=16)
-    cache_bytes = sum(cache.nbytes for cache in runner.kv_caches)
-    one_layer_keys = runner.kv_caches[0].nbytes // config.num_layers
+    cache_bytes = sum(cache.nbytes for cache in runner.kv_cache)
+    one_layer_keys = runner.kv_cache[0].nbytes // config.num_layers
     num_tokens = 8 if decode_only else 32
     memory = runner.compile_step(num_tokens, 8, 16, decode_only).memory_analysis()
     assert memory.alias_size_in_bytes == cache_bytes

@@ -3,7 +3,9 @@
 Every request's output tokens are fixed in advance by `token_of`, so whatever
 the scheduler does (chunking, preemption by recompute or swap, forks) the
 finished outputs must equal them exactly, and every block must be free again
-at the end. A driver checks the step limits after every `schedule()`.
+at the end. A driver hands the scheduler those tokens through
+`update_from_output`, as the engine hands it sampled ones, and checks the step
+limits after every `schedule()`.
 """
 
 from __future__ import annotations
@@ -11,14 +13,17 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from experiments.baselines import ContiguousKVManager
+from experiments.baselines import ContiguousArena
 from jpaged.config import CacheConfig, SchedulerConfig
-from jpaged.core.scheduler import Scheduler, SchedulerOutput
+from jpaged.core.scheduler import Scheduler
+from jpaged.core.scheduler_output import SampledTokens, SchedulerOutput
 from jpaged.memory.block_manager import BlockManager
+from jpaged.sampling_params import SamplingParams
 from jpaged.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
@@ -42,6 +47,10 @@ class Req:
         return [[token_of(self.index, j, i) for i in range(self.output_len)] for j in range(self.n)]
 
 
+def drawn(tokens: list[int]) -> SampledTokens:
+    return SampledTokens(np.array(tokens, np.int64), np.ones(len(tokens), bool))
+
+
 class Driver:
     """Runs a scheduler like an engine would, with the oracle's tokens instead of a model."""
 
@@ -50,27 +59,19 @@ class Driver:
         self.config = scheduler.config
         self.reqs: dict[str, Req] = {}
         self.groups: dict[str, SequenceGroup] = {}
-        self.sample_of: dict[int, int] = {}
-        self.next_seq_id = 0
         self.outputs: list[SchedulerOutput] = []
 
     def add(self, req: Req) -> SequenceGroup:
-        seq = Sequence(self._seq_id(), list(req.prompt))
-        group = SequenceGroup(req.request_id, [seq])
+        params = SamplingParams(n=req.n, max_tokens=req.output_len, ignore_eos=True)
+        group = SequenceGroup(req.request_id, [Sequence(0, list(req.prompt))], params)
         self.scheduler.add_request(group)
         self.reqs[req.request_id], self.groups[req.request_id] = req, group
-        self.sample_of[seq.seq_id] = 0
         return group
-
-    def _seq_id(self) -> int:
-        self.next_seq_id += 1
-        return self.next_seq_id
 
     def step(self) -> SchedulerOutput:
         output = self.scheduler.schedule()
         self._check(output)
-        for group in self.scheduler.update_after_step(output):
-            self._sample(group)
+        self.scheduler.update_from_output(output, drawn(self._tokens(output)))
         self.outputs.append(output)
         return output
 
@@ -96,26 +97,31 @@ class Driver:
                 slots = len(manager.block_table(seq)) * manager.block_size
                 assert seq.num_computed_tokens + num_new <= slots
 
-    def _sample(self, group: SequenceGroup) -> None:
-        req = self.reqs[group.request_id]
-        seqs = group.seqs_with(SequenceStatus.RUNNING)
-        assert all(seq.num_computed_tokens == len(seq) for seq in seqs)
-        if req.n > 1 and len(group.seqs) == 1:
-            for sample in range(1, req.n):
-                child = self.scheduler.fork(group, seqs[0], self._seq_id())
-                self.sample_of[child.seq_id] = sample
-                seqs.append(child)
-        assert len({len(seq.output_token_ids) for seq in seqs}) == 1, "samples out of lockstep"
-        for seq in seqs:
-            seq.append_token(
-                token_of(req.index, self.sample_of[seq.seq_id], len(seq.output_token_ids))
-            )
-            if len(seq.output_token_ids) == req.output_len:
-                self.scheduler.finish_seq(seq, SequenceStatus.FINISHED_LENGTH)
+    def _tokens(self, output: SchedulerOutput) -> list[int]:
+        """The oracle's next token for every draw: a prompt that becomes n samples draws
+        n times from its one row, every other group once per running sequence."""
+        tokens = []
+        for group, rows in output.draws:
+            req = self.reqs[group.request_id]
+            for row in rows:
+                seq, num_new = output.scheduled[row]
+                assert seq.num_computed_tokens + num_new == len(seq), "draws before the end"
+            seqs = [output.scheduled[row][0] for row in rows]
+            running = group.seqs_with(SequenceStatus.RUNNING)
+            if len(group.seqs) == 1 and req.n > 1:
+                assert len(rows) == req.n and len(set(rows)) == 1
+                samples = list(range(req.n))
+            else:
+                assert seqs == running, "every running sequence draws once"
+                samples = [group.seqs.index(seq) for seq in seqs]
+            assert len({len(seq.output_token_ids) for seq in seqs}) == 1, "samples out of lockstep"
+            position = len(seqs[0].output_token_ids)
+            tokens += [token_of(req.index, sample, position) for sample in samples]
+        return tokens
 
     def outputs_of(self, request_id: str) -> list[list[int]]:
-        seqs = sorted(self.groups[request_id].seqs, key=lambda s: self.sample_of[s.seq_id])
-        return [seq.output_token_ids for seq in seqs]
+        """Output tokens per sample: a group keeps its sequences in sample order."""
+        return [seq.output_token_ids for seq in self.groups[request_id].seqs]
 
 
 def paged(block_size=4, num_blocks=33, num_host_blocks=0, prefix_caching=False, watermark=0.0):
@@ -202,8 +208,7 @@ def test_no_request_or_token_lost_under_memory_pressure(block_size, mode, chunke
 @pytest.mark.parametrize("policy", ["max", "pow2", "oracle"])
 def test_contiguous_baselines_serve_every_request(policy):
     reqs = random_reqs(seed=7, num=30)
-    totals = {req.request_id: len(req.prompt) + req.output_len for req in reqs}
-    manager = ContiguousKVManager(200, policy, 64, lambda group: totals[group.request_id])
+    manager = ContiguousArena(200, f"orca-{policy}", 64)
     driver = make_driver(manager, max_num_batched_tokens=16)
     for req in reqs:
         driver.add(req)
@@ -229,12 +234,8 @@ def test_decodes_share_the_budget_with_a_new_prefill():
     driver.step()  # three 3-token prefills
     newcomer = driver.add(Req(3, tuple(range(30)), output_len=2))
     output = driver.step()
-    assert [(seq.seq_id, n) for seq, n in output.scheduled] == [
-        (1, 1),
-        (2, 1),
-        (3, 1),
-        (newcomer.seqs[0].seq_id, 13),
-    ]
+    decoding = [driver.groups[f"r{index}"].seqs[0] for index in range(3)]
+    assert output.scheduled == [*((seq, 1) for seq in decoding), (newcomer.seqs[0], 13)]
 
 
 def test_max_num_seqs_caps_the_batch():
@@ -297,19 +298,21 @@ def test_parallel_samples_stay_in_lockstep_through_recompute():
     assert_all_free(manager)
 
 
-def test_fork_shares_every_block():
+def test_parallel_samples_fork_at_their_first_draw_and_share_every_block():
     manager = paged(num_blocks=17)
     driver = make_driver(manager)
-    group = driver.add(Req(0, tuple(range(10)), output_len=5))
-    driver.step()
-    parent = group.seqs[0]
-    used = manager.physical_blocks_used
-    child = driver.scheduler.fork(group, parent, 99)
-    assert manager.block_table(child) == manager.block_table(parent)
-    assert child.token_ids == parent.token_ids
-    assert child.num_computed_tokens == parent.num_computed_tokens
-    assert manager.physical_blocks_used == used
-    assert manager.logical_blocks_used == 2 * used
+    group = driver.add(Req(0, tuple(range(10)), output_len=5, n=3))
+    output = driver.step()  # the whole prompt: its row draws three times
+    assert output.draws == [(group, (0, 0, 0))]
+    parent, *children = group.seqs
+    assert len(children) == 2
+    for child in children:
+        assert manager.block_table(child) == manager.block_table(parent)
+        assert child.prompt_token_ids == parent.prompt_token_ids
+        assert child.num_computed_tokens == parent.num_computed_tokens == 10
+    assert [seq.output_token_ids for seq in group.seqs] == [[token_of(0, j, 0)] for j in range(3)]
+    assert manager.physical_blocks_used == 3  # ceil(10 / 4), shared by all three
+    assert manager.logical_blocks_used == 9
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
@@ -392,14 +395,31 @@ def test_bad_calls_raise_before_changing_anything():
         driver.add(Req(0, (1, 2), output_len=4))
     driver.step()
     seq = group.seqs[0]
+    other = driver.add(Req(1, (3,), output_len=4))
     with pytest.raises(ValueError, match="finished status"):
-        driver.scheduler.finish_seq(seq, SequenceStatus.RUNNING)
-    with pytest.raises(ValueError, match="last unfinished sequence"):
-        driver.scheduler.remove_seq(group, seq)
-    driver.scheduler.fork(group, seq, 50)
-    with pytest.raises(ValueError, match="max_num_seqs"):
-        driver.scheduler.fork(group, seq, 51)
-    assert len(group.seqs) == 2
+        driver.scheduler.finish_seq(group, seq, SequenceStatus.RUNNING)
+    with pytest.raises(ValueError, match="not a running sequence of 'r1'"):
+        driver.scheduler.finish_seq(other, seq)
+    with pytest.raises(ValueError, match="not a running sequence of 'r1'"):
+        driver.scheduler.finish_seq(other, other.seqs[0])  # still waiting
+    assert seq.status is SequenceStatus.RUNNING and len(group.seqs) == 1
+    assert driver.scheduler.num_running == 1 and driver.scheduler.num_waiting == 1
+
+
+def test_finish_seq_ends_a_stopped_sample_and_frees_its_blocks():
+    """What a stop string found in the text does between steps."""
+    manager = paged(num_blocks=33)
+    driver = make_driver(manager)
+    group = driver.add(Req(0, tuple(range(9)), output_len=6, n=2))
+    driver.step()
+    first, second = group.seqs
+    driver.scheduler.finish_seq(group, first)
+    assert first.status is SequenceStatus.FINISHED_STOPPED
+    assert driver.scheduler.num_running == 1
+    driver.step()  # the other sample decodes on, with its own copy of the last block
+    driver.scheduler.finish_seq(group, second)
+    assert not driver.scheduler.has_unfinished_requests and driver.scheduler.num_running == 0
+    assert_all_free(manager)
 
 
 @settings(max_examples=30, deadline=None)

@@ -79,23 +79,23 @@ def test_figure2_orderings_on_sharegpt():
     requests = make_workload("sharegpt", 150, seed=0)
     results = {
         allocator: simulate(requests, SimConfig(allocator=allocator))
-        for allocator in ("orca-max", "orca-pow2", "orca-oracle", "jpaged")
+        for allocator in ("orca-max", "orca-pow2", "orca-oracle", "paged")
     }
     token_states = {a: r.breakdown.percentages()["token_states"] for a, r in results.items()}
     assert (
         token_states["orca-max"]
         < token_states["orca-pow2"]
         < token_states["orca-oracle"]
-        < token_states["jpaged"]
+        < token_states["paged"]
     )
     for result in results.values():
         assert sum(result.breakdown.percentages().values()) == pytest.approx(100.0)
         assert output_lengths_match(result, requests)
-    assert results["jpaged"].token_states_of_allocated >= 0.96
+    assert results["paged"].token_states_of_allocated >= 0.96
     assert results["orca-oracle"].breakdown.internal_fragmentation == 0
     assert results["orca-max"].num_preemptions == 0
     assert results["orca-max"].peak_running_seqs == 16384 // 2048
-    assert results["jpaged"].mean_running_seqs > results["orca-oracle"].mean_running_seqs
+    assert results["paged"].mean_running_seqs > results["orca-oracle"].mean_running_seqs
 
 
 @pytest.mark.parametrize("allocator", ["orca-pow2", "orca-oracle"])
@@ -158,7 +158,7 @@ def test_timeline_and_summary():
     assert 0 < len(times) <= 200 and times == sorted(times)
     assert result.simulated_s >= times[-1]
     summary = result.summary()
-    assert "outputs" not in summary and summary["config"]["allocator"] == "jpaged"
+    assert "outputs" not in summary and summary["config"]["allocator"] == "paged"
     assert summary["num_finished"] == 300
 
 
@@ -186,7 +186,7 @@ def test_sweep_writes_its_tables(tmp_path, capsys):
     ]
     with (tmp_path / "sweep_figure2.csv").open() as f:
         figure2 = {r["system"]: r for r in csv.DictReader(f)}
-    assert set(figure2) == {"orca-max", "orca-pow2", "orca-oracle", "jpaged"}
-    assert float(figure2["jpaged"]["paper_token_states_pct"]) == 96.3
+    assert set(figure2) == {"orca-max", "orca-pow2", "orca-oracle", "paged"}
+    assert float(figure2["paged"]["paper_token_states_pct"]) == 96.3
     report = json.loads((tmp_path / "sweep.json").read_text())
     assert len(report["runs"]) == 6 + 4 + 8

@@ -13,7 +13,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from jpaged.engine.stats import LATENCY_WINDOW, CombinedStats, EngineStats
+from jpaged.core.scheduler_output import SchedulerStats
+from jpaged.engine.stats import LATENCY_WINDOW, CombinedStats, EngineStats, KVBlockCounts
 from jpaged.outputs import RequestMetrics
 
 NUM_BLOCKS = 100
@@ -29,18 +30,14 @@ def _record_steps(stats: EngineStats, rng: np.random.Generator, num_steps: int,
     query_tokens = np.cumsum(rng.integers(0, 50, num_steps))
     hit_tokens = np.cumsum(rng.integers(0, 10, num_steps))
     for step in range(num_steps):
-        manager = SimpleNamespace(physical_blocks_used=int(used[step]),
-                                  logical_blocks_used=int(used[step]) + 3,
-                                  num_device_blocks=num_blocks)
-        prefix_cache_stats = SimpleNamespace(query_tokens=int(query_tokens[step]),
-                                             hit_tokens=int(hit_tokens[step]))
-        engine = SimpleNamespace(
-            scheduler=SimpleNamespace(num_running=int(running[step]),
-                                      num_waiting=int(waiting[step]), num_preemptions=step),
-            block_manager=SimpleNamespace(prefix_cache_stats=prefix_cache_stats))
-        stats.record_blocks(manager)
-        stats.record_step(engine, SimpleNamespace(num_batched_tokens=8), start + step,
-                          start + step + 0.5)
+        stats.record_blocks(KVBlockCounts(total=num_blocks, physical=int(used[step]),
+                                          logical=int(used[step]) + 3))
+        queues = SchedulerStats(num_running=int(running[step]), num_waiting=int(waiting[step]),
+                                num_swapped=0, num_preemptions=step)
+        prefix_cache = SimpleNamespace(query_tokens=int(query_tokens[step]),
+                                       hit_tokens=int(hit_tokens[step]))
+        stats.record_step(SimpleNamespace(num_batched_tokens=8), queues, prefix_cache,
+                          start + step, start + step + 0.5)
     return {"kv_utilization": used / num_blocks, "used": used,
             "pool": np.full(num_steps, num_blocks), "running": running, "waiting": waiting,
             "query_tokens": query_tokens, "hit_tokens": hit_tokens}

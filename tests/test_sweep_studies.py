@@ -59,7 +59,7 @@ def test_memory_shares_are_shares_and_orca_max_wastes_most(quick_sweep):
     assert figure2["orca-max"]["internal_fragmentation"] > \
         figure2["orca-oracle"]["internal_fragmentation"]
     assert figure2["orca-max"]["token_states"] < figure2["orca-oracle"]["token_states"] \
-        < figure2["jpaged"]["token_states"]
+        < figure2["paged"]["token_states"]
 
 
 def test_internal_fragmentation_grows_with_block_size(quick_sweep):

@@ -20,7 +20,11 @@ import torch
 import transformers
 from test_loader import write_gguf
 
-from jpaged.model.loader import DEFAULT_MODEL_GGUF, DEFAULT_MODEL_WHEEL, default_model_gguf
+from jpaged.model.default_model import (
+    DEFAULT_MODEL_GGUF,
+    DEFAULT_MODEL_WHEEL,
+    default_model_gguf,
+)
 from jpaged.model.tokenizer import Tokenizer, byte_alphabet
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,9 +1,10 @@
 """The batch builder: one step's schedule -> padded int32 arrays for the device.
 
 Runs on the host every step, so it does O(tokens + blocks of the scheduled
-sequences) work, vectorised with numpy. Shapes are bucketed to powers of two
-(with minimums) so the jit-compiled step sees few distinct shapes; padding
-follows jpaged.core.attention_metadata (null block 0, empty padding sequences).
+sequences) work, vectorised with numpy. Shapes are bucketed
+(jpaged.core.step_shapes) so the jit-compiled step sees few distinct shapes;
+padding follows jpaged.core.attention_metadata (null block 0, empty padding
+sequences).
 """
 
 from __future__ import annotations
@@ -15,52 +16,23 @@ from typing import Protocol
 
 import numpy as np
 
+from jpaged._deprecation import moved_names
 from jpaged.core.attention_metadata import AttentionMetadata
-from jpaged.memory.block_manager import BlockTable
+from jpaged.core.step_shapes import BucketSizes, bucket, padded_sizes
+from jpaged.memory.block_table import BlockTable
 from jpaged.sequence import Sequence
+
+__getattr__ = moved_names(__name__, {name: "jpaged.core.step_shapes"
+                                     for name in ("bucket", "padded_sizes", "sampler_rows")})
+
+
+DEFAULT_BUCKETS = BucketSizes()
 
 
 class BlockTables(Protocol):
     block_size: int
 
     def block_table(self, seq: Sequence) -> BlockTable: ...
-
-
-@dataclass(frozen=True)
-class BucketSizes:
-    """Smallest padded sizes; a padded size is the next power of two >= max(actual, minimum).
-
-    linear_step > 0 pads token and sequence counts past it to a multiple of it
-    instead: 48 rather than 64 rows for 33 sequences, fewer wasted rows for
-    more compiled shapes (worth it where rows cost compute, as on CPUs).
-
-    mixed_num_seqs > 0 pads the sequence rows of every mixed step (more tokens
-    than sequences) to at least this many, so mixed steps vary by token count
-    alone: one compiled shape per token bucket instead of one per (tokens, rows)
-    pair. Padding rows are empty sequences, which the attention skips, and the
-    logits are still taken for the rows in use only (`ModelInput.num_rows`).
-
-    mixed_min_tokens and mixed_token_step > 0 pad a mixed step's tokens to at least
-    mixed_min_tokens and, past mixed_token_step, to a multiple of it (else the
-    token buckets of decode steps): a mixed step's tokens vary more than a decode
-    step's rows, so coarser buckets there save compiles for little padding.
-    """
-
-    min_num_tokens: int = 16
-    min_num_seqs: int = 8
-    min_blocks_per_seq: int = 8
-    linear_step: int = 0
-    mixed_num_seqs: int = 0
-    mixed_min_tokens: int = 0
-    mixed_token_step: int = 0
-
-    def __post_init__(self):
-        for name in ("min_num_tokens", "min_num_seqs", "min_blocks_per_seq"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("linear_step", "mixed_num_seqs", "mixed_min_tokens", "mixed_token_step"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)
@@ -86,46 +58,10 @@ class ModelInput:
         return self.num_tokens == self.num_seqs
 
 
-def bucket(n: int, minimum: int, linear_step: int = 0) -> int:
-    """Next power of two >= max(n, minimum); past linear_step (if > 0), next multiple of it."""
-    size = max(n, minimum)
-    if 0 < linear_step < size:
-        return -(-size // linear_step) * linear_step
-    return 1 << (size - 1).bit_length()
-
-
-def padded_sizes(
-    num_tokens: int, num_rows: int, buckets: BucketSizes, decode_only: bool
-) -> tuple[int, int, int]:
-    """(padded tokens, padded sequence rows, padded logit rows) of a step.
-
-    Logit rows are the bucket of num_rows. A decode-only step has as many token
-    rows as sequence rows; a mixed step pads its tokens on their own, and its
-    sequence rows to at least buckets.mixed_num_seqs.
-    """
-    logit_rows = bucket(num_rows, buckets.min_num_seqs, buckets.linear_step)
-    if decode_only:
-        tokens = bucket(max(num_tokens, logit_rows), buckets.min_num_tokens, buckets.linear_step)
-        return tokens, logit_rows, logit_rows
-    tokens = bucket(num_tokens, max(buckets.min_num_tokens, buckets.mixed_min_tokens),
-                    buckets.mixed_token_step or buckets.linear_step)
-    return tokens, max(logit_rows, buckets.mixed_num_seqs), logit_rows
-
-
-def sampler_rows(num_draws: int, max_rows: int) -> int:
-    """Padded rows of the sampler: the next power of 8 >= num_draws, at most max_rows
-    (but never below num_draws). A padding row costs the sampler little next to a
-    model step, while each row count compiles the sampler's variants anew."""
-    size = 1
-    while size < num_draws:
-        size *= 8
-    return max(num_draws, min(size, max_rows))
-
-
 def build_model_input(
     scheduled: SequenceOf[tuple[Sequence, int]],
     block_tables: BlockTables,
-    buckets: BucketSizes = BucketSizes(),
+    buckets: BucketSizes = DEFAULT_BUCKETS,
     min_rows: int = 0,
 ) -> ModelInput:
     """Padded device inputs for one step.

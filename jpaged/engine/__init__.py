@@ -1,2 +1,3 @@
-"""The engine: the jit-compiled runner, `LLMEngine`, its async wrapper, and the
-host-side bookkeeping of a request's outputs (detokenizer, beams, stats)."""
+"""The engine: `LLMEngine` over its input processor, engine core and output processor;
+the jit-compiled runner; start-up (machine defaults, KV pool sizing, compilation);
+the async and data-parallel wrappers."""

@@ -1,5 +1,5 @@
-"""AsyncLLMEngine: an LLMEngine (or DataParallelEngine) driven by its own thread, for
-asyncio servers.
+"""AsyncLLMEngine: an engine (an LLMEngine, or a DataParallelEngine: jpaged.engine.protocol)
+driven by its own thread, for asyncio servers.
 
 The engine is not thread-safe, so one background thread owns it: it runs the
 commands queued by the event loop (add a request, abort one, read the
@@ -24,11 +24,9 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TypeVar
 
-from jpaged.engine.data_parallel import DataParallelEngine
-from jpaged.engine.llm_engine import LLMEngine
+from jpaged.engine.protocol import Engine, EngineState
 from jpaged.inputs import PromptType
 from jpaged.outputs import RequestOutput
 from jpaged.sampling_params import RequestOutputKind, SamplingParams
@@ -38,7 +36,6 @@ logger = logging.getLogger("jpaged")
 T = TypeVar("T")
 # What a request's queue receives: an output, or the exception that ends the request.
 Delivery = RequestOutput | BaseException
-Engine = LLMEngine | DataParallelEngine
 Command = tuple[Callable[[Engine], object], concurrent.futures.Future | None]
 
 
@@ -48,42 +45,6 @@ class QueueFullError(RuntimeError):
 
 class EngineStoppedError(RuntimeError):
     """The engine no longer admits requests: it was shut down, or its thread failed."""
-
-
-@dataclass(frozen=True)
-class EngineState:
-    """What the engine thread last published, read without locking by the event loop:
-    the sums over the data-parallel replicas (blocks of all their pools)."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    num_swapped: int = 0
-    kv_blocks_used: int = 0
-    kv_blocks_total: int = 0
-    prefix_cache_hit_rate: float = 0.0
-    num_preemptions: int = 0
-
-    @property
-    def kv_usage(self) -> float:
-        """Fraction of the device KV blocks held by live sequences."""
-        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
-
-    @classmethod
-    def of(cls, engine: Engine) -> EngineState:
-        replicas = engine.replicas if isinstance(engine, DataParallelEngine) else [engine]
-        schedulers = [replica.scheduler for replica in replicas]
-        managers = [replica.block_manager for replica in replicas]
-        query_tokens = sum(m.prefix_cache_stats.query_tokens for m in managers)
-        hit_tokens = sum(m.prefix_cache_stats.hit_tokens for m in managers)
-        return cls(
-            num_running=sum(s.num_running for s in schedulers),
-            num_waiting=sum(s.num_waiting for s in schedulers),
-            num_swapped=sum(s.num_swapped for s in schedulers),
-            kv_blocks_used=sum(m.physical_blocks_used for m in managers),
-            kv_blocks_total=sum(m.num_device_blocks for m in managers),
-            prefix_cache_hit_rate=hit_tokens / query_tokens if query_tokens else 0.0,
-            num_preemptions=sum(s.num_preemptions for s in schedulers),
-        )
 
 
 class RequestStream:
@@ -155,7 +116,7 @@ class AsyncLLMEngine:
             raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
         self.engine = engine
         self.max_waiting = max_waiting
-        self.state = EngineState.of(engine)
+        self.state: EngineState = engine.state()
         self.error: BaseException | None = None
         self._num_waiting = 0
         self._accepting = True
@@ -330,4 +291,4 @@ class AsyncLLMEngine:
         self._publish_state()
 
     def _publish_state(self) -> None:
-        self.state = EngineState.of(self.engine)
+        self.state = self.engine.state()

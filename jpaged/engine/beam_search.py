@@ -1,10 +1,12 @@
 """Beam selection: which beams live on after each step, and which hypotheses finish.
 
 Host-side and model-free. The engine runs a beam-search request as one sequence
-group: every step it computes each live beam's next-token log-probabilities,
-hands their top candidates to `BeamSearch.step`, and then forks, extends and
-drops the group's sequences as the returned `BeamStep` says. Beams that branch
-from one parent share its blocks by reference count; dropped beams free theirs.
+group: every step it computes each live beam's next-token log-probabilities and
+hands their top candidates to `BeamSearch.step`; the scheduler then forks,
+extends and drops the group's sequences as the returned `BeamStep` says (in its
+`update_from_output`, as a `BeamChoice`), so the group's sequences stay in the
+order of `BeamSearch.live`. Beams that branch from one parent share its blocks
+by reference count; dropped beams free theirs.
 
 Two scorings (`BeamSearchParams.scoring`):
 
@@ -29,11 +31,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from jpaged.outputs import SampleLogprobs
 from jpaged.sampling_params import BeamSearchParams
 
 # transformers' stand-in for minus infinity in beam scores.
 _MASKED = -1.0e9
+
+# One step's candidates of a beam: (token ids int [K], their log-probabilities f32 [K]),
+# best first.
+Candidates = tuple[np.ndarray, np.ndarray]
 
 
 @dataclass
@@ -43,7 +48,7 @@ class Beam:
 
     output_token_ids: list[int] = field(default_factory=list)
     cum_logprob: float = 0.0
-    logprobs: SampleLogprobs = field(default_factory=list)
+    candidates: list[Candidates] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -86,6 +91,9 @@ class BeamSearch:
     prompt_len:    prompt tokens.
     eos_token_ids: the tokens that end a hypothesis (unless params.ignore_eos).
     max_tokens:    output tokens at most (params.max_tokens, cut to max_model_len).
+
+    live:    the beams that go on, in the order of the group's sequences.
+    results: once the search is over, the best hypotheses (`results_of`).
     """
 
     def __init__(self, params: BeamSearchParams, prompt_len: int,
@@ -96,6 +104,8 @@ class BeamSearch:
         self.eos = frozenset() if params.ignore_eos else self.eos_token_ids  # ends a beam
         self.max_tokens = max_tokens
         self.num_steps = 0
+        self.live = [Beam()]
+        self.results: list[Hypothesis] | None = None
         self.finished: list[Hypothesis] = []
         # transformers' stopping state: is_early_stop_heuristic_unsatisfied, the best
         # running beam's score and whether every candidate of the last step ended.
@@ -111,40 +121,52 @@ class BeamSearch:
             return 2 * width
         return max(2, 1 + len(self.eos)) * width
 
-    def step(self, beams: list[Beam], top_ids: np.ndarray, top_logprobs: np.ndarray,
-             step_logprobs: list[dict] | None = None) -> BeamStep:
-        """One step of the search.
+    def step(self, top_ids: np.ndarray, top_logprobs: np.ndarray) -> BeamStep:
+        """One step of the search: the live beams extended by their candidates.
 
-        beams:         the live beams, in the order of the rows below.
-        top_ids:       int [num_beams, >= num_candidates], each beam's best next tokens.
-        top_logprobs:  float [num_beams, same], their log-probabilities, descending.
-        step_logprobs: per beam, what to record as its logprobs for this step.
+        top_ids:      int [num live beams, >= num_candidates], each beam's best next
+                      tokens, in the order of `live`.
+        top_logprobs: float [num live beams, same], their log-probabilities, descending.
+
+        The chosen extensions become `live`; once the search is done they are scored
+        with the finished hypotheses into `results`.
         """
         k = self.num_candidates
+        beams = self.live
         candidates = [
             (beam.cum_logprob + float(lp), parent, int(token))
             for parent, beam in enumerate(beams)
             for token, lp in zip(top_ids[parent, :k].tolist(), top_logprobs[parent, :k].tolist(),
                                  strict=True)
         ]
+        rows = [(top_ids[parent, :k], top_logprobs[parent, :k]) for parent in range(len(beams))]
         select = self._step_vllm if self.params.scoring == "vllm" else self._step_transformers
         extensions, ended = select(candidates)
-        for hypothesis_parts in ended:
-            self._record(beams, step_logprobs, *hypothesis_parts)
+        for candidate, reason in ended:
+            self._record(beams, rows, candidate, reason)
         self.num_steps += 1
         if self.params.scoring == "transformers":
             self._prune_finished()
         done = not extensions or self.num_steps >= self.max_tokens or (
             self.params.scoring == "transformers" and self._transformers_done(extensions, k)
         )
+        self.live = [self.extend(beams[e.parent], e, rows[e.parent]) for e in extensions]
+        if done:
+            self.results = self._best(self.live)
         return BeamStep(extensions, done)
 
-    def extend(self, beam: Beam, extension: Extension, step_logprobs: dict | None) -> Beam:
-        """The beam `extension` makes of its parent `beam`."""
-        logprobs = beam.logprobs + [step_logprobs] if step_logprobs is not None else beam.logprobs
-        return Beam(beam.output_token_ids + [extension.token], extension.cum_logprob, logprobs)
+    def fail(self) -> None:
+        """The request's step failed: its live beams become its results, with
+        finish_reason "error"."""
+        if self.results is None:
+            self.results = [Hypothesis(beam, float("-inf"), "error") for beam in self.live]
 
-    def results(self, live: list[Beam]) -> list[Hypothesis]:
+    def extend(self, beam: Beam, extension: Extension, candidates: Candidates) -> Beam:
+        """The beam `extension` makes of its parent `beam`, recording the step's candidates."""
+        return Beam(beam.output_token_ids + [extension.token], extension.cum_logprob,
+                    beam.candidates + [candidates])
+
+    def _best(self, live: list[Beam]) -> list[Hypothesis]:
         """The best hypotheses, best first, at most beam_width: with vLLM's scoring the
         live beams compete too; with transformers' they were all finished at the end."""
         hypotheses = list(self.finished)
@@ -221,10 +243,9 @@ class BeamSearch:
 
     # Both ----------------------------------------------------------------------------
 
-    def _record(self, beams, step_logprobs, candidate, reason: str) -> None:
+    def _record(self, beams, rows, candidate, reason: str) -> None:
         cum, parent, token = candidate
-        step_record = None if step_logprobs is None else step_logprobs[parent]
-        beam = self.extend(beams[parent], Extension(parent, token, cum), step_record)
+        beam = self.extend(beams[parent], Extension(parent, token, cum), rows[parent])
         if self.params.scoring == "vllm":
             score = self._vllm_score(beam)
         else:

@@ -14,20 +14,22 @@ import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from jpaged.engine.llm_engine import EngineConfig, LLMEngine
+from jpaged.engine.config import EngineConfig
+from jpaged.engine.input_processor import EngineRequest
+from jpaged.engine.llm_engine import LLMEngine
+from jpaged.engine.protocol import EngineState
 from jpaged.engine.stats import CombinedStats
 from jpaged.inputs import PromptType
-from jpaged.model.llama import LlamaConfig
+from jpaged.model.config import LlamaConfig
 from jpaged.model.loader import load_model
 from jpaged.outputs import RequestOutput
 from jpaged.sampling_params import BeamSearchParams, SamplingParams
 
 
 class DataParallelEngine:
-    """add_request / step / abort / has_unfinished_requests over config.data_parallel_size
-    LLMEngine replicas (see EngineConfig for the meshes they run on), with what `LLM`,
-    `AsyncLLMEngine` and the server read of an engine: tokenizer, config, max_model_len,
-    stats (all replicas together), warmup()."""
+    """The engine protocol (jpaged.engine.protocol.Engine) over config.data_parallel_size
+    LLMEngine replicas (see EngineConfig for the meshes they run on): requests go to
+    replicas, stats and state() are all replicas' together."""
 
     def __init__(
         self, config: EngineConfig, *, loaded: tuple[Any, LlamaConfig, Any] | None = None
@@ -67,10 +69,17 @@ class DataParallelEngine:
         for replica in self.replicas:
             replica.last_step_error = error
 
+    def process_request(self, request_id: str, prompt: PromptType,
+                        params: SamplingParams | BeamSearchParams | None = None, *,
+                        cache_salt: str | None = None) -> EngineRequest:
+        """See `LLMEngine.process_request`: every replica has the same limits."""
+        return self.replicas[0].process_request(request_id, prompt, params,
+                                                cache_salt=cache_salt)
+
     def add_request(
         self,
         request_id: str,
-        prompt: PromptType,
+        prompt: PromptType | EngineRequest,
         params: SamplingParams | BeamSearchParams | None = None,
         *,
         cache_salt: str | None = None,
@@ -108,6 +117,9 @@ class DataParallelEngine:
         """`LLMEngine.warmup` of every replica, concurrently (each compiles for its own
         devices); returns the number of step shapes each replica ran."""
         return max(self._threads.map(LLMEngine.warmup, self.replicas))
+
+    def state(self) -> EngineState:
+        return EngineState.total([replica.state() for replica in self.replicas])
 
     def tokenize(self, prompt: PromptType) -> list[int]:
         return self.replicas[0].tokenize(prompt)

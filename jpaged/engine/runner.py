@@ -1,7 +1,7 @@
 """ModelRunner: the jit-compiled device step and the KV cache it owns.
 
-One step is `step(params, kv_caches, input_ids, metadata) -> (last hidden, hidden,
-kv_caches)` with the cache donated, so XLA writes new K/V in place. Every array
+One step is `step(params, kv_cache, input_ids, metadata) -> (last hidden, hidden,
+kv_cache)` with the cache donated, so XLA writes new K/V in place. Every array
 the step takes is padded to buckets by the batch builder; the runner adds
 nothing but a switch between decode-only steps (one token per sequence: the
 paged decode kernel) and mixed steps (the ragged kernel). The logits of the
@@ -22,7 +22,7 @@ multiply the step's shapes.
 from __future__ import annotations
 
 import functools
-from typing import Literal
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -31,22 +31,41 @@ from flax import nnx
 from jax.sharding import Mesh
 
 import kernels_pallas
+from jpaged._deprecation import moved_names
 from jpaged.core.attention_metadata import AttentionMetadata
-from jpaged.core.batch_builder import bucket
+from jpaged.core.step_shapes import (
+    LOGPROB_ROWS,
+    StepShapes,
+    blocks_per_seq,
+    default_buckets,
+    op_pairs,
+)
+from jpaged.engine.config import EngineConfig
 from jpaged.memory.allocator import BlockOps
-from jpaged.model.llama import LlamaConfig, LlamaForCausalLM, init_kv_caches, split_layer_kernels
+from jpaged.model.llama import (
+    KVCache,
+    LlamaConfig,
+    LlamaForCausalLM,
+    init_kv_cache,
+    split_layer_kernels,
+)
 from jpaged.model.sampler import SamplerOutput, SamplingTensors, logprob_outputs, sample
 from jpaged.model.sharding import kv_cache_sharding, shard_attention, shard_write_kv
 
-AttentionBackend = Literal["pallas", "xla", "reference"]
-# (k_cache, v_cache), each [num_layers, num_kv_heads, num_blocks, block_size, head_dim]
-KVCaches = tuple[jax.Array, jax.Array]
+logger = logging.getLogger("jpaged")
+# The names the attention backends have: the kernels' (kernels_pallas.IMPLEMENTATIONS).
+AttentionBackend = kernels_pallas.Implementation
+
+__getattr__ = moved_names(__name__, {
+    "KVCaches": "jpaged.model.llama:KVCache",
+    "default_attention_backend": "jpaged.engine.runner:device_attention_backend",
+})
 
 
-def default_attention_backend() -> AttentionBackend:
-    """Pallas kernels on accelerators; on CPU, where Pallas only interprets (slowly),
-    the same tiled algorithm as an XLA loop."""
-    return "xla" if jax.default_backend() == "cpu" else "pallas"
+def device_attention_backend() -> AttentionBackend:
+    """The device's own kernel: Mosaic on a TPU, Triton on a GPU; on CPU, where Pallas
+    only interprets (slowly), the same tiled algorithm as an XLA loop."""
+    return kernels_pallas.default_implementation(interpret=False)
 
 
 def _decode_as_ragged(decode_fn):
@@ -73,16 +92,15 @@ def attention_functions(backend: AttentionBackend, interpret: bool = False,
                         mesh: Mesh | None = None):
     """(ragged attention, decode attention) of a backend, both with the ragged signature.
 
-    "pallas" takes the kernel of the default device (Triton under interpret=True
-    on CPU), "xla" the tiled XLA loop, "reference" the pure-JAX definition.
-    With a mesh, each runs under `shard_map` on every device's own heads.
+    backend: one of kernels_pallas.IMPLEMENTATIONS: "tpu" or "triton" (a Pallas
+    kernel, interpreted with interpret=True), "xla" the tiled XLA loop,
+    "reference" the pure-JAX definition. With a mesh, each runs under
+    `shard_map` on every device's own heads.
     """
-    implementations = {"pallas": None, "xla": "xla", "reference": "reference"}
-    if backend not in implementations:
-        raise ValueError(
-            f"attention_backend must be one of {sorted(implementations)}, got {backend!r}"
-        )
-    knobs = dict(implementation=implementations[backend], interpret=interpret)
+    if backend not in kernels_pallas.IMPLEMENTATIONS:
+        raise ValueError(f"attention_backend must be one of {kernels_pallas.IMPLEMENTATIONS}, "
+                         f"got {backend!r}")
+    knobs = dict(implementation=backend, interpret=interpret)
     ragged = functools.partial(kernels_pallas.ragged_paged_attention, **knobs)
     decode = _decode_as_ragged(functools.partial(kernels_pallas.paged_decode_attention, **knobs))
     if mesh is None:
@@ -90,15 +108,15 @@ def attention_functions(backend: AttentionBackend, interpret: bool = False,
     return shard_attention(ragged, mesh), shard_attention(decode, mesh)
 
 
-def _step(graphdef, params_def, param_leaves, input_ids, kv_caches, metadata, *, attention_fn,
+def _step(graphdef, params_def, param_leaves, input_ids, kv_cache, metadata, *, attention_fn,
           write_kv_fn):
     """One model step as a pure function: (each sequence's last hidden state [B, hidden],
-    hidden [T, hidden], kv_caches)."""
+    hidden [T, hidden], kv_cache)."""
     model = nnx.merge(graphdef, jax.tree.unflatten(params_def, param_leaves))
-    hidden, kv_caches = model.hidden_states(
-        input_ids, kv_caches, metadata, attention_fn, write_kv_fn
+    hidden, kv_cache = model.hidden_states(
+        input_ids, kv_cache, metadata, attention_fn, write_kv_fn
     )
-    return hidden[metadata.logits_indices], hidden, kv_caches
+    return hidden[metadata.logits_indices], hidden, kv_cache
 
 
 def _logits(graphdef, params_def, param_leaves, last_hidden, *, num_rows):
@@ -112,34 +130,28 @@ def _gather_rows(logits, rows):
     return logits[rows]
 
 
-# Rows of logits materialised at once by `_token_logprobs`: bounds its memory to
-# this many vocabulary-sized rows, and it compiles for this one shape whatever
-# the step's token count.
-_LOGPROB_ROWS = 16
-
-
 @functools.partial(jax.jit, static_argnums=0, static_argnames=("num_top",))
 def _token_logprobs(graphdef, params, hidden, targets, *, num_top):
-    """hidden [_LOGPROB_ROWS, hidden], targets int32 [_LOGPROB_ROWS] -> logprob_outputs."""
+    """hidden [LOGPROB_ROWS, hidden], targets int32 [LOGPROB_ROWS] -> logprob_outputs."""
     model = nnx.merge(graphdef, params)
     return logprob_outputs(model.compute_logits(hidden), targets, num_top)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
-def _copy_blocks(kv_caches: KVCaches, copies: jax.Array) -> KVCaches:
+def _copy_blocks(kv_cache: KVCache, copies: jax.Array) -> KVCache:
     """Copy whole blocks src -> dst in every layer.
 
     copies: int32 [K, 2] (src, dst); padding rows are (0, 0).
     """
     src, dst = copies[:, 0], copies[:, 1]
-    return tuple(cache.at[:, :, dst].set(cache[:, :, src]) for cache in kv_caches)
+    return tuple(cache.at[:, :, dst].set(cache[:, :, src]) for cache in kv_cache)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
-def _write_blocks(kv_caches: KVCaches, pages: KVCaches, block_ids: jax.Array) -> KVCaches:
+def _write_blocks(kv_cache: KVCache, pages: KVCache, block_ids: jax.Array) -> KVCache:
     """Write host pages into device blocks. pages: (k, v), each [L, Hkv, K, bs, D]."""
     return tuple(
-        cache.at[:, :, block_ids].set(new) for cache, new in zip(kv_caches, pages, strict=True)
+        cache.at[:, :, block_ids].set(new) for cache, new in zip(kv_cache, pages, strict=True)
     )
 
 
@@ -172,7 +184,7 @@ class ModelRunner:
         self.config = config
         self.mesh = mesh
         self.block_size = block_size
-        self.attention_backend = attention_backend or default_attention_backend()
+        self.attention_backend = attention_backend or device_attention_backend()
         # A sharded model keeps its stacked kernels: under lax.switch each of the
         # layers' branches would hold its own all-reduce.
         if jax.default_backend() == "cpu" and mesh is None:
@@ -181,14 +193,14 @@ class ModelRunner:
         # The step takes the parameters as a flat list and the graph as a constant:
         # flattening NNX state and hashing a static graph cost milliseconds per call.
         self._param_leaves, params_def = jax.tree.flatten(self.params)
-        self._new_kv_caches = functools.partial(init_kv_caches, config, num_blocks, block_size,
+        self._new_kv_cache = functools.partial(init_kv_cache, config, num_blocks, block_size,
                                                 kv_dtype)
         if mesh is not None:
             # Created in place on every device: no whole cache on one device first.
             cache_sharding = kv_cache_sharding(mesh)
-            self._new_kv_caches = jax.jit(self._new_kv_caches,
+            self._new_kv_cache = jax.jit(self._new_kv_cache,
                                           out_shardings=(cache_sharding, cache_sharding))
-        self.kv_caches = self._new_kv_caches()
+        self.kv_cache = self._new_kv_cache()
         host_shape = (config.num_layers, config.num_kv_heads, num_host_blocks, block_size,
                       config.head_dim)
         self.host_kv = (np.zeros(host_shape, kv_dtype), np.zeros(host_shape, kv_dtype))
@@ -209,14 +221,14 @@ class ModelRunner:
 
     def kv_cache_lost(self) -> bool:
         """Whether a donating call consumed the KV cache without giving it back (it raised)."""
-        return any(array.is_deleted() for array in jax.tree.leaves(self.kv_caches))
+        return any(array.is_deleted() for array in jax.tree.leaves(self.kv_cache))
 
     def reset_kv_cache(self) -> None:
         """A fresh, zeroed KV cache of the same shape (the host pool is kept)."""
-        for array in jax.tree.leaves(self.kv_caches):
+        for array in jax.tree.leaves(self.kv_cache):
             if not array.is_deleted():
                 array.delete()
-        self.kv_caches = self._new_kv_caches()
+        self.kv_cache = self._new_kv_cache()
 
     def apply_block_ops(self, ops: BlockOps) -> None:
         """Swap out, swap in, then copy-on-write copies, in that order, before the step."""
@@ -225,7 +237,7 @@ class ModelRunner:
         if len(ops.swap_in):
             self._swap_in(ops.swap_in)
         if len(ops.copies):
-            self.kv_caches = _copy_blocks(self.kv_caches, self._pad_pairs(ops.copies))
+            self.kv_cache = _copy_blocks(self.kv_cache, self._pad_pairs(ops.copies))
 
     def execute(
         self, input_ids: np.ndarray, metadata: AttentionMetadata, *, decode_only: bool,
@@ -235,8 +247,8 @@ class ModelRunner:
         new token of the first num_rows sequence rows, final hidden states [T, hidden]),
         both still on the device."""
         step = self._decode_step if decode_only else self._mixed_step
-        last_hidden, hidden, self.kv_caches = step(
-            self._param_leaves, input_ids, self.kv_caches, metadata
+        last_hidden, hidden, self.kv_cache = step(
+            self._param_leaves, input_ids, self.kv_cache, metadata
         )
         return self.logits(last_hidden, num_rows), hidden
 
@@ -265,16 +277,16 @@ class ModelRunner:
         hidden state [T, hidden], with ranks and the top `num_top`:
         (f32 [T], int32 [T], int32 [T, num_top], f32 [T, num_top])."""
         num_tokens = len(targets)
-        padded = -(-num_tokens // _LOGPROB_ROWS) * _LOGPROB_ROWS
+        padded = -(-num_tokens // LOGPROB_ROWS) * LOGPROB_ROWS
         # Chunks cut on the host: slicing the device array would compile per offset.
         rows = np.zeros((padded, hidden.shape[-1]), hidden.dtype)
         rows[:num_tokens] = np.asarray(hidden)
         padded_targets = np.zeros(padded, np.int32)
         padded_targets[:num_tokens] = targets
         chunks = [
-            _token_logprobs(self.graphdef, self.params, rows[i : i + _LOGPROB_ROWS],
-                            padded_targets[i : i + _LOGPROB_ROWS], num_top=num_top)
-            for i in range(0, padded, _LOGPROB_ROWS)
+            _token_logprobs(self.graphdef, self.params, rows[i : i + LOGPROB_ROWS],
+                            padded_targets[i : i + LOGPROB_ROWS], num_top=num_top)
+            for i in range(0, padded, LOGPROB_ROWS)
         ]
         return tuple(jax.tree.map(lambda *parts: np.concatenate(parts)[:num_tokens], *chunks))
 
@@ -293,7 +305,7 @@ class ModelRunner:
         `LLMEngine.warmup` compiles shapes with it in threads, filling jit's cache)."""
         step = self._decode_step if decode_only else self._mixed_step
         input_ids, metadata = self._padding_inputs(num_tokens, num_seqs, num_blocks)
-        return step.lower(self._param_leaves, input_ids, self.kv_caches, metadata).compile()
+        return step.lower(self._param_leaves, input_ids, self.kv_cache, metadata).compile()
 
     def _padding_inputs(
         self, num_tokens: int, num_seqs: int, num_blocks: int
@@ -312,14 +324,14 @@ class ModelRunner:
     @staticmethod
     def _pad_pairs(pairs: np.ndarray) -> np.ndarray:
         """Pad [K, 2] block pairs to a power of two with (0, 0): null block onto itself."""
-        padded = np.zeros((bucket(len(pairs), 1), 2), np.int32)
+        padded = np.zeros((op_pairs(len(pairs)), 2), np.int32)
         padded[: len(pairs)] = pairs
         return padded
 
     def _swap_out(self, pairs: np.ndarray) -> None:
         """Device blocks -> host blocks. pairs: int32 [K, 2] (device, host)."""
         device_ids = self._pad_pairs(pairs)[:, 0]
-        for cache, host in zip(self.kv_caches, self.host_kv, strict=True):
+        for cache, host in zip(self.kv_cache, self.host_kv, strict=True):
             host[:, :, pairs[:, 1]] = np.asarray(_read_blocks(cache, device_ids))[:, :, :len(pairs)]
 
     def _swap_in(self, pairs: np.ndarray) -> None:
@@ -327,4 +339,54 @@ class ModelRunner:
         padded = self._pad_pairs(pairs)
         host_ids, device_ids = padded[:, 0], padded[:, 1]
         pages = tuple(host[:, :, host_ids] for host in self.host_kv)
-        self.kv_caches = _write_blocks(self.kv_caches, pages, device_ids)
+        self.kv_cache = _write_blocks(self.kv_cache, pages, device_ids)
+
+
+def start_runner(config: EngineConfig, model: LlamaForCausalLM, model_config: LlamaConfig, *,
+                 num_blocks: int, max_model_len: int, mesh: Mesh | None
+                 ) -> tuple[ModelRunner, StepShapes]:
+    """The runner on the configured backend or else the device's own, and its step shapes.
+
+    A Pallas kernel must accept the cache layout and compile on this device
+    (checked here, on the smallest step shapes); if the device's own kernel
+    cannot, this warns and runs the "xla" implementation, while an explicitly
+    requested backend raises instead. config must have its machine defaults.
+    """
+    requested = config.attention_backend
+    backend = requested or device_attention_backend()
+    try:
+        return _runner_on(backend, config, model, model_config, num_blocks, max_model_len, mesh)
+    except Exception as error:
+        if requested is not None:
+            if isinstance(error, ValueError):
+                raise
+            raise RuntimeError(
+                f"attention_backend={requested!r} cannot run on this "
+                f"{jax.default_backend()} device: {type(error).__name__}: {error}"
+            ) from error
+        reason = f"{type(error).__name__}: {error}"
+    # Out of the except block, so the failed runner and its KV cache are freed first.
+    logger.warning("the default %r attention kernel cannot run on this %s device (%s); "
+                   "using the 'xla' implementation", backend, jax.default_backend(), reason)
+    return _runner_on("xla", config, model, model_config, num_blocks, max_model_len, mesh)
+
+
+def _runner_on(backend: AttentionBackend, config: EngineConfig, model, model_config, num_blocks,
+               max_model_len, mesh) -> tuple[ModelRunner, StepShapes]:
+    dtype = jnp.dtype(config.dtype)
+    pallas = backend in ("tpu", "triton")
+    if pallas:
+        kernels_pallas.check_cache_layout(backend, dtype, config.block_size,
+                                          model_config.head_dim)
+    runner = ModelRunner(
+        model, model_config, num_blocks=num_blocks, block_size=config.block_size,
+        num_host_blocks=config.num_host_blocks, kv_dtype=dtype, attention_backend=backend,
+        interpret=config.interpret, mesh=mesh,
+    )
+    max_blocks = blocks_per_seq(max_model_len, config.block_size)
+    buckets = config.buckets or default_buckets(backend, max_blocks, config.max_num_seqs)
+    shapes = StepShapes(buckets, config.max_num_seqs, config.max_num_batched_tokens, max_blocks)
+    if pallas:
+        for decode_only in (True, False):
+            runner.run_padding_step(*shapes.smallest(decode_only))
+    return runner, shapes

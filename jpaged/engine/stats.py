@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 from jax import monitoring
@@ -22,14 +22,22 @@ from jax import monitoring
 from jpaged.outputs import RequestMetrics
 
 if TYPE_CHECKING:
-    from jpaged.core.scheduler import SchedulerOutput
-    from jpaged.engine.llm_engine import LLMEngine
-    from jpaged.memory.block_manager import BlockManager
+    from jpaged.core.scheduler_output import SchedulerOutput, SchedulerStats
+    from jpaged.memory.prefix_cache import PrefixCacheStats
 
 # TTFT / TPOT percentiles are over this many most recent finished requests.
 LATENCY_WINDOW = 10_000
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _compilations = 0
+
+
+class KVBlockCounts(NamedTuple):
+    """A pool's device blocks (the null block excluded), those some table holds, and the
+    sum of the tables' lengths (what the tables would hold without sharing)."""
+
+    total: int
+    physical: int
+    logical: int
 
 
 def _count_compilation(event: str, duration: float, **kwargs) -> None:
@@ -108,26 +116,25 @@ class EngineStats:
     physical_block_steps: int = 0
     num_kv_blocks: int = 0
 
-    def record_blocks(self, manager: BlockManager) -> None:
-        """The KV blocks a step runs with: read after scheduling (appends and their
+    def record_blocks(self, blocks: KVBlockCounts) -> None:
+        """The KV blocks a step runs with: counted after scheduling (appends and their
         copy-on-write copies made) and before sampling forks and drops sequences."""
-        self.num_kv_blocks = manager.num_device_blocks
-        self.kv_utilization.add(manager.physical_blocks_used / manager.num_device_blocks)
-        self.logical_block_steps += manager.logical_blocks_used
-        self.physical_block_steps += manager.physical_blocks_used
+        self.num_kv_blocks = blocks.total
+        self.kv_utilization.add(blocks.physical / blocks.total)
+        self.logical_block_steps += blocks.logical
+        self.physical_block_steps += blocks.physical
 
-    def record_step(
-        self, engine: LLMEngine, plan: SchedulerOutput, started: float, ended: float
-    ) -> None:
+    def record_step(self, plan: SchedulerOutput, queues: SchedulerStats,
+                    prefix_cache: PrefixCacheStats, started: float, ended: float) -> None:
+        """One step: its plan, the queues it left and the prefix cache's counters."""
         self.num_steps += 1
         self.num_batched_tokens += plan.num_batched_tokens
         self.busy_seconds += ended - started
         self.first_step_time = self.first_step_time or started
         self.last_step_time = ended
-        self.num_running.add(engine.scheduler.num_running)
-        self.num_waiting.add(engine.scheduler.num_waiting)
-        self.num_preemptions = engine.scheduler.num_preemptions
-        prefix_cache = engine.block_manager.prefix_cache_stats
+        self.num_running.add(queues.num_running)
+        self.num_waiting.add(queues.num_waiting)
+        self.num_preemptions = queues.num_preemptions
         self.prefix_cache_query_tokens = prefix_cache.query_tokens
         self.prefix_cache_hit_tokens = prefix_cache.hit_tokens
 

@@ -14,8 +14,9 @@ from typing import Any
 
 from tqdm import tqdm
 
+from jpaged.engine.config import EngineConfig
 from jpaged.engine.data_parallel import DataParallelEngine
-from jpaged.engine.llm_engine import EngineConfig, LLMEngine
+from jpaged.engine.llm_engine import LLMEngine
 from jpaged.inputs import PromptType, as_prompt_list
 from jpaged.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from jpaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
@@ -52,10 +53,10 @@ class LLM:
         """Run every prompt to completion; one finished output per prompt, in order.
 
         prompts: a prompt (str, token ids, {"prompt": ...}, {"prompt_token_ids": ...})
-        or a list of them. Every prompt is checked before any is queued, so a bad
-        one raises ValueError/TypeError and nothing runs. As in vLLM, outputs are
-        collected when final whatever each request's output_kind (use `stream`
-        for deltas).
+        or a list of them. Every prompt is processed (and tokenized, once) before
+        any is queued, and all are queued before any runs, so a bad one raises
+        ValueError/TypeError and nothing runs. As in vLLM, outputs are collected
+        when final whatever each request's output_kind (use `stream` for deltas).
         """
         prompt_list = as_prompt_list(prompts)
         params_list = self._params_per_prompt(sampling_params, len(prompt_list))
@@ -137,20 +138,21 @@ class LLM:
 
     def _run(self, prompts: list[PromptType], params: list, use_tqdm: bool
              ) -> list[RequestOutput]:
-        """Queue every prompt (after checking all of them), then step until each is done."""
-        for prompt, request_params in zip(prompts, params, strict=True):
-            self.engine.tokenize(prompt)
+        """Process every prompt, queue them all, then step until each is done."""
+        for request_params in params:
             if not isinstance(request_params, SamplingParams | BeamSearchParams):
                 raise TypeError(
                     f"sampling_params must be SamplingParams, got {type(request_params).__name__}"
                 )
-        request_ids = [f"generate-{next(self._request_ids)}" for _ in prompts]
+        requests = [self.engine.process_request(f"generate-{next(self._request_ids)}", prompt,
+                                                request_params)
+                    for prompt, request_params in zip(prompts, params, strict=True)]
+        request_ids = [request.request_id for request in requests]
         # All or nothing: a rejected prompt, a failed step or an interrupt withdraws
         # every request of this call (aborting a finished one is a no-op).
         try:
-            for request_id, prompt, request_params in zip(request_ids, prompts, params,
-                                                          strict=True):
-                self.engine.add_request(request_id, prompt, request_params)
+            for request in requests:
+                self.engine.add_request(request.request_id, request)
             return self._run_to_completion(request_ids, use_tqdm)
         except BaseException:
             for request_id in request_ids:

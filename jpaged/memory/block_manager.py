@@ -1,8 +1,9 @@
-"""BlockManager: per-sequence block tables over the functional allocator.
+"""BlockManager: per-sequence block tables over the block allocator and the prefix cache.
 
 The scheduler asks it whether a group fits, then allocates, appends, forks,
-swaps and frees; every call of one step goes into a single allocator
-`Transaction`, and `end_step()` commits it and returns the step's device ops.
+swaps and frees; each call runs the allocator's transitions
+(jpaged.memory.allocator) on one state of arrays, and `end_step()` commits the
+step and returns its device ops.
 
 A sequence's table maps logical block i (positions i*block_size ..
 (i+1)*block_size - 1) to a physical block of the device pool, or of the host
@@ -16,31 +17,27 @@ whose prompt `can_allocate` has already hashed.
 
 A prefix hit needs a cached block whose key (parent entry, salt, tokens) equals
 the sequence's, block after block from the first: the hash only finds the
-candidate, so a collision is a miss and the chain of hits stops there.
-
-A group with a `reserved_len` (Orca's allocations, jpaged.memory.reservation)
-is admitted only when blocks for that many tokens fit for each of its
-`num_samples` sequences, and holds them all until it ends: its sequences never
-grow, share nothing and are never preempted for blocks. A fork copies the
-parent's computed blocks into blocks of the reservation; an ended sequence's
-blocks go back to it.
+candidate, so a collision is a miss and the chain of hits stops there. Blocks
+the allocator hands out lose their cache entries (`PrefixCache.evict`).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from jpaged.config import CacheConfig
-from jpaged.memory.allocator import AllocatorState, BlockOps, Transaction
+from jpaged.memory import allocator
+from jpaged.memory.allocator import AllocatorState, BlockOps
+from jpaged.memory.block_table import BlockTable
+from jpaged.memory.invariants import holder_problems
+from jpaged.memory.kv_cache_manager import AllocStatus
 from jpaged.memory.prefix_cache import (
     NO_HASH,
     NO_PARENT,
+    PrefixCache,
     PrefixCacheStats,
     hash_block,
     pack_tokens,
@@ -48,84 +45,6 @@ from jpaged.memory.prefix_cache import (
 from jpaged.sequence import Sequence, SequenceGroup, SequenceStatus
 
 _RUNNING = SequenceStatus.RUNNING  # an enum attribute lookup costs as much as the check
-
-
-class AllocStatus(enum.Enum):
-    OK = enum.auto()
-    LATER = enum.auto()
-    NEVER = enum.auto()
-
-
-class BlockTable:
-    """The physical blocks of one sequence in logical order, in a growable int32 buffer.
-
-    Only the BlockManager edits it. Readers index and iterate it (Python ints),
-    compare it with any sequence of ints, or take `array`, a read-only int32
-    view that stays valid until the manager next edits the table; the numpy
-    buffer lets the batch builder copy whole tables without touching each entry.
-    """
-
-    __slots__ = ("_buffer", "_readonly", "_size")
-
-    def __init__(self, blocks: list[int] | np.ndarray = ()):
-        self._size = len(blocks)
-        self._set_buffer(np.zeros(max(8, 2 * self._size), np.int32))
-        self._buffer[: self._size] = blocks
-
-    def _set_buffer(self, buffer: np.ndarray) -> None:
-        self._buffer = buffer
-        # Views of a read-only view are read-only: `array` need not set flags each call.
-        self._readonly = buffer.view()
-        self._readonly.flags.writeable = False
-
-    def __len__(self) -> int:
-        return self._size
-
-    def __getitem__(self, index: int | slice) -> int | list[int]:
-        return self.array[index].tolist()
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.tolist())
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, BlockTable | list | tuple) and self.tolist() == list(other)
-
-    __hash__ = None
-
-    def __repr__(self) -> str:
-        return f"BlockTable({self.tolist()})"
-
-    @property
-    def array(self) -> np.ndarray:
-        """int32 [len(self)], read-only."""
-        return self._readonly[: self._size]
-
-    def prefix(self, num_entries: int) -> np.ndarray:
-        """int32 [num_entries], read-only: the first entries, in one view (no `array` first)."""
-        assert num_entries <= self._size, (num_entries, self._size)
-        return self._readonly[:num_entries]
-
-    def tolist(self) -> list[int]:
-        return self._buffer[: self._size].tolist()
-
-    def block(self, index: int) -> int:
-        """Entry `index` (0 <= index < len), without bounds checks beyond the buffer's."""
-        return self._buffer.item(index)
-
-    def replace(self, index: int, block: int) -> None:
-        self._buffer[index] = block
-
-    def extend(self, blocks: list[int]) -> None:
-        new_size = self._size + len(blocks)
-        if new_size > len(self._buffer):
-            grown = np.zeros(max(2 * len(self._buffer), new_size), np.int32)
-            grown[: self._size] = self._buffer[: self._size]
-            self._set_buffer(grown)
-        self._buffer[self._size : new_size] = blocks
-        self._size = new_size
-
-    def copy(self) -> BlockTable:
-        return BlockTable(self._buffer[: self._size])
 
 
 @dataclass
@@ -155,28 +74,6 @@ class _SeqBlocks:
     num_shared: int = 0
     on_host: bool = False
     owes_copies: bool = False
-    reservation: _Reservation | None = None
-
-
-@dataclass
-class _Reservation:
-    """The device blocks of one reserving group, held from admission until it ends.
-
-    blocks_per_seq: each sequence's table length, ceil(reserved_len / block_size).
-    spare:          held blocks no table holds: those of sequences the group has
-                    yet to fork, or whose sequences ended.
-    members:        seq_ids of the group's sequences holding a table.
-    """
-
-    blocks_per_seq: int
-    spare: list[int]
-    members: set[int] = field(default_factory=set)
-
-    def take(self) -> list[int]:
-        """blocks_per_seq spare blocks for a sequence's table."""
-        blocks = self.spare[-self.blocks_per_seq :]
-        del self.spare[-self.blocks_per_seq :]
-        return blocks
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -202,40 +99,32 @@ class BlockManager:
         self.share_blocks = cache_config.share_blocks
         self.watermark_blocks = int(cache_config.watermark * self.num_device_blocks)
         self.prefix_cache_stats = PrefixCacheStats()
-        self._state = AllocatorState.create(cache_config.num_blocks, cache_config.num_host_blocks)
-        self._step = Transaction(self._state)
+        self.state: AllocatorState = allocator.create(cache_config.num_blocks,
+                                                      cache_config.num_host_blocks)
+        self.prefix_cache = PrefixCache(cache_config.num_blocks)
         self._seqs: dict[int, _SeqBlocks] = {}
         self._logical_blocks = 0
 
     @property
-    def state(self) -> AllocatorState:
-        """The allocator state committed by the last `end_step`."""
-        return self._state
-
-    @property
-    def step(self) -> Transaction:
-        """The open transaction: reads see this step's changes."""
-        return self._step
-
-    @property
     def num_free_blocks(self) -> int:
-        return self._step.num_free
+        """Free device blocks, cached ones included (allocation evicts them)."""
+        return int(self.state.device.num_free)
 
     @property
     def num_free_host_blocks(self) -> int:
-        return self._step.num_free_host
+        return int(self.state.host.num_free)
+
+    def refcount(self, block: int) -> int:
+        """Holders of device `block`."""
+        return int(self.state.device.refcounts[block])
+
+    def host_refcount(self, block: int) -> int:
+        return int(self.state.host.refcounts[block])
 
     @property
     def physical_blocks_used(self) -> int:
         """Device blocks held by at least one table (free cached blocks excluded)."""
-        return self.num_device_blocks - self._step.num_free
-
-    @property
-    def spare_blocks(self) -> list[int]:
-        """Device blocks that reserving groups hold outside any table."""
-        reservations = {id(r.reservation): r.reservation for r in self._seqs.values()
-                        if r.reservation is not None}
-        return [block for reservation in reservations.values() for block in reservation.spare]
+        return self.num_device_blocks - self.num_free_blocks
 
     @property
     def logical_blocks_used(self) -> int:
@@ -257,9 +146,8 @@ class BlockManager:
         return record.table
 
     def end_step(self) -> BlockOps:
-        """Commit this step's transition; the device applies the returned ops."""
-        self._state, ops = self._step.commit()
-        self._step = Transaction(self._state)
+        """Commit this step; the device applies the returned ops."""
+        self.state, ops = allocator.commit(self.state)
         return ops
 
     def reset_prefix_cache(self) -> None:
@@ -272,11 +160,31 @@ class BlockManager:
             raise RuntimeError(
                 f"the prefix cache can only be reset with every device block free; "
                 f"sequences {on_device[:5]} hold device blocks")
-        committed, _ = self._step.commit()
-        fresh = AllocatorState.create(len(committed.block_hashes), self.num_host_blocks)
-        self._state = dataclasses.replace(fresh, host=committed.host,
-                                          next_cache_id=committed.next_cache_id)
-        self._step = Transaction(self._state)
+        committed, _ = allocator.commit(self.state)
+        num_blocks = self.num_device_blocks + 1
+        self.state = allocator.create(num_blocks, 0)._replace(host=committed.host,
+                                                              ops=committed.ops)
+        self.prefix_cache = PrefixCache(num_blocks, self.prefix_cache.next_cache_id)
+
+    def check_invariants(self, running: list[Sequence], swapped: list[Sequence]) -> None:
+        """Check the blocks against the live sequences; RuntimeError on a violation.
+
+        Every device and host block's reference count equals the number of the
+        running (device) and swapped (host) sequences' tables holding it, so a
+        block is free exactly when none does; the free counts agree; the null
+        block is in no table; the logical block count is the tables' total.
+        """
+        device = [self.block_table(seq).array for seq in running]
+        host = [self.host_block_table(seq).array for seq in swapped]
+        problems = holder_problems("device", self.state.device, device, first=1)
+        problems += holder_problems("host", self.state.host, host, first=0)
+        if any((table == 0).any() for table in device):
+            problems.append("the null block is in a table")
+        logical = sum(len(table) for table in device)
+        if self.logical_blocks_used != logical:
+            problems.append(f"logical blocks {self.logical_blocks_used}, tables hold {logical}")
+        if problems:
+            raise RuntimeError("KV block invariants violated: " + "; ".join(problems[:5]))
 
     # Admission -----------------------------------------------------------------
 
@@ -305,10 +213,10 @@ class BlockManager:
         self._memoise_blocks(seq, record, num_eligible)
         blocks: list[int] = []
         cache_ids: list[int] = []
-        cached_block, parent, salt = self._step.cached_block, NO_PARENT, record.cache_salt
+        lookup, parent, salt = self.prefix_cache.lookup, NO_PARENT, record.cache_salt
         chain = zip(record.block_hashes[:num_eligible], record.block_tokens, strict=False)
         for block_hash, tokens in chain:
-            entry = cached_block(block_hash, parent, salt, tokens)
+            entry = lookup(block_hash, parent, salt, tokens)
             if entry is None:
                 break
             blocks.append(entry[0])
@@ -320,8 +228,19 @@ class BlockManager:
         """Free blocks that admitting `seqs` with these prefix hits consumes."""
         num_blocks = sum(_cdiv(len(seq), self.block_size) for seq in seqs)
         num_hits = sum(len(seq_hits) for seq_hits in hits)
-        free_hits = {b for seq_hits in hits for b in seq_hits if self._step.refcount(b) == 0}
+        refcounts = self.state.device.refcounts
+        free_hits = {b for seq_hits in hits for b in seq_hits if refcounts[b] == 0}
         return num_blocks - num_hits + len(free_hits)
+
+    def check_fits(self, group: SequenceGroup) -> None:
+        """Raise ValueError if the group's prompt needs more blocks than the pool holds
+        beside the watermark."""
+        num_prompt = group.seqs[0].num_prompt_tokens
+        if _cdiv(num_prompt, self.block_size) > self.num_device_blocks - self.watermark_blocks:
+            raise ValueError(
+                f"prompt of request {group.request_id!r} ({num_prompt} tokens) needs more "
+                "KV blocks than the whole pool holds"
+            )
 
     def can_allocate(self, group: SequenceGroup) -> AllocStatus:
         """Whether the group's WAITING sequences fit now, later, or never.
@@ -330,8 +249,6 @@ class BlockManager:
         a recomputed group), minus prefix hits, and keeps `watermark_blocks`
         free so running sequences can still grow.
         """
-        if group.reserved_len:
-            return self._can_reserve(group)
         seqs = group.seqs_with(SequenceStatus.WAITING)
         required = sum(_cdiv(len(seq), self.block_size) for seq in seqs)
         if required > self.num_device_blocks - self.watermark_blocks:
@@ -346,17 +263,13 @@ class BlockManager:
 
         Prefix-cache hits become the leading blocks and set
         `seq.num_computed_tokens` (never covering the last token); the other
-        sequences of a recomputed group get blocks of their own. A reserving group
-        gets its whole reservation (`reservation_blocks`).
+        sequences of a recomputed group get blocks of their own.
         """
         seqs = group.seqs_with(SequenceStatus.WAITING)
         for seq in seqs:
             record = self._seqs.get(seq.seq_id)
             if record is not None and record.table:
                 raise ValueError(f"sequence {seq.seq_id} already has a block table")
-        if group.reserved_len:
-            self._reserve(group, seqs)
-            return
         hits = [self._prefix_hits(seq, group) for seq in seqs]
         cost = self._admission_cost(seqs, [seq_hits for seq_hits, _ in hits])
         if cost > self.num_free_blocks:
@@ -366,11 +279,11 @@ class BlockManager:
             )
         for seq_hits, _ in hits:
             for block in seq_hits:
-                self._step.take_cached(block)
+                self.state = allocator.take(self.state, block)
         for seq, (seq_hits, cache_ids) in zip(seqs, hits, strict=True):
-            new_blocks = self._step.allocate(_cdiv(len(seq), self.block_size) - len(seq_hits))
+            new_blocks = self._allocate(_cdiv(len(seq), self.block_size) - len(seq_hits))
             record = self._record(seq, group.cache_salt)
-            record.table = BlockTable(seq_hits + new_blocks)
+            record.table = BlockTable(seq_hits + new_blocks.tolist())
             record.cache_ids = cache_ids
             record.num_shared = len(seq_hits)
             self._logical_blocks += len(record.table)
@@ -378,33 +291,11 @@ class BlockManager:
             if group.use_prefix_cache:
                 self._count_query(seq, len(seq_hits))
 
-    def reservation_blocks(self, group: SequenceGroup) -> int:
-        """Blocks a reserving group holds from admission to its end: reserved_len
-        tokens for each of the num_samples sequences it may have (samples, beams)."""
-        if self.enable_prefix_caching:
-            raise ValueError(
-                f"request {group.request_id!r} reserves its blocks (reserved_len="
-                f"{group.reserved_len}), which needs enable_prefix_caching=False"
-            )
-        return group.num_samples * _cdiv(group.reserved_len, self.block_size)
-
-    def _can_reserve(self, group: SequenceGroup) -> AllocStatus:
-        """Whether the whole reservation fits. No watermark: reserved sequences never grow."""
-        required = self.reservation_blocks(group)
-        if required > self.num_device_blocks:
-            return AllocStatus.NEVER
-        return AllocStatus.OK if required <= self.num_free_blocks else AllocStatus.LATER
-
-    def _reserve(self, group: SequenceGroup, seqs: list[Sequence]) -> None:
-        reservation = _Reservation(_cdiv(group.reserved_len, self.block_size),
-                                   self._step.allocate(self.reservation_blocks(group)))
-        for seq in seqs:
-            assert len(seq) <= group.reserved_len, (len(seq), group.reserved_len)
-            record = self._record(seq, group.cache_salt)
-            record.table, record.reservation = BlockTable(reservation.take()), reservation
-            reservation.members.add(seq.seq_id)
-            self._logical_blocks += reservation.blocks_per_seq
-            seq.num_computed_tokens = 0
+    def _allocate(self, num_blocks: int) -> np.ndarray:
+        """int32 [num_blocks] blocks from the free queue's head; their cache entries go."""
+        self.state, blocks = allocator.allocate(self.state, num_blocks)
+        self.prefix_cache.evict(blocks)
+        return blocks
 
     def _count_query(self, seq: Sequence, num_hit_blocks: int) -> None:
         if not self.enable_prefix_caching:
@@ -441,14 +332,14 @@ class BlockManager:
                 shared_writes += record.table[first:last]
         if shared_writes:
             needed += self._num_copies(shared_writes)
-        return needed <= self._step.num_free
+        return needed <= self.num_free_blocks
 
     def _num_copies(self, written_blocks: list[int]) -> int:
         """Copy-on-write blocks that one write per entry of `written_blocks` takes."""
-        refcount = self._step.refcount
+        refcounts = self.state.device.refcounts
         num_copies = 0
         for block, num_writers in Counter(written_blocks).items():
-            holders = refcount(block)
+            holders = refcounts[block]
             if holders > 1:
                 num_copies += num_writers if holders > num_writers else num_writers - 1
         return num_copies
@@ -477,22 +368,21 @@ class BlockManager:
             return  # the common decode step: the slots exist and are private
         if record.on_host:
             raise ValueError(f"sequence {seq.seq_id} is swapped out: swap it in to append")
-        assert record.reservation is None, f"sequence {seq.seq_id} outgrew its reservation"
-        step = self._step
-        shared = [
-            i for i in range(*_copied_range(record, first, end))
-            if step.refcount(table.block(i)) > 1
-        ]
+        refcounts = self.state.device.refcounts
+        shared = [i for i in range(*_copied_range(record, first, end))
+                  if refcounts[table.block(i)] > 1]
         num_new_blocks = max(0, num_new_blocks)
-        if len(shared) + num_new_blocks > step.num_free:
+        if len(shared) + num_new_blocks > self.num_free_blocks:
             raise ValueError(
                 f"sequence {seq.seq_id} needs {len(shared) + num_new_blocks} free blocks, "
-                f"only {step.num_free} are free"
+                f"only {self.num_free_blocks} are free"
             )
         for i in shared:
             written = i * self.block_size < seq.num_computed_tokens
-            table.replace(i, step.copy_on_write(table.block(i), copy_content=written))
-        table.extend(step.allocate(num_new_blocks))
+            self.state, private = allocator.copy_on_write(self.state, table.block(i), written)
+            self.prefix_cache.evict(np.array([private]))
+            table.replace(i, private)
+        table.extend(self._allocate(num_new_blocks).tolist())
         self._logical_blocks += num_new_blocks
         if record.owes_copies:
             record.owes_copies, record.num_shared = False, 0
@@ -510,11 +400,7 @@ class BlockManager:
             raise ValueError(f"child sequence {child.seq_id} already has a block table")
         source = self._seqs[parent.seq_id]
         table = self.block_table(parent)
-        if source.reservation is not None:
-            self._fork_reserved(parent, child, source)
-            return
-        for block in table.tolist():
-            self._step.share(block)
+        self.state = allocator.share(self.state, table.array)
         source.num_shared = len(table)
         self._seqs[child.seq_id] = _SeqBlocks(
             source.cache_salt,
@@ -527,22 +413,6 @@ class BlockManager:
         )
         self._logical_blocks += len(table)
 
-    def _fork_reserved(self, parent: Sequence, child: Sequence, source: _SeqBlocks) -> None:
-        """`child` gets a table from the reservation, the parent's computed blocks copied."""
-        reservation = source.reservation
-        if len(reservation.spare) < reservation.blocks_per_seq:
-            raise ValueError(
-                f"sequence {parent.seq_id} cannot fork: its request's reservation has no "
-                "blocks left for another sequence (it reserved for num_samples sequences)"
-            )
-        blocks = reservation.take()
-        for i in range(_cdiv(parent.num_computed_tokens, self.block_size)):
-            self._step.copy(source.table.block(i), blocks[i])
-        self._seqs[child.seq_id] = _SeqBlocks(source.cache_salt, BlockTable(blocks),
-                                              reservation=reservation)
-        reservation.members.add(child.seq_id)
-        self._logical_blocks += len(blocks)
-
     def free(self, seq: Sequence) -> None:
         """Forget `seq`: drop its table (device or host) and its memoised hashes.
 
@@ -552,24 +422,10 @@ class BlockManager:
         record = self._seqs.pop(seq.seq_id, None)
         if record is None:
             return
-        if record.reservation is not None:
-            self._free_reserved(seq, record.reservation, record.table)
-            return
-        release = self._step.free_host if record.on_host else self._step.free
-        for block in reversed(record.table.tolist()):
-            release(block)
+        release = allocator.free_host if record.on_host else allocator.free
+        self.state = release(self.state, record.table.array[::-1])
         if not record.on_host:
             self._logical_blocks -= len(record.table)
-
-    def _free_reserved(self, seq: Sequence, reservation: _Reservation, table: BlockTable) -> None:
-        """`seq`'s blocks go back to its group's reservation; the last sequence frees it."""
-        reservation.members.discard(seq.seq_id)
-        reservation.spare += table.tolist()
-        self._logical_blocks -= len(table)
-        if not reservation.members:
-            for block in reversed(reservation.spare):
-                self._step.free(block)
-            reservation.spare.clear()
 
     def cache_computed_blocks(self, seq: Sequence) -> None:
         """Register seq's blocks that are now full and computed in the prefix cache.
@@ -592,7 +448,7 @@ class BlockManager:
         self._memoise_blocks(seq, record, num_full)
         for i in range(len(cache_ids), num_full):
             parent = cache_ids[-1] if cache_ids else NO_PARENT
-            cache_id = self._step.register(
+            cache_id = self.prefix_cache.register(
                 record.table.block(i), record.block_hashes[i],
                 parent, record.cache_salt, record.block_tokens[i],
             )
@@ -621,14 +477,15 @@ class BlockManager:
         by this step's swap-in or copies (the device swaps out before those).
         """
         blocks = self._distinct_blocks(group.seqs_with(SequenceStatus.RUNNING), on_host=False)
-        if any(self._step.is_written(block) for block in blocks):
+        written = self.state.ops.written
+        if any(written[block] for block in blocks):
             return False
         return len(blocks) <= self.num_free_host_blocks
 
     def swap_out(self, group: SequenceGroup) -> None:
         """Move the RUNNING sequences' tables to host blocks (shared blocks move once)."""
         seqs = group.seqs_with(SequenceStatus.RUNNING)
-        host_tables = self._step.swap_out(self._tables(seqs, on_host=False))
+        self.state, host_tables = allocator.swap_out(self.state, self._tables(seqs, False))
         for seq, host_table in zip(seqs, host_tables, strict=True):
             record = self._seqs[seq.seq_id]
             self._logical_blocks -= len(record.table)
@@ -650,8 +507,9 @@ class BlockManager:
         registers them again where no other block holds their hash.
         """
         seqs = group.seqs_with(SequenceStatus.SWAPPED)
-        tables = self._step.swap_in(self._tables(seqs, on_host=True))
+        self.state, tables = allocator.swap_in(self.state, self._tables(seqs, True))
         for seq, table in zip(seqs, tables, strict=True):
+            self.prefix_cache.evict(np.asarray(table, np.int64))
             record = self._seqs[seq.seq_id]
             record.table, record.on_host, record.cache_ids = BlockTable(table), False, []
             record.num_shared = len(table)

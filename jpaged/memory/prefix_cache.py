@@ -1,4 +1,4 @@
-"""Automatic prefix caching: content keys and hashes of full blocks, and the hash index.
+"""Automatic prefix caching: content keys and hashes of full blocks, and the map of cached blocks.
 
 A full block's content key is the cache id of its parent block's entry, its
 own token ids and the request's cache_salt. Cache ids are handed out once per
@@ -15,21 +15,18 @@ prefixes whose hashes collide never share K/V, whoever chose their tokens.
 from __future__ import annotations
 
 import hashlib
-import math
 import struct
 from array import array
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from types import MappingProxyType
-from typing import Generic, TypeVar
+
+import numpy as np
 
 NO_HASH = 0
 """Parent hash of a sequence's first block, and the mark of a block with no hash."""
 
 NO_PARENT = 0
 """Parent cache id of a sequence's first block; registrations take ids from 1."""
-
-Value = TypeVar("Value")
 
 CachedBlock = tuple[int, int, int, str | None, bytes]
 """An entry of the hash index, (block, cache_id, parent, cache_salt, tokens).
@@ -69,66 +66,73 @@ def hash_block(parent_hash: int, tokens: bytes, cache_salt: str | None) -> int:
     return int.from_bytes(digest.digest(), "little") or 1
 
 
-_LEAF_BITS = 6
-_LEAVES_PER_NODE = 1 << _LEAF_BITS
+class PrefixCache:
+    """Which device blocks hold the K/V of which content key: a host map beside the
+    allocator (jpaged.memory.allocator), which knows nothing of hashes.
 
+    block_hashes:  uint64 [num_blocks]  hash of each device block's entry, NO_HASH if
+                   it holds none.
+    entries:       hash -> CachedBlock, for every block with a hash (in use or free).
+    next_cache_id: the id the next registration takes; ids are never reused.
 
-@dataclass(frozen=True)
-class HashIndex(Generic[Value]):
-    """Persistent map block hash -> value (a CachedBlock): a two-level tree of read-only dicts.
-
-    The hash's low bits pick a leaf dict (about 16 entries when `capacity`
-    blocks are cached); leaves hang 64 to a node under one root tuple.
-    `updated` copies the root, then only the nodes and leaves it touches:
-    O(capacity / 1024 + 80 * leaves touched) C-level work per commit, where one
-    flat dict would be copied whole.
+    A free block keeps its entry, so a later prompt can still hit it, until the
+    allocator hands it out again and `evict` drops the entry.
     """
 
-    root: tuple[tuple[Mapping[int, Value], ...], ...]
+    def __init__(self, num_blocks: int, next_cache_id: int = 1):
+        self.block_hashes = np.zeros(num_blocks, np.uint64)
+        self.entries: dict[int, CachedBlock] = {}
+        self.next_cache_id = next_cache_id
 
-    @classmethod
-    def empty(cls, capacity: int) -> HashIndex[Value]:
-        num_leaves = 1 << math.ceil(math.log2(max(capacity / 16, _LEAVES_PER_NODE)))
-        node = (MappingProxyType({}),) * _LEAVES_PER_NODE
-        return cls((node,) * (num_leaves // _LEAVES_PER_NODE))
+    def holds(self, block: int) -> bool:
+        """Whether device `block` has an entry."""
+        return self.block_hashes[block] != NO_HASH
 
-    def get(self, block_hash: int) -> Value | None:
-        # The leaf is the hash's low bits: node = leaf >> _LEAF_BITS, then the leaf's index in it.
-        leaf = block_hash & (len(self.root) * _LEAVES_PER_NODE - 1)
-        return self.root[leaf >> _LEAF_BITS][leaf & (_LEAVES_PER_NODE - 1)].get(block_hash)
+    def lookup(self, block_hash: int, parent: int, cache_salt: str | None, tokens: bytes
+               ) -> CachedBlock | None:
+        """The entry under `block_hash` with this content key (parent, cache_salt, tokens),
+        or None. An entry under `block_hash` with another key is a hash collision: a miss.
+        """
+        entry = self.entries.get(block_hash)
+        if entry is None or entry[2] != parent or entry[4] != tokens or entry[3] != cache_salt:
+            return None
+        return entry
 
-    def __len__(self) -> int:
-        return sum(len(leaf) for node in self.root for leaf in node)
+    def register(self, block: int, block_hash: int, parent: int, cache_salt: str | None,
+                 tokens: bytes) -> int | None:
+        """Make a full, computed block findable by `block_hash` and its content key
+        (parent, cache_salt, tokens); returns its cache id.
 
-    def items(self) -> list[tuple[int, Value]]:
-        return [item for node in self.root for leaf in node for item in leaf.items()]
+        If another block holds `block_hash`, `block` stays private: the holder's cache
+        id if it holds the same key (equal K/V), None if it holds other content (a
+        hash collision).
+        """
+        entry = self.entries.get(block_hash)
+        if entry is not None:
+            return entry[1] if entry[2:] == (parent, cache_salt, tokens) else None
+        if self.holds(block):
+            raise ValueError(f"device block {block} is already cached under another hash")
+        cache_id = self.next_cache_id
+        self.next_cache_id += 1
+        self.entries[block_hash] = (block, cache_id, parent, cache_salt, tokens)
+        self.block_hashes[block] = block_hash
+        return cache_id
 
-    def updated(self, changes: Mapping[int, Value | None]) -> HashIndex[Value]:
-        """A new index with `changes` applied (a None value removes the hash)."""
-        if not changes:
-            return self
-        last_leaf = len(self.root) * _LEAVES_PER_NODE - 1
-        leaves: dict[int, dict[int, Value]] = {}
-        for block_hash, value in changes.items():
-            leaf = block_hash & last_leaf
-            entries = leaves.get(leaf)
-            if entries is None:
-                entries = self.root[leaf >> _LEAF_BITS][leaf & (_LEAVES_PER_NODE - 1)].copy()
-                leaves[leaf] = entries
-            if value is None:
-                entries.pop(block_hash, None)
-            else:
-                entries[block_hash] = value
-        nodes: dict[int, list[Mapping[int, Value]]] = {}
-        for leaf, entries in leaves.items():
-            node_leaves = nodes.get(leaf >> _LEAF_BITS)
-            if node_leaves is None:
-                node_leaves = nodes[leaf >> _LEAF_BITS] = list(self.root[leaf >> _LEAF_BITS])
-            node_leaves[leaf & (_LEAVES_PER_NODE - 1)] = MappingProxyType(entries)
-        root = list(self.root)
-        for node, node_leaves in nodes.items():
-            root[node] = tuple(node_leaves)
-        return HashIndex(tuple(root))
+    def evict(self, blocks: np.ndarray) -> None:
+        """Drop the entries of `blocks` (int [K]): the allocator just handed them out."""
+        if len(blocks) == 1:  # most steps take a block at a time
+            block = blocks.item(0)
+            block_hash = self.block_hashes.item(block)
+            if block_hash != NO_HASH:
+                del self.entries[block_hash]
+                self.block_hashes[block] = NO_HASH
+            return
+        hashes = self.block_hashes[blocks]
+        if not hashes.any():
+            return
+        for block_hash in hashes[hashes != NO_HASH].tolist():
+            del self.entries[block_hash]
+        self.block_hashes[blocks] = NO_HASH
 
 
 @dataclass

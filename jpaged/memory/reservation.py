@@ -2,8 +2,9 @@
 
 The vLLM paper compares paging with Orca-style systems that reserve a request's
 KV memory for its whole possible length when it is admitted (Section 2.3,
-Figures 2 and 12). An engine run with one of these allocations keeps paging's
-blocks, kernels and pool, but reserves per sequence:
+Figures 2 and 12). One vocabulary names the allocations everywhere (the
+engine's `allocation=`, the simulator, experiments/); each Orca policy reserves
+per sequence:
 
 - "orca-max":    max_model_len tokens, whatever the request needs;
 - "orca-pow2":   the prompt plus the next power of two of the output (a
@@ -14,15 +15,19 @@ blocks, kernels and pool, but reserves per sequence:
 Every reservation is capped at max_model_len: no sequence grows past it.
 "paged" reserves nothing: blocks are allocated as tokens arrive.
 
-These policies flatter Orca. Its reservations are contiguous slabs, so freed
-slabs leave holes and a request can wait while enough memory is free in total
-(external fragmentation); here a reservation is any `ceil(tokens / block_size)`
-blocks of the pool, which fragments nothing beyond the last block's tail.
+The engine reserves paged blocks (jpaged.memory.reserving_block_manager): any
+`ceil(tokens / block_size)` blocks of the pool, which fragments nothing beyond
+the last block's tail, so these policies flatter Orca there. The simulator's
+contiguous arena (experiments.baselines) places each reservation as one slab,
+whose freed holes fragment the pool as Orca's do.
 """
 
 from __future__ import annotations
 
 from typing import Literal
+
+from jpaged.sampling_params import SamplingParams
+from jpaged.sequence import SequenceGroup
 
 Allocation = Literal["paged", "orca-max", "orca-pow2", "orca-oracle"]
 ALLOCATIONS: tuple[Allocation, ...] = ("paged", "orca-max", "orca-pow2", "orca-oracle")
@@ -62,3 +67,17 @@ def reserved_tokens(
     if allocation == "orca-pow2":
         output_len = next_power_of_two(output_len)
     return min(num_prompt_tokens + output_len, max_model_len)
+
+
+def known_output_len(group: SequenceGroup, max_model_len: int) -> int | None:
+    """The output length `group`'s sequences will reach, or None if EOS or a stop may end
+    them sooner: known when it ignores EOS and has no stop strings or stop token ids
+    (max_tokens, or else max_model_len, is then the length)."""
+    params = group.params
+    if not params.ignore_eos:
+        return None
+    if isinstance(params, SamplingParams) and (params.stop or params.stop_token_ids):
+        return None
+    # A prompt of max_model_len tokens still samples one.
+    room = max(max_model_len - group.seqs[0].num_prompt_tokens, 1)
+    return room if params.max_tokens is None else min(params.max_tokens, room)

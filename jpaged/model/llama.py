@@ -2,10 +2,10 @@
 
 One module covers Llama 2/3 (llama3 RoPE scaling), SmolLM2 and Qwen2/2.5 (q/k/v
 biases): RMSNorm, rotate-half RoPE, grouped-query attention, SwiGLU MLP, tied or
-untied embeddings. A forward pass takes a flat run of new tokens from several
-sequences (prefill chunks and decodes mixed), writes their K/V into the paged
-cache at `metadata.slot_mapping`, attends through the block tables and returns
-the logits of each sequence's last new token.
+untied embeddings. A step (`hidden_states`) takes a flat run of new tokens from
+several sequences (prefill chunks and decodes mixed), writes their K/V into the
+paged cache at `metadata.slot_mapping` and attends through the block tables;
+`compute_logits` then gives the logits of the rows the sampler draws from.
 
 Arithmetic runs in the parameters' dtype (f32 by default, bf16 optional); norm
 statistics, RoPE and softmax run in f32.
@@ -13,8 +13,7 @@ statistics, RoPE and softmax run in f32.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +23,8 @@ import numpy as np
 from flax import nnx
 
 from jpaged.core.attention_metadata import AttentionMetadata
+from jpaged.model.config import LlamaConfig
+from jpaged.model.rope import apply_rope, rope_inverse_frequencies, rotary_tables
 from kernels_pallas.reference import ragged_paged_attention_reference, write_kv_reference
 
 # (k_cache, v_cache) of every layer, each [num_layers, num_kv_heads, num_blocks, block_size,
@@ -31,179 +32,6 @@ from kernels_pallas.reference import ragged_paged_attention_reference, write_kv_
 KVCache = tuple[jax.Array, jax.Array]
 AttentionFn = Callable[..., jax.Array]
 WriteKVFn = Callable[..., KVCache]
-
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
-
-
-@dataclass(frozen=True)
-class Llama3RopeScaling:
-    """Llama 3.1's RoPE frequency scaling (rope_type "llama3" in Hugging Face configs)."""
-
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
-
-
-@dataclass(frozen=True)
-class LlamaConfig:
-    """Architecture of a Llama-family decoder.
-
-    shard_groups: the fused `qkv_proj` and `gate_up_proj` columns come in this many
-    equal groups, group g holding [its q heads | its k heads | its v heads] and
-    [its gate columns | its up columns] (heads and columns in order, group g the
-    g-th slice of each). 1 is Hugging Face's order concatenated; tensor
-    parallelism over N devices lays them out in N groups (jpaged.model.sharding),
-    so that each device's contiguous slice of the columns is its own q, k, v.
-    """
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rope_theta: float = 10000.0
-    rope_scaling: Llama3RopeScaling | None = None
-    rms_norm_eps: float = 1e-6
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False
-    max_position_embeddings: int = 2048
-    bos_token_id: int | None = None
-    eos_token_ids: tuple[int, ...] = ()
-    shard_groups: int = 1
-
-    def __post_init__(self):
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "head_dim", "max_position_embeddings", "shard_groups"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
-                f"({self.num_kv_heads})"
-            )
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
-        for name in ("num_heads", "num_kv_heads", "intermediate_size"):
-            if getattr(self, name) % self.shard_groups:
-                raise ValueError(f"{name} ({getattr(self, name)}) must be a multiple of "
-                                 f"shard_groups ({self.shard_groups})")
-
-    @classmethod
-    def from_hf_config(cls, hf_config: Mapping[str, Any] | Any) -> LlamaConfig:
-        """Read a Hugging Face config (a config.json dict or a transformers config).
-
-        Accepts model_type "llama" (Llama 2/3, SmolLM2) and "qwen2" (Qwen2/2.5), with
-        the RoPE settings in either transformers 4 (`rope_theta`, `rope_scaling`) or
-        transformers 5 (`rope_parameters`) form.
-        """
-        d = dict(hf_config) if isinstance(hf_config, Mapping) else hf_config.to_dict()
-        _check_supported(d)
-        num_heads = d["num_attention_heads"]
-        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        return cls(
-            vocab_size=d["vocab_size"],
-            hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"],
-            num_layers=d["num_hidden_layers"],
-            num_heads=num_heads,
-            num_kv_heads=d.get("num_key_value_heads") or num_heads,
-            head_dim=d.get("head_dim") or d["hidden_size"] // num_heads,
-            rope_theta=float(d.get("rope_theta") or rope.get("rope_theta") or 10000.0),
-            rope_scaling=_rope_scaling(rope),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            # Qwen2 always has q/k/v biases; its configs carry no flag for them.
-            attention_bias=d["model_type"] == "qwen2" or bool(d.get("attention_bias", False)),
-            max_position_embeddings=d.get("max_position_embeddings", 2048),
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_ids=token_ids_tuple(d.get("eos_token_id")),
-        )
-
-
-def token_ids_tuple(token_ids: int | list[int] | None) -> tuple[int, ...]:
-    """A config's `eos_token_id` (an int, a list or None) as a tuple."""
-    if token_ids is None:
-        return ()
-    return (token_ids,) if isinstance(token_ids, int) else tuple(token_ids)
-
-
-def _check_supported(d: Mapping[str, Any]) -> None:
-    model_type = d.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"model_type {model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}"
-        )
-    if d.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"hidden_act {d['hidden_act']!r} is not supported; expected 'silu'")
-    if d.get("mlp_bias"):
-        raise ValueError("mlp_bias=True is not supported")
-    if model_type == "llama" and d.get("attention_bias"):
-        # Llama's flag also adds an o_proj bias, which this model does not have.
-        raise ValueError("attention_bias=True is not supported for model_type 'llama'")
-    if d.get("use_sliding_window"):
-        raise ValueError("use_sliding_window=True is not supported")
-
-
-def _rope_scaling(rope: Mapping[str, Any]) -> Llama3RopeScaling | None:
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type == "default":
-        return None
-    if rope_type != "llama3":
-        raise ValueError(
-            f"rope_type {rope_type!r} is not supported; expected 'default' or 'llama3'"
-        )
-    return Llama3RopeScaling(
-        factor=float(rope["factor"]),
-        low_freq_factor=float(rope["low_freq_factor"]),
-        high_freq_factor=float(rope["high_freq_factor"]),
-        original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
-    )
-
-
-def rope_inverse_frequencies(config: LlamaConfig) -> np.ndarray:
-    """float32 [head_dim // 2]: the angle per position of each rotated pair.
-
-    With llama3 scaling, wavelengths longer than the original context divided by
-    low_freq_factor are slowed down by `factor`, those shorter than it divided by
-    high_freq_factor are kept, and the band between interpolates smoothly.
-    """
-    exponents = np.arange(0, config.head_dim, 2, dtype=np.float32) / np.float32(config.head_dim)
-    inv_freq = 1.0 / np.float32(config.rope_theta) ** exponents
-    scaling = config.rope_scaling
-    if scaling is None:
-        return inv_freq.astype(np.float32)
-    original = scaling.original_max_position_embeddings
-    wavelen = 2 * math.pi / inv_freq
-    smooth = (original / wavelen - scaling.low_freq_factor) / (
-        scaling.high_freq_factor - scaling.low_freq_factor
-    )
-    interpolated = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
-    scaled = np.where(wavelen > original / scaling.low_freq_factor, inv_freq / scaling.factor,
-                      interpolated)
-    scaled = np.where(wavelen < original / scaling.high_freq_factor, inv_freq, scaled)
-    return scaled.astype(np.float32)
-
-
-def rotary_tables(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
-    """positions int32 [T], inv_freq f32 [D/2] -> (cos, sin), each f32 [T, D/2]."""
-    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
-    return jnp.cos(angles), jnp.sin(angles)
-
-
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate-half RoPE: x [T, H, D], cos/sin f32 [T, D/2] -> [T, H, D] in x.dtype.
-
-    Pairs are (i, i + D/2), Hugging Face's layout (GGUF's interleaved layout is
-    converted at load time).
-    """
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    first, second = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    rotated = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
-    return rotated.astype(x.dtype)
-
 
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, eps: float, dtype: jnp.dtype):
@@ -391,15 +219,25 @@ class LlamaForCausalLM(nnx.Module):
     arrays (PerLayerKernels), which the same scan multiplies by without copying:
     the layout the runner takes on CPU.
 
-    To jit a step as a pure function with the cache donated, split the module once
-    and merge inside the traced function (this is what `forward` does):
+    A step is `hidden_states` (every layer over the step's new tokens, writing their
+    K/V into the paged cache and attending through the block tables) followed by
+    `compute_logits` on the rows to sample from. The runner (jpaged.engine.runner)
+    jits it as a pure function with the cache donated: it splits the module once
+    and merges inside the traced function,
 
         graphdef, state = nnx.split(model)
-        step = jax.jit(forward, static_argnums=0, donate_argnums=3)
-        logits, kv_caches = step(graphdef, state, input_ids, kv_caches, metadata)
 
-    Pass `attention_fn` / `write_kv_fn` through `functools.partial(forward, ...)`
-    before jitting to pick another attention backend.
+        def step(state, input_ids, kv_cache, metadata):
+            model = nnx.merge(graphdef, state)
+            hidden, kv_cache = model.hidden_states(input_ids, kv_cache, metadata,
+                                                   attention_fn, write_kv_fn)
+            return model.compute_logits(hidden[metadata.logits_indices]), kv_cache
+
+        logits, kv_cache = jax.jit(step, donate_argnums=2)(state, input_ids, kv_cache,
+                                                           metadata)
+
+    with `attention_fn` / `write_kv_fn` from kernels_pallas (the pure-JAX references
+    by default).
     """
 
     def __init__(self, config: LlamaConfig, *, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs):
@@ -411,27 +249,10 @@ class LlamaForCausalLM(nnx.Module):
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, dtype, rngs)
 
-    def __call__(
-        self,
-        input_ids: jax.Array,
-        kv_caches: KVCache,
-        metadata: AttentionMetadata,
-        attention_fn: AttentionFn = ragged_paged_attention_reference,
-        write_kv_fn: WriteKVFn = write_kv_reference,
-    ) -> tuple[jax.Array, KVCache]:
-        """One step: (logits f32 [B, vocab] at metadata.logits_indices, updated kv_caches).
-
-        Arguments as in `hidden_states`.
-        """
-        hidden, new_caches = self.hidden_states(
-            input_ids, kv_caches, metadata, attention_fn, write_kv_fn
-        )
-        return self.compute_logits(hidden[metadata.logits_indices]), new_caches
-
     def hidden_states(
         self,
         input_ids: jax.Array,
-        kv_caches: KVCache,
+        kv_cache: KVCache,
         metadata: AttentionMetadata,
         attention_fn: AttentionFn = ragged_paged_attention_reference,
         write_kv_fn: WriteKVFn = write_kv_reference,
@@ -439,14 +260,14 @@ class LlamaForCausalLM(nnx.Module):
         """One step over a flat run of new tokens (T padded tokens, B padded sequences).
 
         input_ids: int32 [T]
-        kv_caches: (k_cache, v_cache), each [num_layers, num_kv_heads, num_blocks,
+        kv_cache: (k_cache, v_cache), each [num_layers, num_kv_heads, num_blocks,
                    block_size, head_dim]
         metadata:  AttentionMetadata of this step (positions, slot_mapping, ...).
         attention_fn(q [T, Hq, D], k_cache, v_cache, block_tables, context_lens,
                      query_start_loc, *, layer, scale) -> [T, Hq, D]
         write_kv_fn(k_cache, v_cache, k [T, Hkv, D], v, slot_mapping, layer)
                      -> (k_cache, v_cache)
-        returns    (final-normed hidden states [T, hidden_size], updated kv_caches).
+        returns    (final-normed hidden states [T, hidden_size], updated kv_cache).
 
         The layers run under `jax.lax.scan` with the whole cache in the carry: each
         layer writes and reads its own [layer] slice through the kernels' `layer`
@@ -456,17 +277,17 @@ class LlamaForCausalLM(nnx.Module):
         layer_graph, per_layer, stacked = nnx.split(self.layers, _holds_per_layer_kernels, ...)
 
         def run_layer(carry, layer_and_params):
-            x, kv_caches = carry
+            x, kv_cache = carry
             layer, params = layer_and_params
             bound = jax.tree.map(lambda k: k.at(layer), per_layer, is_leaf=_is_per_layer)
             decoder = nnx.merge(layer_graph, bound, params)
-            return decoder(x, rope, kv_caches, layer, metadata, attention_fn, write_kv_fn), None
+            return decoder(x, rope, kv_cache, layer, metadata, attention_fn, write_kv_fn), None
 
         layer_ids = jnp.arange(self.config.num_layers, dtype=jnp.int32)
-        (x, kv_caches), _ = jax.lax.scan(
-            run_layer, (self.embed_tokens(input_ids), kv_caches), (layer_ids, stacked)
+        (x, kv_cache), _ = jax.lax.scan(
+            run_layer, (self.embed_tokens(input_ids), kv_cache), (layer_ids, stacked)
         )
-        return self.norm(x), kv_caches
+        return self.norm(x), kv_cache
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """Final-normed hidden states [N, hidden_size] -> logits f32 [N, vocab]."""
@@ -477,24 +298,7 @@ class LlamaForCausalLM(nnx.Module):
         return logits.astype(jnp.float32)
 
 
-def forward(
-    graphdef: nnx.GraphDef,
-    state: nnx.State,
-    input_ids: jax.Array,
-    kv_caches: KVCache,
-    metadata: AttentionMetadata,
-    attention_fn: AttentionFn = ragged_paged_attention_reference,
-    write_kv_fn: WriteKVFn = write_kv_reference,
-) -> tuple[jax.Array, KVCache]:
-    """`LlamaForCausalLM.__call__` as a pure function of (graphdef, state, ...), for jax.jit.
-
-    Shapes as in `LlamaForCausalLM.__call__`; graphdef is static, kv_caches may be donated.
-    """
-    model = nnx.merge(graphdef, state)
-    return model(input_ids, kv_caches, metadata, attention_fn, write_kv_fn)
-
-
-def init_kv_caches(
+def init_kv_cache(
     config: LlamaConfig, num_blocks: int, block_size: int, dtype: jnp.dtype = jnp.float32
 ) -> KVCache:
     """A zeroed paged cache (k_cache, v_cache), each

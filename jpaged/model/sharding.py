@@ -36,7 +36,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jpaged.model.llama import LlamaConfig, LlamaForCausalLM
+from jpaged.model.config import LlamaConfig
+from jpaged.model.llama import LlamaForCausalLM
 
 MODEL_AXIS = "model"
 

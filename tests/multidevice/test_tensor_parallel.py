@@ -22,16 +22,17 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 from test_tokenizer import transformers_answer
 
+import kernels_pallas
 from jpaged import __main__ as cli
-from jpaged.core.batch_builder import BucketSizes
+from jpaged.core.step_shapes import BucketSizes, step_shapes
 from jpaged.engine.async_engine import AsyncLLMEngine
-from jpaged.engine.llm_engine import step_shapes
 from jpaged.engine.runner import ModelRunner
 from jpaged.engine.stats import num_compilations
 from jpaged.entrypoints.llm import LLM
-from jpaged.entrypoints.server import OpenAIServing
+from jpaged.entrypoints.serving import OpenAIServing
 from jpaged.memory.allocator import BlockOps
-from jpaged.model.llama import LlamaConfig, LlamaForCausalLM
+from jpaged.model.config import LlamaConfig
+from jpaged.model.llama import LlamaForCausalLM
 from jpaged.model.loader import load_model
 from jpaged.model.sharding import bytes_per_device, model_mesh, shard_model
 from jpaged.sampling_params import SamplingParams
@@ -122,7 +123,8 @@ def one_device_outputs(loaded_models):
     return outputs
 
 
-@pytest.mark.parametrize("backend", ["reference", "xla", "pallas"])
+@pytest.mark.parametrize("backend",
+                         ["reference", "xla", kernels_pallas.pallas_implementation(False)])
 @pytest.mark.parametrize("name", ["llama", "qwen2"])
 @pytest.mark.parametrize("size", [2, 4])
 def test_tensor_parallel_greedy_matches_one_device(
@@ -131,7 +133,7 @@ def test_tensor_parallel_greedy_matches_one_device(
     """4 query heads, 2 KV heads: TP 2 splits the KV heads, TP 4 replicates each on two
     devices. Also: the cache's bytes per device, and the collectives of the compiled
     decode step (and mixed step, at TP 2): two all-reduces per layer, nothing else."""
-    interpret = kernel_interpret(None) if backend == "pallas" else False
+    interpret = kernel_interpret(backend) if backend in ("tpu", "triton") else False
     reference = one_device_outputs(name, backend, interpret)
     llm = LLM(name, loaded=loaded_models[name], attention_backend=backend,
               interpret=interpret, tensor_parallel_size=size, **ENGINE)
@@ -143,7 +145,7 @@ def test_tensor_parallel_greedy_matches_one_device(
     hf_config = json.loads((model_dir / "config.json").read_text())
     num_kv_heads = hf_config["num_key_value_heads"]
     runner = llm.engine.runner
-    for cache in runner.kv_caches:
+    for cache in runner.kv_cache:
         assert cache.sharding.spec == P(None, "model")
         assert len(cache.sharding.device_set) == size
         # Replicated KV heads: each device holds one head, 1 / num_kv_heads of the total.
@@ -172,7 +174,7 @@ def test_smollm2_three_way_matches_one_device(smollm2):
                 **engine)
     near_ties = near_ties_or_fail(reference, three.generate(texts, params))
     print(f"TP=3 smollm2 xla: {near_ties} near-tie steps")
-    one_cache, three_cache = one.engine.runner.kv_caches[0], three.engine.runner.kv_caches[0]
+    one_cache, three_cache = one.engine.runner.kv_cache[0], three.engine.runner.kv_cache[0]
     assert bytes_per_device(three_cache) * 3 == bytes_per_device(one_cache)
 
 
@@ -189,7 +191,7 @@ def test_two_replicas_of_two_devices_match_one_device(two_by_two, loaded_models,
     reference = one_device_outputs("llama", "xla", False)
     llm = two_by_two
     replicas = llm.engine.replicas
-    devices = [r.runner.kv_caches[0].sharding.device_set for r in replicas]
+    devices = [r.runner.kv_cache[0].sharding.device_set for r in replicas]
     assert [len(d) for d in devices] == [2, 2] and not devices[0] & devices[1]
 
     vocab = loaded_models["llama"][1].vocab_size
@@ -284,7 +286,7 @@ def test_data_parallel_warmup_leaves_nothing_to_compile(two_by_two, loaded_model
     assert jax.config.jax_compilation_cache_dir is None  # a hit would not count as a compile
     num_shapes = engine.warmup()
     replica = engine.replicas[0]
-    assert num_shapes == len(step_shapes(replica.buckets, ENGINE["max_num_batched_tokens"],
+    assert num_shapes == len(step_shapes(replica.shapes.buckets, ENGINE["max_num_batched_tokens"],
                                          ENGINE["max_num_seqs"], ENGINE["max_model_len"]
                                          // ENGINE["block_size"]))
     before = num_compilations()
@@ -342,16 +344,16 @@ def test_swaps_and_copies_keep_the_cache_split_by_head():
     model, sharded_config = shard_model(LlamaForCausalLM(config, rngs=nnx.Rngs(0)), config, mesh)
     runner = ModelRunner(model, sharded_config, num_blocks=8, block_size=4, num_host_blocks=4,
                          attention_backend="xla", mesh=mesh)
-    runner.kv_caches = tuple(
+    runner.kv_cache = tuple(
         jax.device_put(np.random.default_rng(i).normal(size=c.shape).astype(c.dtype), c.sharding)
-        for i, c in enumerate(runner.kv_caches))
-    before = [np.array(cache) for cache in runner.kv_caches]
+        for i, c in enumerate(runner.kv_cache))
+    before = [np.array(cache) for cache in runner.kv_cache]
     none = np.zeros((0, 2), np.int32)
     runner.apply_block_ops(BlockOps(swap_out=np.array([[3, 1]], np.int32), swap_in=none,
                                     copies=none))
     runner.apply_block_ops(BlockOps(swap_out=none, swap_in=np.array([[1, 5]], np.int32),
                                     copies=np.array([[2, 6]], np.int32)))
-    for expected, cache in zip(before, runner.kv_caches, strict=True):
+    for expected, cache in zip(before, runner.kv_cache, strict=True):
         expected[:, :, 5], expected[:, :, 6] = expected[:, :, 3], expected[:, :, 2]
         assert cache.sharding.spec == P(None, "model") and len(cache.sharding.device_set) == 4
         np.testing.assert_array_equal(np.asarray(cache), expected)

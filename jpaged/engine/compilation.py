@@ -1,0 +1,80 @@
+"""Compiling an engine's steps before it serves: every shape, in threads, and a cache on disk."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jpaged.core.step_shapes import StepShapes
+from jpaged.engine.runner import ModelRunner
+from jpaged.model.default_model import cache_directory
+from jpaged.model.sampler import SamplingRow, sampling_tensors
+
+
+def use_persistent_compilation_cache() -> None:
+    """Keep compiled steps on disk (under the jpaged cache) unless the user chose a place:
+    a process that serves the same shapes again loads them instead of compiling."""
+    if jax.config.jax_compilation_cache_dir is None:
+        jax.config.update("jax_compilation_cache_dir", str(cache_directory() / "xla"))
+
+
+def warmup(runner: ModelRunner, shapes: StepShapes, *, vocab_size: int, hidden_size: int,
+           num_top: int) -> int:
+    """Compile every step shape the limits allow, so serving never compiles: the model
+    steps, the logits and the sampler's four variants (greedy or drawing, with or
+    without penalties) for every row count, and the prompt log-probabilities.
+
+    XLA compiles without holding the GIL, so the compiles run in one thread per
+    core; each step shape then runs once, from the compiled cache, on the
+    donated KV cache (which threads cannot share).
+
+    returns the number of (token, sequence, block) bucket shapes run.
+    """
+    step_shapes = shapes.warmup_shapes()
+    row_counts = sorted({s for _, s, _, decode_only in step_shapes if decode_only})
+    # One thread per core; os.sched_getaffinity would exist on Linux only.
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        jobs = [pool.submit(runner.compile_step, *shape) for shape in step_shapes]
+        jobs += [pool.submit(call) for call in _sampling_calls(
+            runner, shapes, row_counts, vocab_size, hidden_size, num_top)]
+        for job in jobs:
+            job.result()
+    for shape in step_shapes:
+        runner.run_padding_step(*shape)
+    return len(step_shapes)
+
+
+def _sampling_calls(runner: ModelRunner, shapes: StepShapes, row_counts: list[int],
+                    vocab_size: int, hidden_size: int, num_top: int
+                    ) -> list[Callable[[], Any]]:
+    """Calls that compile what follows a step of each row count: its logits, the
+    gathers of its rows for the sampler, the sampler's variants for each padded
+    row count, and the prompt log-probabilities. Each runs on its own zeros."""
+    dtype = runner.kv_cache[0].dtype
+    mixed_rows = shapes.buckets.mixed_num_seqs
+    calls = []
+    for num_rows in row_counts:
+        if mixed_rows >= num_rows:  # a mixed step's logits of its rows in use
+            calls.append(partial(runner.logits, jnp.zeros((mixed_rows, hidden_size), dtype),
+                                 num_rows))
+        calls += [partial(runner.gather_rows, jnp.zeros((num_rows, vocab_size), jnp.float32),
+                          np.zeros(padded, np.int32))
+                  for padded in {shapes.sampler_rows(n) for n in range(1, num_rows + 1)}]
+    variants = [SamplingRow.greedy(position=0, temperature=temperature, **penalty)
+                for temperature in (0.0, 1.0)
+                for penalty in ({}, {"repetition_penalty": 1.5})]
+    for padded in {shapes.sampler_rows(n) for n in range(1, row_counts[-1] + 1)}:
+        logits = jnp.zeros((padded, vocab_size), jnp.float32)
+        calls += [partial(runner.sample, logits, np.zeros(padded, np.int32),
+                          sampling_tensors([variant], padded, vocab_size), num_top)
+                  for variant in variants]
+    calls.append(partial(runner.token_logprobs, jnp.zeros((1, hidden_size), dtype),
+                         np.zeros(1, np.int32), num_top))
+    return calls

@@ -1,0 +1,130 @@
+"""EngineConfig: everything an engine needs to start."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+from jax.sharding import Mesh
+
+import kernels_pallas
+from jpaged.core.step_shapes import BucketSizes
+from jpaged.engine.machine import MachineDefaults
+from jpaged.memory.reservation import Allocation, check_allocation
+from jpaged.model.sharding import replica_meshes
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an engine needs to start.
+
+    max_num_seqs, max_num_batched_tokens and kv_cache_fraction left as None
+    take the machine's defaults: CPU_DEFAULTS on a CPU, ACCELERATOR_DEFAULTS on
+    a device that reports its memory (a GPU or TPU). The KV pool's size is the
+    rule of `kv_cache_budget`. Step shapes pad to `buckets`, by default
+    `default_buckets` of the attention backend. max_logprobs caps `logprobs`
+    and `prompt_logprobs` (the sampler returns that many top tokens per row)
+    and so the beam-search candidates per beam. share_blocks=False makes forked
+    samples and beams copy all their parent's blocks before their first write
+    instead of sharing them: the no-sharing baseline.
+
+    allocation: "paged" allocates blocks as tokens arrive (BlockManager).
+    "orca-max", "orca-pow2" and "orca-oracle" are the paper's Orca baselines on
+    the same model, kernels and pool (ReservingBlockManager): each sequence
+    reserves blocks for max_model_len tokens, for its prompt plus the next power
+    of two of its output, or for its true length, when its request is admitted,
+    and holds them until the request ends (jpaged.memory.reservation). Pow2 and
+    Oracle need the output length in advance: requests must set ignore_eos=True
+    and no stop strings or stop token ids (max_tokens, or else max_model_len, is
+    then the length). Orca has no prefix cache and no swap space, and each
+    parallel sample or beam holds a reservation of its own. Reserved blocks
+    fragment nothing outside a sequence, unlike Orca's contiguous slabs: these
+    policies flatter Orca.
+
+    attention_backend: "tpu" (the Mosaic kernel), "triton" (the Triton kernel;
+    on CPU it runs interpreted, with interpret=True), "xla" (the same tiled
+    algorithm as an XLA loop) or "reference" (the pure-JAX definition); None
+    takes the device's own: "tpu" on a TPU, "triton" on a GPU, "xla" on a CPU.
+    "pallas" is a deprecated name for the device's Pallas kernel.
+
+    tensor_parallel_size: run the model Megatron-style over this many devices
+    (jpaged.model.sharding): one scheduler and one set of block tables for all
+    of them. data_parallel_size: this many replicas of the engine, each on its
+    own tensor_parallel_size devices (`LLM` spreads requests over them; one
+    `LLMEngine` is one replica). mesh: a `jax.sharding.Mesh` with axes
+    ("model",) or ("data", "model") to place them on chosen devices instead of
+    the first of `jax.devices()`.
+    """
+
+    model: str = "smollm2"
+    dtype: str = "float32"
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory: int | None = None
+    kv_cache_fraction: float | None = None
+    num_host_blocks: int = 0
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    preemption_mode: Literal["recompute", "swap"] = "recompute"
+    attention_backend: kernels_pallas.Implementation | None = None
+    interpret: bool = False
+    buckets: BucketSizes | None = None
+    persistent_compilation_cache: bool = True
+    seed: int = 0
+    max_logprobs: int = 20
+    share_blocks: bool = True
+    allocation: Allocation = "paged"
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    mesh: Mesh | None = None
+
+    def __post_init__(self):
+        check_allocation(self.allocation)
+        if self.attention_backend == "pallas":
+            warnings.warn("attention_backend='pallas' is deprecated: use 'tpu' or 'triton' "
+                          "(the name of the kernel), or None for the device's own",
+                          DeprecationWarning, stacklevel=3)
+            object.__setattr__(self, "attention_backend",
+                               kernels_pallas.pallas_implementation(self.interpret))
+        if self.attention_backend not in (None, *kernels_pallas.IMPLEMENTATIONS):
+            raise ValueError(f"attention_backend must be one of "
+                             f"{kernels_pallas.IMPLEMENTATIONS} or None, got "
+                             f"{self.attention_backend!r}")
+        minimums = {"block_size": 1, "num_blocks": 2, "kv_cache_memory": 1, "max_num_seqs": 1,
+                    "max_num_batched_tokens": 1, "max_model_len": 1, "max_logprobs": 1,
+                    "tensor_parallel_size": 1, "data_parallel_size": 1}
+        for name, minimum in minimums.items():
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int | np.integer):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+            if value < minimum:
+                unit = " bytes" if name == "kv_cache_memory" else ""
+                raise ValueError(f"{name} must be >= {minimum}{unit}, got {value}")
+        fraction = self.kv_cache_fraction
+        if self.mesh is not None and not isinstance(self.mesh, Mesh):
+            raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(self.mesh).__name__}")
+        if fraction is not None and (isinstance(fraction, bool)
+                                     or not isinstance(fraction, int | float)
+                                     or not 0.0 < fraction <= 1.0):
+            raise ValueError(f"kv_cache_fraction must be in (0, 1], got {fraction!r}")
+
+    def with_machine_defaults(self, defaults: MachineDefaults) -> EngineConfig:
+        """This config with each limit left as None taken from `defaults`."""
+        return dataclasses.replace(self, **{
+            name: getattr(defaults, name) if getattr(self, name) is None else getattr(self, name)
+            for name in ("max_num_seqs", "max_num_batched_tokens")
+        })
+
+    def replica_meshes(self) -> list[Mesh | None]:
+        """The mesh of each data-parallel replica; [None] for one replica on one device."""
+        if (self.tensor_parallel_size, self.data_parallel_size, self.mesh) == (1, 1, None):
+            return [None]
+        return replica_meshes(self.tensor_parallel_size, self.data_parallel_size, self.mesh)

@@ -1,0 +1,289 @@
+"""EngineCore: one step of the serving loop, in one direction.
+
+    plan = scheduler.schedule()              host: who runs, how many tokens each, who draws;
+                                             block tables grown (copy-on-write, swaps)
+    runner.apply_block_ops(plan.block_ops)   device: block copies and swaps
+    build_model_input(plan.scheduled, ...)   host: padded int32 gather indices
+    runner.execute(...)                      device: the jit-compiled model step
+    runner.sample(...)                       device: a token and log-probabilities per draw
+    beam searches choose their beams         host (jpaged.engine.beam_search)
+    scheduler.update_from_output(plan, ...)  host: the one call back: tokens appended,
+                                             stops, forks, beams, blocks freed
+
+The core knows token ids only; text is the output processor's. If a step
+raises, its requests end with finish_reason "error" and the core recovers (a
+lost KV cache is allocated again) so that every other request goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import jax
+import numpy as np
+
+from jpaged.core.batch_builder import build_model_input
+from jpaged.core.scheduler import Scheduler
+from jpaged.core.scheduler_output import BeamChoice, SampledTokens, SchedulerOutput, SchedulerStats
+from jpaged.core.step_shapes import StepShapes
+from jpaged.engine.beam_search import BeamSearch, Hypothesis
+from jpaged.engine.runner import ModelRunner
+from jpaged.engine.stats import KVBlockCounts
+from jpaged.memory.block_manager import BlockManager
+from jpaged.memory.reserving_block_manager import ReservingBlockManager
+from jpaged.model.sampler import SamplerOutput, SamplingRow, sampling_tensors
+from jpaged.sampling_params import GREEDY_TEMPERATURE
+from jpaged.sequence import Sequence, SequenceGroup, SequenceStatus
+
+logger = logging.getLogger("jpaged")
+
+KVManager = BlockManager | ReservingBlockManager
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """Log-probabilities of prompt tokens a step's hidden states predict.
+
+    entries: (group, position p, the logprob of prompt token p + 1, its rank, the top
+    ids and their logprobs), each prompt position of a group once per computation.
+    """
+
+    entries: list[tuple[SequenceGroup, int, float, int, np.ndarray, np.ndarray]]
+
+
+@dataclass
+class CoreOutput:
+    """What one step did, for the output processor.
+
+    plan:     the step's SchedulerOutput (its draws, in order, index `sampled`).
+    stats:    the scheduler's queues once the step is over.
+    kv_blocks: the pool's blocks as the step runs (after scheduling, before sampling).
+    block_usage: (request id, logical, physical) blocks of each running request as
+              the step runs: its tables' total length, and the distinct blocks in them.
+    sampled:  the sampler's numpy outputs, one row per draw; None if nothing drew.
+    failed:   groups whose step failed (they finished with FINISHED_ERROR).
+    beam_results: request id -> best hypotheses, for beam searches that ended.
+    error:    the exception of a failed step.
+    """
+
+    plan: SchedulerOutput
+    stats: SchedulerStats
+    kv_blocks: KVBlockCounts
+    block_usage: list[tuple[str, int, int]] = field(default_factory=list)
+    sampled: SamplerOutput | None = None
+    prompt_logprobs: PromptLogprobs = field(default_factory=lambda: PromptLogprobs([]))
+    failed: list[SequenceGroup] = field(default_factory=list)
+    beam_results: dict[str, list[Hypothesis]] = field(default_factory=dict)
+    error: BaseException | None = None
+
+
+class EngineCore:
+    """The scheduler, its KV cache manager and the runner, stepped one way.
+
+    max_logprobs: top tokens the sampler returns per row (logprobs, prompt
+    logprobs and beam candidates read them); vocab_size: the model's.
+    """
+
+    def __init__(self, scheduler: Scheduler, kv_manager: KVManager, runner: ModelRunner,
+                 shapes: StepShapes, *, vocab_size: int, max_logprobs: int):
+        self.scheduler = scheduler
+        self.kv_manager = kv_manager
+        self.runner = runner
+        self.shapes = shapes
+        self.vocab_size = vocab_size
+        self.max_logprobs = max_logprobs
+        self.beam_searches: dict[str, BeamSearch] = {}
+
+    def add_request(self, group: SequenceGroup, beam_search: BeamSearch | None) -> None:
+        """Queue `group` (raises ValueError, changing nothing, if it can never run)."""
+        self.scheduler.add_request(group)
+        if beam_search is not None:
+            self.beam_searches[group.request_id] = beam_search
+
+    def abort(self, request_id: str) -> None:
+        self.scheduler.abort(request_id)
+        self.beam_searches.pop(request_id, None)
+
+    def step(self) -> CoreOutput:
+        """Schedule, run, sample and update once. A step that raises (an interrupt too)
+        ends its requests and returns its error, with the core consistent again."""
+        plan = self.scheduler.schedule()
+        output = CoreOutput(plan, plan.stats, self._kv_blocks())
+        if plan.is_empty:
+            return output
+        output.block_usage = self._block_usage(plan)
+        try:
+            self._run(plan, output)
+        except BaseException as error:
+            self._fail(plan, error, output)
+        return output
+
+    def _kv_blocks(self) -> KVBlockCounts:
+        manager = self.kv_manager
+        return KVBlockCounts(manager.num_device_blocks, manager.physical_blocks_used,
+                             manager.logical_blocks_used)
+
+    def _block_usage(self, plan: SchedulerOutput) -> list[tuple[str, int, int]]:
+        """(request id, logical blocks, distinct blocks) of each running request."""
+        table, usage = self.kv_manager.block_table, []
+        for group in plan.running:
+            tables = [table(seq).array for seq in group.seqs
+                      if seq.status is SequenceStatus.RUNNING]
+            logical = sum(len(t) for t in tables)
+            physical = logical if len(tables) == 1 else len(np.unique(np.concatenate(tables)))
+            usage.append((group.request_id, logical, physical))
+        return usage
+
+    def _run(self, plan: SchedulerOutput, output: CoreOutput) -> None:
+        self.runner.apply_block_ops(plan.block_ops)
+        model_input = build_model_input(plan.scheduled, self.kv_manager, self.shapes.buckets,
+                                        plan.num_draws)
+        logits, hidden = self.runner.execute(model_input.input_ids, model_input.metadata,
+                                             decode_only=model_input.decode_only,
+                                             num_rows=model_input.num_rows)
+        prompt_logprobs = self._prompt_logprobs(plan, model_input.metadata.query_start_loc,
+                                                hidden)
+        sampled = self._sample(plan, logits) if plan.draws else None
+        beams, output.beam_results = self._choose_beams(plan, sampled)
+        tokens = SampledTokens(np.zeros(0, np.int32), np.ones(0, bool))
+        if sampled is not None:
+            tokens = SampledTokens(sampled.tokens, sampled.finite, beams)
+        output.stats = self.scheduler.update_from_output(plan, tokens)
+        output.sampled, output.prompt_logprobs = sampled, prompt_logprobs
+
+    # Sampling.
+
+    def _sample(self, plan: SchedulerOutput, logits: jax.Array) -> SamplerOutput:
+        draws = [(group, row, index) for group, rows in plan.draws
+                 for index, row in _sample_indices(group, plan, rows)]
+        num_rows = self.shapes.sampler_rows(len(draws))
+        row_array = np.zeros(num_rows, np.int32)
+        row_array[: len(draws)] = [row for _, row, _ in draws]
+        sampling_rows = [self._sampling_row(group, plan.scheduled[row][0], index)
+                         for group, row, index in draws]
+        tensors = sampling_tensors(sampling_rows, num_rows, self.vocab_size)
+        return self.runner.sample(logits, row_array, tensors, self.max_logprobs)
+
+    @staticmethod
+    def _sampling_row(group: SequenceGroup, seq, sample_index: int) -> SamplingRow:
+        params = group.params
+        if group.is_beam_search:
+            # Beams are chosen on the host from the candidates' log-probabilities.
+            temperature = params.temperature if params.temperature >= GREEDY_TEMPERATURE else 1.0
+            return SamplingRow.greedy(position=len(seq), logprob_temperature=temperature)
+        suppressed = ()
+        if len(seq.output_token_ids) < params.min_tokens:
+            suppressed = tuple(group.stop_token_ids)
+        return SamplingRow.of(
+            params, seed=group.seed, sample_index=sample_index, position=len(seq),
+            prompt_token_ids=seq.prompt_token_ids, output_token_ids=seq.output_token_ids,
+            suppressed_token_ids=suppressed,
+        )
+
+    def _choose_beams(self, plan: SchedulerOutput, sampled: SamplerOutput | None
+                      ) -> tuple[dict[str, BeamChoice], dict[str, list[Hypothesis]]]:
+        """Each drawing beam search's next beams; the results of those that ended."""
+        choices, results, first = {}, {}, 0
+        for group, rows in plan.draws:
+            draws = slice(first, first + len(rows))
+            first += len(rows)
+            if not group.is_beam_search:
+                continue
+            search = self.beam_searches[group.request_id]
+            if not sampled.finite[draws].all():
+                search.fail()  # the scheduler ends the group with FINISHED_ERROR
+            else:
+                k = search.num_candidates
+                step = search.step(sampled.top_ids[draws, :k], sampled.top_logprobs[draws, :k])
+                choices[group.request_id] = BeamChoice(
+                    [e.parent for e in step.extensions], [e.token for e in step.extensions],
+                    step.done)
+            if search.results is not None:
+                results[group.request_id] = search.results
+                del self.beam_searches[group.request_id]
+        return choices, results
+
+    def _prompt_logprobs(self, plan: SchedulerOutput, query_start_loc: np.ndarray,
+                         hidden: jax.Array) -> PromptLogprobs:
+        """Log-probabilities of the prompt tokens this step's hidden states predict, for
+        the requests that asked (a group's positions once per computation)."""
+        targets = np.zeros(hidden.shape[0], np.int32)
+        wanted: list[tuple[SequenceGroup, int, int]] = []  # (group, position, token row)
+        seen: set[int] = set()
+        for i, ((seq, num_new_tokens), group) in enumerate(zip(plan.scheduled, plan.groups,
+                                                               strict=True)):
+            if not _computes_prompt_logprobs(group, seq) or id(group) in seen:
+                continue
+            seen.add(id(group))
+            start = seq.num_computed_tokens
+            # Position p predicts prompt token p + 1.
+            for position in range(start, min(start + num_new_tokens, seq.num_prompt_tokens - 1)):
+                row = int(query_start_loc[i]) + position - start
+                targets[row] = seq.prompt_token_ids[position + 1]
+                wanted.append((group, position, row))
+        if not wanted:
+            return PromptLogprobs([])
+        logprobs, ranks, top_ids, top_logprobs = self.runner.token_logprobs(
+            hidden, targets, self.max_logprobs)
+        return PromptLogprobs([
+            (group, position, float(logprobs[row]), int(ranks[row]), top_ids[row],
+             top_logprobs[row]) for group, position, row in wanted])
+
+    # Faults.
+
+    def _fail(self, plan: SchedulerOutput, error: BaseException, output: CoreOutput) -> None:
+        """Make the core consistent after `plan`'s step raised.
+
+        The step's requests end with FINISHED_ERROR (their state may be half
+        updated). Groups the step swapped out may hold garbage on the host: they
+        recompute. If the device call consumed the donated KV cache, every
+        device block is lost: the cache is allocated again, the prefix cache
+        forgets its blocks and every running group recomputes.
+        """
+        failed = output.failed = _scheduled_groups(plan)
+        output.error = error
+        logger.error("a step failed (%s: %s); its %d requests finish with finish_reason "
+                     "'error'", type(error).__name__, error, len(failed))
+        for group in failed:
+            search = self.beam_searches.pop(group.request_id, None)
+            if search is not None:
+                search.fail()
+                output.beam_results[group.request_id] = search.results
+            self.scheduler.fail(group.request_id)
+        self.scheduler.recompute([g for g in plan.preempted
+                                  if g.seqs_with(SequenceStatus.SWAPPED)])
+        if self.runner.kv_cache_lost():
+            logger.error("the KV cache was lost with the step: reallocating it; running "
+                         "requests recompute their tokens")
+            self.runner.reset_kv_cache()
+            self.scheduler.recompute(list(self.scheduler.running))
+            self.kv_manager.reset_prefix_cache()
+        output.stats = self.scheduler.stats()
+
+    def check_invariants(self) -> None:
+        """The KV blocks against the live sequences (RuntimeError on a violation)."""
+        scheduler = self.scheduler
+        running = [s for g in scheduler.running for s in g.seqs_with(SequenceStatus.RUNNING)]
+        swapped = [s for g in scheduler.swapped for s in g.seqs_with(SequenceStatus.SWAPPED)]
+        self.kv_manager.check_invariants(running, swapped)
+
+
+def _sample_indices(group: SequenceGroup, plan: SchedulerOutput, rows: tuple[int, ...]
+                    ) -> list[tuple[int, int]]:
+    """(sample index, row) of each draw of `group`: a prompt becoming n samples draws
+    sample j from its one row; otherwise a sequence's index is its place in the group."""
+    if len(group.seqs) == 1:
+        return list(enumerate(rows))
+    index_of = {id(seq): i for i, seq in enumerate(group.seqs)}
+    return [(index_of[id(plan.scheduled[row][0])], row) for row in rows]
+
+
+def _computes_prompt_logprobs(group: SequenceGroup, seq: Sequence) -> bool:
+    """Whether `seq` asked for prompt log-probabilities and has prompt tokens to compute."""
+    return (not group.is_beam_search and group.params.prompt_logprobs is not None
+            and seq.num_computed_tokens < seq.num_prompt_tokens - 1)
+
+
+def _scheduled_groups(plan: SchedulerOutput) -> list[SequenceGroup]:
+    return list({id(group): group for group in plan.groups}.values())

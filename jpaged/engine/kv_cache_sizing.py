@@ -1,0 +1,108 @@
+"""How many KV blocks an engine's pool gets: the budget rule, and the pool it reports."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+from flax import nnx
+
+from jpaged.core.step_shapes import blocks_per_seq
+from jpaged.engine.config import EngineConfig
+from jpaged.engine.machine import ACCELERATOR_DEFAULTS, CPU_DEFAULTS
+from jpaged.model.sharding import bytes_per_device
+
+
+@dataclass(frozen=True)
+class KVCacheInfo:
+    """The KV pool's size, as reported at start-up (per device, with tensor parallelism)."""
+
+    num_blocks: int
+    block_size: int
+    bytes_per_token: int
+
+    @property
+    def num_tokens(self) -> int:
+        return (self.num_blocks - 1) * self.block_size
+
+    @property
+    def num_bytes(self) -> int:
+        return self.num_blocks * self.block_size * self.bytes_per_token
+
+    def __str__(self) -> str:
+        return (
+            f"KV cache: {self.num_blocks - 1} blocks x {self.block_size} tokens = "
+            f"{self.num_tokens} tokens, {self.num_bytes / 2**20:.1f} MiB "
+            f"({self.bytes_per_token} bytes per token)"
+        )
+
+
+@dataclass(frozen=True)
+class MemoryFigures:
+    """What the KV pool's size depends on, measured once the model is loaded."""
+
+    free_bytes: int
+    weight_bytes: int
+    on_accelerator: bool
+
+
+def kv_cache_budget(config: EngineConfig, memory: MemoryFigures, sequence_bytes: int) -> int:
+    """Bytes the KV pool may take, the first rule that applies:
+
+    1. `kv_cache_memory` bytes, if given;
+    2. `kv_cache_fraction` of the free memory, if given;
+    3. on an accelerator, ACCELERATOR_DEFAULTS.kv_cache_fraction (0.9) of the
+       device memory free after loading the model, as vLLM's gpu_memory_utilization;
+    4. on a CPU, as many bytes as the model's weights (at least one full-length
+       sequence, `sequence_bytes`), at most CPU_DEFAULTS.kv_cache_fraction (0.25)
+       of the free host memory: the pool and the weights share the host's RAM,
+       so a process holds about twice its weights, whatever the machine's size.
+    """
+    if config.kv_cache_memory is not None:
+        return config.kv_cache_memory
+    if config.kv_cache_fraction is not None:
+        return int(config.kv_cache_fraction * memory.free_bytes)
+    if memory.on_accelerator:
+        return int(ACCELERATOR_DEFAULTS.kv_cache_fraction * memory.free_bytes)
+    return min(max(memory.weight_bytes, sequence_bytes),
+               int(CPU_DEFAULTS.kv_cache_fraction * memory.free_bytes))
+
+
+def kv_cache_num_blocks(
+    config: EngineConfig, max_model_len: int, token_bytes: int,
+    memory: MemoryFigures | None,
+) -> int:
+    """Blocks in the device pool (the null block included): `num_blocks` if given, else
+    the budget of `kv_cache_budget` in whole blocks, never more than max_num_seqs
+    full-length sequences can use (plus the null block).
+
+    config must have its machine defaults (`with_machine_defaults`); memory may be
+    None only when num_blocks is given.
+    """
+    seq_blocks = blocks_per_seq(max_model_len, config.block_size)
+    if config.num_blocks is not None:
+        num_blocks = config.num_blocks
+    else:
+        block_bytes = token_bytes * config.block_size
+        budget = kv_cache_budget(config, memory, seq_blocks * block_bytes)
+        useful = config.max_num_seqs * seq_blocks + 1
+        num_blocks = min(budget // block_bytes, useful)
+    if num_blocks - 1 < seq_blocks:
+        raise ValueError(
+            f"the KV pool holds {max(num_blocks - 1, 0)} blocks of {config.block_size} tokens "
+            f"but one sequence of max_model_len={max_model_len} tokens needs {seq_blocks}; "
+            "give more num_blocks / kv_cache_memory or a smaller max_model_len"
+        )
+    return num_blocks
+
+
+def bytes_per_token(model_config, dtype) -> int:
+    """KV bytes of one token on one device: K and V of every layer and of the device's
+    KV heads (num_kv_heads / shard_groups of them with tensor parallelism)."""
+    heads = model_config.num_kv_heads // model_config.shard_groups
+    return 2 * model_config.num_layers * heads * model_config.head_dim * dtype.itemsize
+
+
+def weight_bytes(model) -> int:
+    """Bytes of parameters on one device (all of them without tensor parallelism)."""
+    return sum(bytes_per_device(leaf) for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)))

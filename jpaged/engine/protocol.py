@@ -1,0 +1,76 @@
+"""What `LLM`, `AsyncLLMEngine` and the server need of an engine: one `LLMEngine`, or
+several data-parallel replicas behind a `DataParallelEngine`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from jpaged.engine.config import EngineConfig
+from jpaged.engine.input_processor import EngineRequest
+from jpaged.inputs import PromptType
+from jpaged.outputs import RequestOutput
+from jpaged.sampling_params import BeamSearchParams, SamplingParams
+
+
+@dataclass(frozen=True)
+class EngineState:
+    """An engine's queues and KV pool between steps (over all its replicas)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_swapped: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    prefix_cache_query_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+    num_preemptions: int = 0
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of the device KV blocks held by live sequences."""
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Fraction of the admitted prompt tokens served from the prefix cache."""
+        queried = self.prefix_cache_query_tokens
+        return self.prefix_cache_hit_tokens / queried if queried else 0.0
+
+    @classmethod
+    def total(cls, states: Sequence[EngineState]) -> EngineState:
+        """The sums over several engines' states."""
+        return cls(*(sum(values) for values in zip(*(
+            (s.num_running, s.num_waiting, s.num_swapped, s.kv_blocks_used, s.kv_blocks_total,
+             s.prefix_cache_query_tokens, s.prefix_cache_hit_tokens, s.num_preemptions)
+            for s in states), strict=True)))
+
+
+class Engine(Protocol):
+    """add_request / step / abort over a model, with what its callers read of it."""
+
+    config: EngineConfig
+    tokenizer: Any
+    max_model_len: int
+    last_step_error: BaseException | None
+
+    @property
+    def stats(self) -> Any: ...  # .summary(): jpaged.engine.stats.summarize
+
+    def process_request(self, request_id: str, prompt: PromptType,
+                        params: SamplingParams | BeamSearchParams | None = None, *,
+                        cache_salt: str | None = None) -> EngineRequest: ...
+
+    def add_request(self, request_id: str, prompt: PromptType | EngineRequest,
+                    params: SamplingParams | BeamSearchParams | None = None, *,
+                    cache_salt: str | None = None) -> None: ...
+
+    def abort(self, request_id: str) -> None: ...
+    def step(self) -> list[RequestOutput]: ...
+    def has_unfinished_requests(self) -> bool: ...
+    def num_unfinished_requests(self) -> int: ...
+    def tokenize(self, prompt: PromptType) -> list[int]: ...
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]: ...
+    def warmup(self) -> int: ...
+    def state(self) -> EngineState: ...

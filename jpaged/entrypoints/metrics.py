@@ -1,0 +1,84 @@
+"""The server's Prometheus metrics: the engine's state, and per-request latencies and tokens."""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from jpaged.engine.async_engine import AsyncLLMEngine
+from jpaged.entrypoints.protocol import PromptRun
+from jpaged.outputs import RequestOutput
+
+
+class EngineCollector:
+    """Prometheus gauges and counters read from the engine's published state."""
+
+    def __init__(self, engine: AsyncLLMEngine):
+        self.engine = engine
+
+    def collect(self):
+        state = self.engine.state
+        gauges = (
+            ("num_requests_running", "Requests whose sequences run on the device.",
+             state.num_running),
+            ("num_requests_waiting", "Requests waiting to be scheduled.", state.num_waiting),
+            ("num_requests_swapped", "Requests swapped out to host memory.", state.num_swapped),
+            ("kv_cache_blocks_used", "Device KV blocks held by live sequences.",
+             state.kv_blocks_used),
+            ("kv_cache_blocks_total", "Device KV blocks in the pool.", state.kv_blocks_total),
+            ("kv_cache_usage_perc", "Fraction of device KV blocks in use (0 to 1).",
+             state.kv_usage),
+            ("prefix_cache_hit_rate", "Fraction of admitted prompt tokens found in the "
+             "prefix cache.", state.prefix_cache_hit_rate),
+        )
+        for name, documentation, value in gauges:
+            yield GaugeMetricFamily(f"jpaged:{name}", documentation, value=value)
+        yield CounterMetricFamily("jpaged:num_preemptions", "Sequence groups preempted.",
+                                  value=state.num_preemptions)
+
+
+class ServerMetrics:
+    """A Prometheus registry for one app: engine state plus per-request latencies and
+    token counts, observed when each request finishes."""
+
+    LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+                       60.0, 120.0)
+
+    def __init__(self, engine: AsyncLLMEngine):
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineCollector(engine))
+        self.ttft = self._histogram("time_to_first_token_seconds",
+                                    "Time from arrival to the first output token.")
+        self.tpot = self._histogram("time_per_output_token_seconds",
+                                    "Mean time per output token after the first.")
+        self.e2e = self._histogram("e2e_request_latency_seconds",
+                                   "Time from arrival to the last output token.")
+        self.prompt_tokens = Counter("jpaged:prompt_tokens", "Prompt tokens of finished requests.",
+                                     registry=self.registry)
+        self.generation_tokens = Counter("jpaged:generation_tokens",
+                                         "Output tokens of finished requests.",
+                                         registry=self.registry)
+
+    def _histogram(self, name: str, documentation: str) -> Histogram:
+        return Histogram(f"jpaged:{name}", documentation, buckets=self.LATENCY_BUCKETS,
+                         registry=self.registry)
+
+    def observe_finished(self, run: PromptRun, output: RequestOutput) -> None:
+        metrics = output.metrics
+        self.prompt_tokens.inc(len(run.prompt.token_ids))
+        self.generation_tokens.inc(run.num_output_tokens)
+        if metrics.ttft is not None:
+            self.ttft.observe(metrics.ttft)
+        tpot = metrics.tpot(max((len(o.token_ids) for o in run.outputs.values()), default=0))
+        if tpot is not None:
+            self.tpot.observe(tpot)
+        if metrics.finished_time is not None:
+            self.e2e.observe(metrics.finished_time - metrics.arrival_time)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,307 @@
+"""The OpenAI-compatible endpoints' logic over one AsyncLLMEngine: request bodies to
+SamplingParams, engine requests and their streams, responses and server-sent events."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from jpaged.engine.async_engine import AsyncLLMEngine, Engine, EngineStoppedError
+from jpaged.entrypoints.errors import (
+    ApiError,
+    RequestFailedError,
+    bad_request,
+    check_context,
+    stream_error,
+)
+from jpaged.entrypoints.metrics import ServerMetrics
+from jpaged.entrypoints.protocol import (
+    ChatCompletionRequest,
+    ChatJob,
+    CompletionJob,
+    CompletionRequest,
+    EncodedPrompt,
+    Job,
+    PromptRun,
+    SamplingFields,
+    next_text_offset,
+)
+from jpaged.outputs import RequestOutput
+from jpaged.sampling_params import SamplingParams
+
+T = TypeVar("T")
+SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                   "frequency_penalty", "repetition_penalty", "seed", "stop", "stop_token_ids",
+                   "ignore_eos", "min_tokens", "max_tokens", "logprobs", "prompt_logprobs",
+                   "skip_special_tokens", "include_stop_str_in_output")
+
+
+# Requests to SamplingParams.
+
+
+def completion_sampling_params(body: CompletionRequest) -> SamplingParams:
+    """The engine's parameters for a completions request. max_tokens=0 (allowed with
+    echo) generates one token, which the response leaves out: the engine always
+    samples at least one token."""
+    if body.max_tokens < 0 or (body.max_tokens == 0 and not body.echo):
+        raise ApiError(400, f"max_tokens must be >= 1 (or 0 with echo), got {body.max_tokens}",
+                       "max_tokens")
+    return _sampling_params(body, {}, max_tokens=max(body.max_tokens, 1), logprobs=body.logprobs,
+                            prompt_logprobs=body.logprobs if body.echo else None)
+
+
+def chat_max_tokens(body: ChatCompletionRequest) -> tuple[int | None, str]:
+    """(the output token limit, the field that set it): max_completion_tokens first."""
+    if body.max_completion_tokens is not None:
+        return body.max_completion_tokens, "max_completion_tokens"
+    return body.max_tokens, "max_tokens"
+
+
+def chat_sampling_params(body: ChatCompletionRequest) -> SamplingParams:
+    """The engine's parameters for a chat request: logprobs=True asks for the sampled
+    tokens' log-probabilities with top_logprobs alternatives each."""
+    if body.top_logprobs is not None and not body.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+    max_tokens, param = chat_max_tokens(body)
+    if max_tokens is not None and max_tokens < 1:
+        raise ApiError(400, f"{param} must be >= 1, got {max_tokens}", param)
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    return _sampling_params(body, {"max_tokens": param, "logprobs": "top_logprobs"},
+                            max_tokens=max_tokens, logprobs=logprobs)
+
+
+def _sampling_params(body: SamplingFields, renamed: dict[str, str], **specific) -> SamplingParams:
+    common = {name: getattr(body, name) for name in SAMPLING_FIELDS if hasattr(body, name)}
+    try:
+        return SamplingParams(**(common | specific))
+    except (ValueError, TypeError) as error:
+        raise bad_request(error, renamed) from error
+
+
+# Running one HTTP request's engine requests.
+
+
+def encode_prompt(engine: Engine, prompt: str | list[int]) -> EncodedPrompt:
+    """On the engine thread: a completions prompt's token ids and texts."""
+    token_ids = engine.tokenize(prompt)
+    text = prompt if isinstance(prompt, str) else engine.tokenizer.decode(token_ids)
+    return EncodedPrompt(token_ids, text, engine.tokenizer.decode(token_ids[:1]))
+
+
+async def merged_deltas(runs: list[PromptRun]) -> AsyncIterator[tuple[PromptRun, RequestOutput]]:
+    """Every run's deltas, as they arrive, after adding each to its run."""
+    pending = {asyncio.ensure_future(anext(run.stream)): run for run in runs}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for future in done:
+                run = pending.pop(future)
+                try:
+                    delta = future.result()
+                except StopAsyncIteration:
+                    continue
+                run.add(delta)
+                yield run, delta
+                pending[asyncio.ensure_future(anext(run.stream))] = run
+    finally:
+        for future in pending:
+            future.cancel()
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T | Response:
+    """The result of `work`, unless the client disconnects first: then `work` is
+    cancelled (aborting its engine requests) and a 499 response is returned to nobody."""
+    work_task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait({work_task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not work_task.done():
+            work_task.cancel()
+    if work_task in done:
+        return work_task.result()
+    await asyncio.wait({work_task})  # its cancellation closes the streams
+    return Response(status_code=499)
+
+
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+# The endpoints.
+
+
+class OpenAIServing:
+    """The endpoints' logic over one engine and one served model name."""
+
+    def __init__(self, engine: AsyncLLMEngine, served_model_name: str):
+        self.engine = engine
+        self.served_model_name = served_model_name
+        self.max_model_len = engine.engine.max_model_len
+        self.metrics = ServerMetrics(engine)
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served_model_name:
+            raise ApiError(404, f"the model '{model}' does not exist; this server serves "
+                                f"'{self.served_model_name}'", "model")
+
+    def models(self) -> dict:
+        return {"object": "list", "data": [{
+            "id": self.served_model_name, "object": "model", "created": int(time.time()),
+            "owned_by": "jpaged", "root": self.engine.engine.config.model,
+            "max_model_len": self.max_model_len,
+        }]}
+
+    async def on_engine(self, fn: Callable[[Engine], T], param: str) -> T:
+        """fn(engine) on the engine thread; its ValueError/TypeError is a 400 for `param`."""
+        try:
+            return await self.engine.run(fn)
+        except (ValueError, TypeError) as error:
+            raise ApiError(400, str(error), param) from error
+
+    async def start(self, request_id: str, prompts: list[EncodedPrompt], params: SamplingParams,
+                    cache_salt: str | None, renamed: dict[str, str]) -> list[PromptRun]:
+        """One engine request per prompt; all or none of them."""
+        runs: list[PromptRun] = []
+        try:
+            for index, prompt in enumerate(prompts):
+                stream = await self.engine.generate(
+                    f"{request_id}-{index}", {"prompt_token_ids": prompt.token_ids}, params,
+                    cache_salt=cache_salt)
+                runs.append(PromptRun(index, prompt, stream))
+        except BaseException as error:
+            for run in runs:
+                run.stream.close()
+            if isinstance(error, ValueError | TypeError):
+                raise bad_request(error, renamed) from error
+            raise
+        return runs
+
+    async def deltas(self, runs: list[PromptRun]
+                     ) -> AsyncIterator[tuple[PromptRun, RequestOutput]]:
+        """merged_deltas, observing finished requests; raises RequestFailedError for a
+        request the engine ended with an error."""
+        async with contextlib.aclosing(merged_deltas(runs)) as merged:
+            async for run, delta in merged:
+                if any(o.finish_reason == "error" for o in delta.outputs):
+                    raise RequestFailedError(f"request {run.stream.request_id} failed in the "
+                                             "engine; see the server log")
+                if delta.finished:
+                    self.metrics.observe_finished(run, delta)
+                yield run, delta
+
+    # /v1/completions
+
+    async def create_completion(self, body: CompletionRequest, raw_request: Request) -> Any:
+        self.check_model(body.model)
+        params = completion_sampling_params(body)
+        prompt_list = body.prompts()
+        if not prompt_list:
+            raise ApiError(400, "prompt must not be an empty list", "prompt")
+        prompts = await self.on_engine(
+            lambda engine: [encode_prompt(engine, p) for p in prompt_list], "prompt")
+        for prompt in prompts:
+            check_context(len(prompt.token_ids), body.max_tokens, self.max_model_len,
+                          "max_tokens", "prompt")
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        runs = await self.start(request_id, prompts, params, body.cache_salt, {})
+        job = CompletionJob(request_id, body, runs, self.served_model_name)
+        if body.stream:
+            return StreamingResponse(self._completion_events(job),
+                                     media_type="text/event-stream")
+        return await until_disconnected(raw_request, self._completion_response(job))
+
+    async def _completion_response(self, job: CompletionJob) -> dict:
+        await self._run_to_completion(job)
+        choices = [job.choice(run, output)
+                   for run in job.runs for output in sorted(run.outputs.values(),
+                                                            key=lambda o: o.index)]
+        return job.envelope(choices) | {"usage": job.usage()}
+
+    async def _run_to_completion(self, job: Job) -> None:
+        try:
+            async with contextlib.aclosing(self.deltas(job.runs)) as deltas:
+                async for _ in deltas:
+                    pass
+        finally:
+            job.close()
+
+    async def _completion_events(self, job: CompletionJob) -> AsyncIterator[str]:
+        offsets: dict[int, int] = {}  # choice index -> text offset of its next token
+        try:
+            async with contextlib.aclosing(self.deltas(job.runs)) as deltas:
+                async for run, delta in deltas:
+                    choices = []
+                    for piece in delta.outputs:
+                        index = job.choice_index(run, piece)
+                        offset = offsets.get(index, 0)
+                        choices.append(job.choice(run, piece, index not in offsets, offset))
+                        offsets[index] = next_text_offset(choices[-1], offset)
+                    yield sse(job.envelope(choices))
+            if job.body.include_usage:
+                yield sse(job.envelope([]) | {"usage": job.usage()})
+        except (RequestFailedError, EngineStoppedError) as error:
+            yield sse(stream_error(error))
+        finally:
+            job.close()
+        yield "data: [DONE]\n\n"
+
+    # /v1/chat/completions
+
+    async def create_chat_completion(self, body: ChatCompletionRequest,
+                                     raw_request: Request) -> Any:
+        self.check_model(body.model)
+        params = chat_sampling_params(body)
+        messages = [message.as_template_message() for message in body.messages]
+        token_ids = await self.on_engine(lambda engine: engine.apply_chat_template(messages),
+                                         "messages")
+        max_tokens, param = chat_max_tokens(body)
+        check_context(len(token_ids), max_tokens, self.max_model_len,
+                      param if max_tokens is not None else "messages", "messages")
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        runs = await self.start(request_id, [EncodedPrompt(token_ids)], params, body.cache_salt,
+                                {"max_tokens": param, "logprobs": "top_logprobs",
+                                 "prompt": "messages"})
+        job = ChatJob(request_id, body, runs, self.served_model_name)
+        if body.stream:
+            return StreamingResponse(self._chat_events(job), media_type="text/event-stream")
+        return await until_disconnected(raw_request, self._chat_response(job))
+
+    async def _chat_response(self, job: ChatJob) -> dict:
+        await self._run_to_completion(job)
+        outputs = sorted(job.runs[0].outputs.values(), key=lambda o: o.index)
+        choices = [job.choice(output, "message", {"role": "assistant", "content": output.text})
+                   for output in outputs]
+        return job.envelope(choices, "chat.completion") | {"usage": job.usage()}
+
+    async def _chat_events(self, job: ChatJob) -> AsyncIterator[str]:
+        try:
+            roles = [{"index": i, "delta": {"role": "assistant", "content": ""},
+                      "logprobs": None, "finish_reason": None} for i in range(job.body.n)]
+            yield sse(job.envelope(roles, "chat.completion.chunk"))
+            async with contextlib.aclosing(self.deltas(job.runs)) as deltas:
+                async for _, delta in deltas:
+                    choices = [job.choice(piece, "delta", {"content": piece.text})
+                               for piece in delta.outputs]
+                    yield sse(job.envelope(choices, "chat.completion.chunk"))
+            if job.body.include_usage:
+                yield sse(job.envelope([], "chat.completion.chunk") | {"usage": job.usage()})
+        except (RequestFailedError, EngineStoppedError) as error:
+            yield sse(stream_error(error))
+        finally:
+            job.close()
+        yield "data: [DONE]\n\n"

@@ -1,0 +1,137 @@
+"""LlamaConfig: the architecture of a Llama-family decoder, read from Hugging Face configs."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+
+
+@dataclass(frozen=True)
+class Llama3RopeScaling:
+    """Llama 3.1's RoPE frequency scaling (rope_type "llama3" in Hugging Face configs)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Architecture of a Llama-family decoder.
+
+    shard_groups: the fused `qkv_proj` and `gate_up_proj` columns come in this many
+    equal groups, group g holding [its q heads | its k heads | its v heads] and
+    [its gate columns | its up columns] (heads and columns in order, group g the
+    g-th slice of each). 1 is Hugging Face's order concatenated; tensor
+    parallelism over N devices lays them out in N groups (jpaged.model.sharding),
+    so that each device's contiguous slice of the columns is its own q, k, v.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rope_scaling: Llama3RopeScaling | None = None
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    max_position_embeddings: int = 2048
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    shard_groups: int = 1
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings", "shard_groups"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                f"({self.num_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        for name in ("num_heads", "num_kv_heads", "intermediate_size"):
+            if getattr(self, name) % self.shard_groups:
+                raise ValueError(f"{name} ({getattr(self, name)}) must be a multiple of "
+                                 f"shard_groups ({self.shard_groups})")
+
+    @classmethod
+    def from_hf_config(cls, hf_config: Mapping[str, Any] | Any) -> LlamaConfig:
+        """Read a Hugging Face config (a config.json dict or a transformers config).
+
+        Accepts model_type "llama" (Llama 2/3, SmolLM2) and "qwen2" (Qwen2/2.5), with
+        the RoPE settings in either transformers 4 (`rope_theta`, `rope_scaling`) or
+        transformers 5 (`rope_parameters`) form.
+        """
+        d = dict(hf_config) if isinstance(hf_config, Mapping) else hf_config.to_dict()
+        _check_supported(d)
+        num_heads = d["num_attention_heads"]
+        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        return cls(
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_layers=d["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=d.get("num_key_value_heads") or num_heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // num_heads,
+            rope_theta=float(d.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+            rope_scaling=_rope_scaling(rope),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            # Qwen2 always has q/k/v biases; its configs carry no flag for them.
+            attention_bias=d["model_type"] == "qwen2" or bool(d.get("attention_bias", False)),
+            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=token_ids_tuple(d.get("eos_token_id")),
+        )
+
+
+def token_ids_tuple(token_ids: int | list[int] | None) -> tuple[int, ...]:
+    """A config's `eos_token_id` (an int, a list or None) as a tuple."""
+    if token_ids is None:
+        return ()
+    return (token_ids,) if isinstance(token_ids, int) else tuple(token_ids)
+
+
+def _check_supported(d: Mapping[str, Any]) -> None:
+    model_type = d.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"model_type {model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}"
+        )
+    if d.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {d['hidden_act']!r} is not supported; expected 'silu'")
+    if d.get("mlp_bias"):
+        raise ValueError("mlp_bias=True is not supported")
+    if model_type == "llama" and d.get("attention_bias"):
+        # Llama's flag also adds an o_proj bias, which this model does not have.
+        raise ValueError("attention_bias=True is not supported for model_type 'llama'")
+    if d.get("use_sliding_window"):
+        raise ValueError("use_sliding_window=True is not supported")
+
+
+def _rope_scaling(rope: Mapping[str, Any]) -> Llama3RopeScaling | None:
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "default":
+        return None
+    if rope_type != "llama3":
+        raise ValueError(
+            f"rope_type {rope_type!r} is not supported; expected 'default' or 'llama3'"
+        )
+    return Llama3RopeScaling(
+        factor=float(rope["factor"]),
+        low_freq_factor=float(rope["low_freq_factor"]),
+        high_freq_factor=float(rope["high_freq_factor"]),
+        original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+    )
