@@ -390,8 +390,10 @@ class _Simulation:
         children = [0] * width
         for _ in range(width):
             children[self.rng.randrange(width)] += 1
-        parents = [parent for parent, count in enumerate(children) for _ in range(count)]
-        return BeamChoice(parents, [tokens[parent] for parent in parents])
+        # In the group's order: the parents that go on, then their forks.
+        kept = [parent for parent, count in enumerate(children) if count]
+        forks = [parent for parent, count in enumerate(children) for _ in range(count - 1)]
+        return BeamChoice(kept + forks, [tokens[parent] for parent in kept + forks])
 
     def _finished(self, group: SequenceGroup) -> None:
         spec = self.specs[group.request_id]

@@ -72,11 +72,28 @@ class Hypothesis:
 
 @dataclass
 class BeamStep:
-    """What one step decided: the next live beams, best first, and whether the
-    search is over (then the live beams need no more device steps)."""
+    """What one step decided: the next live beams, and whether the search is over (then
+    the live beams need no more device steps).
+
+    extensions are in the order the group's sequences take them (`in_group_order`):
+    each parent chosen goes on as its best extension, in the parents' order, and the
+    forks of its other extensions follow, parent by parent, best first.
+    """
 
     extensions: list[Extension]
     done: bool
+
+
+def in_group_order(extensions: list[Extension]) -> list[Extension]:
+    """Extensions (best first) in the order of the sequences that continue them: the
+    best extension of each chosen parent, by parent, then the others, by parent and
+    best first (the forks, which join the group after the sequences it keeps)."""
+    seen: set[int] = set()
+    kept, forks = [], []
+    for extension in extensions:
+        (forks if extension.parent in seen else kept).append(extension)
+        seen.add(extension.parent)
+    return sorted(kept, key=lambda e: e.parent) + sorted(forks, key=lambda e: e.parent)
 
 
 def vllm_score(cum_logprob: float, length: int, length_penalty: float) -> float:
@@ -150,6 +167,7 @@ class BeamSearch:
         done = not extensions or self.num_steps >= self.max_tokens or (
             self.params.scoring == "transformers" and self._transformers_done(extensions, k)
         )
+        extensions = in_group_order(extensions)
         self.live = [self.extend(beams[e.parent], e, rows[e.parent]) for e in extensions]
         if done:
             self.results = self._best(self.live)
