@@ -28,7 +28,9 @@ load on a shared machine and each one's peak memory is its own:
   under "warmup": step shapes, step times, the decode step's memory analysis).
 
 --baseline REV runs jpaged's mixed and batch-1 sections from that git revision
-too, just before jpaged's own in each round, and reports the ratios against it.
+too and reports the ratios against it: the mixed sections in the order baseline,
+jpaged, jpaged, baseline (each side's mean), batch-1 just before jpaged's own in
+each round.
 --quick runs every code path with a few short requests (a smoke test, not a
 measurement). Prints one JSON object last.
 """
@@ -316,6 +318,16 @@ def _child_result(system: str, section: str, source: Path = REPO) -> dict:
     return json.loads(lines.strip().splitlines()[-1])
 
 
+def _mean_run(runs: list[dict]) -> dict:
+    """One section's runs as one: the first run's figures, with the mean throughput and
+    time of all of them, each of which is kept under "runs"."""
+    return runs[0] | {
+        "output_tokens_per_s": statistics.mean(r["output_tokens_per_s"] for r in runs),
+        "elapsed_s": statistics.mean(r["elapsed_s"] for r in runs),
+        "runs": [{key: r[key] for key in ("output_tokens_per_s", "elapsed_s", "load_average")}
+                 for r in runs]}
+
+
 def _without_baseline(argv: list[str]) -> list[str]:
     """The arguments but --baseline REV: a child measures one tree."""
     kept, skip = [], False
@@ -342,18 +354,28 @@ def _run_sections(args, figures: list[str], baseline: Path | None
     the baseline revision's jpaged (if any), jpaged, transformers.
     -> (jpaged's results, transformers' results, the baseline's) by figure."""
     ours, theirs, base = {}, {}, {}
+    if "mixed" in figures:
+        for results in (ours, theirs, base):
+            results["mixed"] = {}
+        for dataset in DATASETS:
+            section = f"mixed:{dataset}"
+            if baseline is None:
+                ours["mixed"][dataset] = _child_result("jpaged", section)
+            else:
+                # baseline, jpaged, jpaged, baseline: a machine that slows down (or speeds
+                # up) over the runs weighs on both sides alike.
+                old = [_child_result("jpaged", section, baseline)]
+                new = [_child_result("jpaged", section), _child_result("jpaged", section)]
+                old.append(_child_result("jpaged", section, baseline))
+                ours["mixed"][dataset], base["mixed"][dataset] = _mean_run(new), _mean_run(old)
+            theirs["mixed"][dataset] = _child_result("transformers", section)
+        # Peak memory of the ShareGPT-like run: model, pool, compiled steps, workload.
+        for results in (ours, theirs, base):
+            if results["mixed"]:
+                results["peak_rss_mib"] = results["mixed"]["sharegpt"]["peak_rss_mib"]
     systems = [("jpaged", ours, REPO), ("transformers", theirs, REPO)]
     if baseline is not None:
         systems.insert(0, ("jpaged", base, baseline))
-    if "mixed" in figures:
-        for _, results, _ in systems:
-            results["mixed"] = {}
-        for dataset in DATASETS:
-            for system, results, source in systems:
-                results["mixed"][dataset] = _child_result(system, f"mixed:{dataset}", source)
-        # Peak memory of the ShareGPT-like run: model, pool, compiled steps, workload.
-        for _, results, _ in systems:
-            results["peak_rss_mib"] = results["mixed"]["sharegpt"]["peak_rss_mib"]
     if "batch1" in figures:
         # Alternating rounds: batch-1 decode is short, so a burst of load on a shared
         # machine can hit one system's run alone; the median round ratio resists it.

@@ -23,11 +23,13 @@ from dataclasses import dataclass, field
 import jax
 import numpy as np
 
+from jpaged.config import CacheConfig
 from jpaged.core.batch_builder import build_model_input
 from jpaged.core.scheduler import Scheduler
 from jpaged.core.scheduler_output import BeamChoice, SampledTokens, SchedulerOutput, SchedulerStats
 from jpaged.core.step_shapes import StepShapes
 from jpaged.engine.beam_search import BeamSearch, Hypothesis
+from jpaged.engine.config import EngineConfig
 from jpaged.engine.runner import ModelRunner
 from jpaged.engine.stats import KVBlockCounts
 from jpaged.memory.block_manager import BlockManager
@@ -76,6 +78,19 @@ class CoreOutput:
     failed: list[SequenceGroup] = field(default_factory=list)
     beam_results: dict[str, list[Hypothesis]] = field(default_factory=dict)
     error: BaseException | None = None
+
+
+def make_kv_manager(config: EngineConfig, num_blocks: int, max_model_len: int) -> KVManager:
+    """Paged blocks, or Orca's reservations on them (`allocation`)."""
+    cache_config = CacheConfig(
+        block_size=config.block_size, num_blocks=num_blocks,
+        num_host_blocks=config.num_host_blocks,
+        enable_prefix_caching=config.enable_prefix_caching and config.allocation == "paged",
+        share_blocks=config.share_blocks,
+    )
+    if config.allocation == "paged":
+        return BlockManager(cache_config)
+    return ReservingBlockManager(cache_config, config.allocation, max_model_len)
 
 
 class EngineCore:
@@ -166,7 +181,7 @@ class EngineCore:
         return self.runner.sample(logits, row_array, tensors, self.max_logprobs)
 
     @staticmethod
-    def _sampling_row(group: SequenceGroup, seq, sample_index: int) -> SamplingRow:
+    def _sampling_row(group: SequenceGroup, seq: Sequence, sample_index: int) -> SamplingRow:
         params = group.params
         if group.is_beam_search:
             # Beams are chosen on the host from the candidates' log-probabilities.

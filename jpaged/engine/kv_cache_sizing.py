@@ -5,9 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from jpaged.core.step_shapes import blocks_per_seq
+from jpaged.engine import machine
 from jpaged.engine.config import EngineConfig
 from jpaged.engine.machine import ACCELERATOR_DEFAULTS, CPU_DEFAULTS
 from jpaged.model.sharding import bytes_per_device
@@ -106,3 +108,14 @@ def bytes_per_token(model_config, dtype) -> int:
 def weight_bytes(model) -> int:
     """Bytes of parameters on one device (all of them without tensor parallelism)."""
     return sum(bytes_per_device(leaf) for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def size_kv_cache(config: EngineConfig, model_config, model, max_model_len: int,
+                  device: jax.Device | None) -> KVCacheInfo:
+    """The pool of an engine whose model is loaded (on `device`, by default the default
+    device): `kv_cache_num_blocks` on the memory the machine reports."""
+    token_bytes = bytes_per_token(model_config, jnp.dtype(config.dtype))
+    memory = None if config.num_blocks is not None else MemoryFigures(
+        machine.free_device_memory(device), weight_bytes(model), machine.on_accelerator())
+    num_blocks = kv_cache_num_blocks(config, max_model_len, token_bytes, memory)
+    return KVCacheInfo(num_blocks, config.block_size, token_bytes)

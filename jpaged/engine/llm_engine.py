@@ -17,33 +17,25 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from typing import Any
 
-import jax.numpy as jnp
 import numpy as np
 
 from jpaged._deprecation import moved_names
-from jpaged.config import CacheConfig, SchedulerConfig
+from jpaged.config import SchedulerConfig
 from jpaged.core.scheduler import Scheduler
 from jpaged.engine import compilation, machine
 from jpaged.engine.beam_search import BeamSearch
 from jpaged.engine.config import EngineConfig
-from jpaged.engine.engine_core import EngineCore, KVManager
+from jpaged.engine.engine_core import EngineCore, KVManager, make_kv_manager
 from jpaged.engine.input_processor import EngineRequest, InputProcessor, RequestLimits
-from jpaged.engine.kv_cache_sizing import (
-    KVCacheInfo,
-    MemoryFigures,
-    bytes_per_token,
-    kv_cache_num_blocks,
-    weight_bytes,
-)
+from jpaged.engine.kv_cache_sizing import size_kv_cache
 from jpaged.engine.output_processor import OutputProcessor
 from jpaged.engine.protocol import EngineState
 from jpaged.engine.runner import start_runner
 from jpaged.engine.stats import EngineStats
 from jpaged.inputs import PromptType
-from jpaged.memory.block_manager import BlockManager
-from jpaged.memory.reserving_block_manager import ReservingBlockManager
 from jpaged.model.config import LlamaConfig
 from jpaged.model.loader import load_model
 from jpaged.model.sharding import shard_model
@@ -85,10 +77,11 @@ class LLMEngine:
             compilation.use_persistent_compilation_cache()
         model_max = self.model_config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or min(model_max, 2048), model_max)
-        self.kv_cache_info = self._size_kv_cache(model, mesh)
+        self.kv_cache_info = size_kv_cache(config, self.model_config, model, self.max_model_len,
+                                           None if mesh is None else mesh.devices.flat[0])
         logger.info("%s", self.kv_cache_info)
         num_blocks = self.kv_cache_info.num_blocks
-        kv_manager = self._kv_manager(num_blocks)
+        kv_manager = make_kv_manager(config, num_blocks, self.max_model_len)
         scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -111,28 +104,6 @@ class LLMEngine:
         self._seeds = np.random.default_rng(config.seed)
         self.last_step_error: BaseException | None = None
 
-    def _size_kv_cache(self, model, mesh) -> KVCacheInfo:
-        config = self.config
-        token_bytes = bytes_per_token(self.model_config, jnp.dtype(config.dtype))
-        memory = None if config.num_blocks is not None else MemoryFigures(
-            machine.free_device_memory(None if mesh is None else mesh.devices.flat[0]),
-            weight_bytes(model), machine.on_accelerator())
-        num_blocks = kv_cache_num_blocks(config, self.max_model_len, token_bytes, memory)
-        return KVCacheInfo(num_blocks, config.block_size, token_bytes)
-
-    def _kv_manager(self, num_blocks: int) -> KVManager:
-        """Paged blocks, or Orca's reservations on them (`allocation`)."""
-        config = self.config
-        cache_config = CacheConfig(
-            block_size=config.block_size, num_blocks=num_blocks,
-            num_host_blocks=config.num_host_blocks,
-            enable_prefix_caching=config.enable_prefix_caching and config.allocation == "paged",
-            share_blocks=config.share_blocks,
-        )
-        if config.allocation == "paged":
-            return BlockManager(cache_config)
-        return ReservingBlockManager(cache_config, config.allocation, self.max_model_len)
-
     # The core's parts, as researchers and tests read them.
 
     @property
@@ -150,6 +121,13 @@ class LLMEngine:
     @property
     def shapes(self):
         return self.core.shapes
+
+    @property
+    def buckets(self):
+        """Deprecated: `shapes.buckets`."""
+        warnings.warn("LLMEngine.buckets is deprecated: use LLMEngine.shapes.buckets",
+                      DeprecationWarning, stacklevel=2)
+        return self.core.shapes.buckets
 
     # Requests.
 
@@ -175,6 +153,9 @@ class LLMEngine:
         """
         request = prompt if isinstance(prompt, EngineRequest) else self.process_request(
             request_id, prompt, params, cache_salt=cache_salt)
+        if request.request_id != request_id:
+            raise ValueError(f"request id {request_id!r} names a processed request "
+                             f"{request.request_id!r}")
         if request_id in self.output_processor:
             raise ValueError(f"request id {request_id!r} is already in use")
         params, prompt_len = request.params, len(request.prompt_token_ids)
@@ -186,6 +167,8 @@ class LLMEngine:
             max_tokens = min(params.max_tokens, self.max_model_len - prompt_len)
             search = BeamSearch(params, prompt_len, self.eos_token_ids, max_tokens)
         self.core.add_request(group, search)
+        # An unseeded request draws its seed once accepted: rejected requests do not shift
+        # the seeds of the ones after them.
         seeded = isinstance(params, SamplingParams) and params.seed is not None
         group.seed = params.seed if seeded else int(self._seeds.integers(2**32))
         self.output_processor.add_request(request, group)

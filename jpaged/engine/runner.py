@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -218,6 +219,13 @@ class ModelRunner:
         self._decode_step = step(decode)
         self._logits = jax.jit(functools.partial(_logits, self.graphdef, params_def),
                                static_argnames=("num_rows",))
+
+    @property
+    def kv_caches(self) -> KVCache:
+        """Deprecated: `kv_cache`."""
+        warnings.warn("ModelRunner.kv_caches is deprecated: use ModelRunner.kv_cache",
+                      DeprecationWarning, stacklevel=2)
+        return self.kv_cache
 
     def kv_cache_lost(self) -> bool:
         """Whether a donating call consumed the KV cache without giving it back (it raised)."""

@@ -184,7 +184,8 @@ class ReservingBlockManager:
     def can_swap_in(self, group: SequenceGroup) -> AllocStatus:
         return AllocStatus.NEVER
 
-    swap_in = swap_out
+    def swap_in(self, group: SequenceGroup) -> None:
+        raise ValueError("Orca's reservations have no swap space")
 
     def cache_computed_blocks(self, seq: Sequence) -> None:
         """No prefix cache: nothing to register."""

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jpaged._deprecation import moved_names
 from jpaged.core.attention_metadata import AttentionMetadata
 from jpaged.model.config import LlamaConfig
 from jpaged.model.rope import apply_rope, rope_inverse_frequencies, rotary_tables
@@ -32,6 +33,7 @@ from kernels_pallas.reference import ragged_paged_attention_reference, write_kv_
 KVCache = tuple[jax.Array, jax.Array]
 AttentionFn = Callable[..., jax.Array]
 WriteKVFn = Callable[..., KVCache]
+__getattr__ = moved_names(__name__, {"init_kv_caches": "jpaged.model.llama:init_kv_cache"})
 
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, eps: float, dtype: jnp.dtype):
