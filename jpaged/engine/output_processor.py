@@ -166,8 +166,8 @@ class OutputProcessor:
                 sample.logprobs.append(self._logprob_entry(
                     token, sampled.logprobs[draw], sampled.ranks[draw],
                     sampled.top_ids[draw, :k], sampled.top_logprobs[draw, :k]))
-            if self._add_text(sample, seq, token, state.params) and seq.status is \
-                    SequenceStatus.RUNNING:
+            stopped = self._add_text(sample, seq, token, state.params)
+            if stopped and seq.status is SequenceStatus.RUNNING:
                 stops.append((group, seq))
         return stops
 
