@@ -1,10 +1,12 @@
 """The host side (allocator, block manager, scheduler, batch builder, the simulator)
 imports without the device stack, so it runs where jax, flax, transformers or torch
-are missing or slow to import. Each check runs in a fresh interpreter: this test
-process has imported all of them already."""
+are missing or slow to import; so do its tests, tests/memory and tests/core. Each
+check runs in a fresh interpreter: this test process has imported all of them already."""
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +24,21 @@ HOST_MODULES = (
     "jpaged.core.batch_builder",
     "experiments.simulator",
 )
+HOST_TESTS = ("tests/memory", "tests/core")
+# A sitecustomize.py on PYTHONPATH installs it in every interpreter of a run: pytest's and
+# the processes its tests start.
+DEVICE_STACK_UNIMPORTABLE = f"""
+import sys
+
+
+class DeviceStackUnimportable:
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in {HEAVY!r}:
+            raise ImportError(name + " is unimportable in this run")
+
+
+sys.meta_path.insert(0, DeviceStackUnimportable())
+"""
 
 
 def loaded_modules(code: str) -> set[str]:
@@ -78,3 +95,17 @@ def test_a_deprecated_name_warns_and_resolves_to_its_new_home():
         assert llm_engine.step_shapes is step_shapes.step_shapes
     with pytest.raises(AttributeError, match="no_such_name"):
         llm_engine.no_such_name  # noqa: B018
+
+
+def test_host_tests_pass_where_the_device_stack_is_unimportable(tmp_path):
+    """tests/memory and tests/core, plugins and all, with jax, flax, transformers and torch
+    unimportable: every test collected passes, none is skipped."""
+    (tmp_path / "sitecustomize.py").write_text(DEVICE_STACK_UNIMPORTABLE)
+    python_path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *HOST_TESTS],
+        cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": python_path}, capture_output=True,
+        text=True)
+    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-3000:]
+    summary = result.stdout.strip().splitlines()[-1]
+    assert re.fullmatch(r"\d+ passed(, \d+ warnings?)? in .*", summary), summary

@@ -17,10 +17,8 @@ from types import SimpleNamespace
 import jax
 import numpy as np
 import pytest
-from conftest import kernel_interpret
 from flax import nnx
 from jax.sharding import PartitionSpec as P
-from test_tokenizer import transformers_answer
 
 import kernels_pallas
 from jpaged import __main__ as cli
@@ -36,6 +34,8 @@ from jpaged.model.llama import LlamaForCausalLM
 from jpaged.model.loader import load_model
 from jpaged.model.sharding import bytes_per_device, model_mesh, shard_model
 from jpaged.sampling_params import SamplingParams
+from tests.plugins.hf_models import transformers_answer
+from tests.plugins.kernels import kernel_interpret
 
 NEAR_TIE = 1e-4
 NUM_DEVICES = 8

@@ -23,7 +23,7 @@ import pytest
 from ipykernel.kernelspec import write_kernel_spec
 from nbclient import NotebookClient
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = ROOT / "notebooks"
 KERNEL = "jpaged-notebook-test"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import SERVER_API_KEY
 
 from benchmarks import serving
+from tests.plugins.http_server import SERVER_API_KEY
 
 
 def test_quick_run_measures_every_rate_and_the_http_overhead(server, offline):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 import transformers
-from conftest import END_OF_TEXT, tiny_tokenizer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -25,6 +24,7 @@ from jpaged.engine.detokenizer import (
     held_back_length,
 )
 from jpaged.model.loader import default_model_directory
+from tests.plugins.hf_models import END_OF_TEXT, tiny_tokenizer
 
 TINY = tiny_tokenizer()
 MULTILINGUAL = [

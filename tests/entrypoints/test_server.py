@@ -3,8 +3,8 @@
 The oracle is the offline engine: the same model and configuration through
 `LLM.generate` / `LLM.chat` must give the same text, tokens and
 log-probabilities as the server. Errors are checked against OpenAI's error
-shape and the documented status codes. One server (conftest's `server`: uvicorn
-in a thread, on a free loopback port) serves every server test.
+shape and the documented status codes. One server (`server` of tests/plugins/http_server.py:
+uvicorn in a thread, on a free loopback port) serves every server test.
 """
 
 from __future__ import annotations
@@ -16,7 +16,10 @@ import time
 
 import openai
 import pytest
-from conftest import (
+
+from jpaged.engine.async_engine import AsyncLLMEngine, EngineStoppedError
+from jpaged.sampling_params import SamplingParams
+from tests.plugins.http_server import (
     SERVED_MODEL,
     SERVER_API_KEY,
     SERVER_ENGINE,
@@ -27,9 +30,6 @@ from conftest import (
     metric,
     wait_until_idle,
 )
-
-from jpaged.engine.async_engine import AsyncLLMEngine, EngineStoppedError
-from jpaged.sampling_params import SamplingParams
 
 MODEL = SERVED_MODEL
 API_KEY = SERVER_API_KEY

@@ -5,9 +5,8 @@ chain, lookups find index entries of other content, so only the comparison of
 the entry's content key (parent entry, salt, token ids) can tell a hit from a
 collision. The oracles: the BlockManager state machine's model of the K/V
 memory (every computed position must read back its own prefix), a hand-built
-eviction case, the scheduler's hit counters on prompts that share no prefix,
-and the engine's greedy outputs with prefix caching off. A positive control
-keeps the real hash and a shared prefix: it must still hit.
+eviction case, and the scheduler's hit counters on prompts that share no prefix.
+tests/engine/test_prefix_collision.py makes the engine's blocks collide.
 """
 
 from __future__ import annotations
@@ -17,33 +16,14 @@ import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, run_state_machine_as_test
-from test_block_manager import BlockManagerMachine
 
 from jpaged.config import CacheConfig, SchedulerConfig
 from jpaged.core.scheduler import Scheduler
 from jpaged.core.scheduler_output import SampledTokens
-from jpaged.core.step_shapes import BucketSizes
-from jpaged.entrypoints.llm import LLM
-from jpaged.memory import block_manager
 from jpaged.memory.block_manager import BlockManager
-from jpaged.model.loader import load_model
 from jpaged.sampling_params import SamplingParams
 from jpaged.sequence import Sequence, SequenceGroup, SequenceStatus
-
-THE_HASH = 12345
-BLOCK_SIZE = 8
-
-
-@pytest.fixture
-def colliding_hash(monkeypatch):
-    """Every block of every request hashes to THE_HASH."""
-    monkeypatch.setattr(block_manager, "hash_block", lambda parent, tokens, salt: THE_HASH)
-
-
-@pytest.fixture
-def depth_hash(monkeypatch):
-    """Block i of every chain hashes to i + 1: the blocks at one depth collide."""
-    monkeypatch.setattr(block_manager, "hash_block", lambda parent, tokens, salt: parent + 1)
+from tests.memory.test_block_manager import BlockManagerMachine
 
 
 class CachingBlockManagerMachine(BlockManagerMachine):
@@ -148,65 +128,3 @@ def test_scheduler_serves_no_hit_across_prompts_without_a_shared_prefix(collidin
     stats = manager.prefix_cache_stats
     assert stats.query_blocks == sum((len(p) - 1) // 4 for p in prompts) > 0
     assert (stats.hit_blocks, stats.hit_tokens) == (0, 0)
-
-
-GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def loaded(tiny_llama_dir):
-    return load_model(tiny_llama_dir)
-
-
-def make_llm(loaded, enable_prefix_caching: bool) -> LLM:
-    return LLM(
-        "tiny", loaded=loaded, block_size=BLOCK_SIZE, num_blocks=64, max_num_seqs=4,
-        max_num_batched_tokens=64, max_model_len=64, enable_prefix_caching=enable_prefix_caching,
-        buckets=BucketSizes(min_num_tokens=8, min_num_seqs=4, min_blocks_per_seq=2),
-        persistent_compilation_cache=False,
-    )
-
-
-@pytest.fixture(scope="module")
-def prompt_rounds(loaded):
-    """Rounds of prompts run one after another: later rounds look up earlier rounds' blocks.
-
-    Round 0 and 1 share no prefix with any prompt; rounds 2 and 3 share a
-    three-block prefix (24 tokens).
-    """
-    vocab_size = loaded[1].vocab_size
-    first, second = (distinct_prompts(seed, [19, 26, 33], vocab_size) for seed in (1, 2))
-    second = [[3 + p[0], *p[1:]] for p in second]  # first tokens 3..5: unlike round 0's
-    shared = np.random.default_rng(3).integers(0, vocab_size, 3 * BLOCK_SIZE).tolist()
-    return [first, second, [shared + [1, 2, 3]], [shared + [4, 5], shared + [6]]]
-
-
-def run_rounds(llm: LLM, rounds: list[list[list[int]]]) -> list[list[list[int]]]:
-    """Greedy output tokens of each round's prompts, one `generate` per round."""
-    return [[o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] for prompts in rounds]
-
-
-@pytest.fixture(scope="module")
-def uncached_outputs(loaded, prompt_rounds):
-    return run_rounds(make_llm(loaded, enable_prefix_caching=False), prompt_rounds)
-
-
-def test_engine_with_every_hash_equal_matches_no_caching(
-    colliding_hash, loaded, prompt_rounds, uncached_outputs
-):
-    llm = make_llm(loaded, enable_prefix_caching=True)
-    assert run_rounds(llm, prompt_rounds[:2]) == uncached_outputs[:2]
-    stats = llm.engine.block_manager.prefix_cache_stats
-    lookups = sum((len(p) - 1) // BLOCK_SIZE for prompts in prompt_rounds[:2] for p in prompts)
-    assert stats.query_blocks == lookups > 0
-    assert stats.hit_rate == 0.0
-
-
-def test_engine_with_the_real_hash_still_hits_a_shared_prefix(
-    loaded, prompt_rounds, uncached_outputs
-):
-    llm = make_llm(loaded, enable_prefix_caching=True)
-    assert run_rounds(llm, prompt_rounds) == uncached_outputs
-    stats = llm.engine.block_manager.prefix_cache_stats
-    assert stats.hit_tokens == 2 * 3 * BLOCK_SIZE  # both prompts of round 3
-    assert stats.hit_rate > 0

@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from conftest import model_step
 from flax import nnx
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
@@ -22,6 +21,7 @@ from jpaged.model.config import LlamaConfig
 from jpaged.model.llama import init_kv_cache
 from jpaged.model.loader import load_model
 from jpaged.model.rope import rope_inverse_frequencies
+from tests.plugins.paged_pool import model_step
 
 BLOCK_SIZE = 4
 

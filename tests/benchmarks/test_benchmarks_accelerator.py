@@ -12,7 +12,7 @@ import pytest
 
 from benchmarks.accelerator import SMOKE, engine_workload, main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # Max abs error of a bfloat16 decode against the float32 reference, as in test_kernels.
 BF16_TOLERANCE = 2e-2
 

@@ -13,7 +13,10 @@ import asyncio
 
 import numpy as np
 import openai
-from conftest import (
+
+from jpaged.entrypoints.llm import LLM
+from jpaged.sampling_params import SamplingParams
+from tests.plugins.http_server import (
     SERVED_MODEL,
     SERVER_API_KEY,
     SERVER_ENGINE,
@@ -21,9 +24,6 @@ from conftest import (
     metric,
     wait_until_idle,
 )
-
-from jpaged.entrypoints.llm import LLM
-from jpaged.sampling_params import SamplingParams
 
 MODEL = SERVED_MODEL
 NUM_CLIENTS = 128

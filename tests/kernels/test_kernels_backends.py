@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 from jax._src.pallas.mosaic.interpret import interpret_pallas_call
 from jax.experimental.pallas import tpu as pltpu
-from test_kernels import BF16, F32, assert_close, f32, make_pool, mixed_batch
 
 import kernels_pallas as kp
+from tests.kernels.test_kernels import BF16, F32, assert_close, f32, make_pool, mixed_batch
 
 # Two simulated TensorCores (the parallel grid split as on a megacore chip) and
 # DMAs that land as soon as they start: under these settings the race detector

@@ -16,7 +16,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import greedy_continuations
 
 from jpaged.config import CacheConfig, SchedulerConfig
 from jpaged.core.scheduler import Scheduler
@@ -27,6 +26,7 @@ from jpaged.memory.block_manager import BlockManager
 from jpaged.model.loader import load_model
 from jpaged.sampling_params import SamplingParams
 from jpaged.sequence import Sequence, SequenceGroup, SequenceStatus
+from tests.plugins.hf_models import greedy_continuations
 
 MAX_TOKENS = 8
 BUCKETS = BucketSizes(min_num_tokens=8, min_num_seqs=4, min_blocks_per_seq=2)

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from conftest import model_step
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
@@ -22,6 +21,7 @@ from jpaged.model.default_model import cache_directory, default_model_gguf
 from jpaged.model.gguf import convert_gguf, load_gguf
 from jpaged.model.llama import init_kv_cache
 from jpaged.model.loader import load_model
+from tests.plugins.paged_pool import model_step
 
 BLOCK_SIZE = 4
 

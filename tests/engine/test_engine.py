@@ -10,7 +10,6 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from conftest import greedy_continuations, kernel_interpret
 
 import kernels_pallas
 from jpaged.core.step_shapes import BucketSizes, default_buckets, step_shapes
@@ -18,6 +17,8 @@ from jpaged.engine.stats import num_compilations
 from jpaged.entrypoints.llm import LLM
 from jpaged.model.loader import load_model
 from jpaged.sampling_params import SamplingParams
+from tests.plugins.hf_models import greedy_continuations
+from tests.plugins.kernels import kernel_interpret
 
 MAX_TOKENS = 12
 SMALL_BUCKETS = BucketSizes(min_num_tokens=8, min_num_seqs=4, min_blocks_per_seq=2)

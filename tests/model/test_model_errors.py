@@ -1,9 +1,9 @@
 """Broken model files give one clear error naming the file and the problem, both through
 `LLM(...)` and through the CLI (one line on stderr, no traceback, a non-zero exit).
 
-The broken models are built here from the tiny random models of conftest: GGUF files
-rewritten without a metadata key or a tensor, with a tensor of the wrong shape, or cut
-short; Hugging Face directories with a wrong-shaped, truncated or missing file.
+The broken models are built here from the tiny random models (tests/plugins/hf_models.py):
+GGUF files rewritten without a metadata key or a tensor, with a tensor of the wrong shape,
+or cut short; Hugging Face directories with a wrong-shaped, truncated or missing file.
 """
 
 from __future__ import annotations
@@ -22,13 +22,13 @@ import gguf
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
-from test_loader import write_gguf
 
 from jpaged import __main__ as cli
 from jpaged.entrypoints.llm import LLM
 from jpaged.model.loader import ModelLoadError
+from tests.model.test_loader import write_gguf
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)

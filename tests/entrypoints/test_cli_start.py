@@ -6,11 +6,11 @@ from __future__ import annotations
 import math
 
 import psutil
-from test_tokenizer import transformers_answer
 
 from jpaged import __main__ as cli
 from jpaged.engine.machine import available_host_memory
 from jpaged.model.loader import read_hf_config
+from tests.plugins.hf_models import transformers_answer
 
 
 def test_available_host_memory_counts_what_the_kernel_can_reclaim():

@@ -16,9 +16,7 @@ from pathlib import Path
 
 import gguf
 import pytest
-import torch
 import transformers
-from test_loader import write_gguf
 
 from jpaged.model.default_model import (
     DEFAULT_MODEL_GGUF,
@@ -26,8 +24,10 @@ from jpaged.model.default_model import (
     default_model_gguf,
 )
 from jpaged.model.tokenizer import Tokenizer, byte_alphabet
+from tests.model.test_loader import write_gguf
+from tests.plugins.hf_models import transformers_answer
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TEXTS = [
     "What is the capital of France?",
     "",
@@ -176,17 +176,6 @@ def test_first_run_of_the_cli_needs_no_torch_and_prints_only_the_answer(tiny_qwe
     assert result.returncode == 0, result.stderr
     assert "Successfully downloaded" in result.stderr
     assert result.stdout == transformers_answer(tiny_qwen2_dir, prompt, 6) + "\n"
-
-
-def transformers_answer(model_dir: Path, prompt: str, max_tokens: int) -> str:
-    """Greedy decoding with transformers, stopped at EOS, decoded as the CLI prints it."""
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    ids = torch.tensor([tokenizer(prompt).input_ids])
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                             max_new_tokens=max_tokens, pad_token_id=tokenizer.eos_token_id)
-    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
 
 
 def _gguf_fields(path: Path) -> dict:

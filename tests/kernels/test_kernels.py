@@ -1,5 +1,5 @@
 """Paged-attention kernels in plain interpret mode (compiled under JPAGED_TEST_COMPILED=1,
-see conftest) against the pure-JAX reference.
+see tests/plugins/kernels.py) against the pure-JAX reference.
 
 Every kernel run reads a NaN-poisoned pool (every slot that no sequence owns,
 the null block included, is NaN) while the reference reads the clean pool, so
@@ -21,12 +21,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import kernel_interpret
 from jax.experimental.pallas import tpu as pltpu
 
 import kernels_pallas as kp
 from kernels_pallas import tiles
 from kernels_pallas.attention import _default_block_q
+from tests.plugins.kernels import kernel_interpret
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 
@@ -451,7 +451,7 @@ def test_kernels_import_without_the_triton_backend():
     # JAX deprecates its Triton backend from 0.11: the other kernels must still load and
     # run, and the Triton kernel fail on use (the engine then falls back to "xla").
     result = subprocess.run([sys.executable, "-c", WITHOUT_TRITON], capture_output=True,
-                            text=True, cwd=Path(__file__).resolve().parents[1])
+                            text=True, cwd=Path(__file__).resolve().parents[2])
     assert result.returncode == 0, result.stderr[-2000:]
     assert "this jax has no Triton backend" in result.stdout
 

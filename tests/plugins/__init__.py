@@ -1,0 +1,1 @@
+"""Fixtures and helpers of the test suite, one module per concern."""
