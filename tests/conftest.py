@@ -1,8 +1,11 @@
 """The suite's fixtures and hooks, one plugin per concern in tests/plugins.
 
 The tests are laid out like the packages they test (tests/memory for jpaged.memory,
-...). The plugins import torch, transformers and JAX only where a fixture or helper
-needs them, so that tests/memory and tests/core run without any of the three.
+...). Every directory is a package, so that pytest imports each test module by its
+full name (tests/memory and tests/engine may both hold a test_prefix_collision.py) and
+tests import shared helpers from where they live (tests.plugins.hf_models, ...). The
+plugins import torch, transformers and JAX only where a fixture or helper needs them,
+so that tests/memory and tests/core run without any of the three.
 
 Tests of tensor and data parallelism live in tests/multidevice and run in a
 process of their own on 8 simulated CPU devices (tests/test_multidevice.py

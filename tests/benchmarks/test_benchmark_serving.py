@@ -14,12 +14,16 @@ from tests.plugins.http_server import SERVER_API_KEY
 
 def test_quick_run_measures_every_rate_and_the_http_overhead(server, offline):
     base_url, _ = server
-    args = serving.parse_args(["--quick", "--request-rates", "40,inf", "--scale", "0.05",
-                               "--overhead-runs", "1", "--max-model-len", "256",
-                               "--api-key", SERVER_API_KEY])
+    argv = ["--quick", "--request-rates", "40,inf", "--scale", "0.05", "--overhead-runs", "1",
+            "--max-model-len", "256", "--api-key", SERVER_API_KEY]
+    args = serving.parse_args(argv)
     assert args.num_requests == 16
-    result = serving.report(args, serving.measure(args, base_url, offline))
+    header = serving.new_serving_report(argv)
+    result = serving.report(header, args, serving.measure(args, base_url, offline))
     json.loads(json.dumps(result, allow_nan=False))  # strict JSON: no Infinity or NaN
+    assert result["script"] == "benchmarks.serving"
+    assert result["command"] == "python -m benchmarks.serving " + " ".join(argv)
+    assert {"fastapi", "uvicorn", "openai"} <= set(result["versions"])
     workload = result["workload"]
     assert set(result["by_rate"]) == {"40.0", "inf"}
     for run in result["by_rate"].values():

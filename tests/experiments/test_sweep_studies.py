@@ -14,13 +14,16 @@ from __future__ import annotations
 import csv
 import json
 import math
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from benchmarks import results_page
 from experiments import sweep
 from experiments.block_size_study import block_tables_for
+from tests.test_docs import unaccounted_numbers
 
 pytestmark = pytest.mark.default_model
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -47,6 +50,16 @@ def test_every_figure_and_table_is_written(quick_sweep):
             assert list(csv.DictReader(f)), table
     assert report["versions"]["jax"] and report["args"]["quick"] == "True"
     assert set(report["study_wall_s"]) == set(sweep.STUDIES)
+
+
+def test_the_report_describes_its_run(quick_sweep):
+    out_dir, report = quick_sweep
+    assert report["script"] == "experiments.sweep"
+    assert report["command"] == f"python -m experiments.sweep --quick --jobs 1 --out-dir {out_dir}"
+    assert report["date"].endswith("+00:00")
+    assert {"platform", "processor", "cpu_count", "load_average"} <= set(report["machine"])
+    assert {"python", "jax", "jaxlib", "numpy", "flax", "jpaged", "matplotlib"} <= set(
+        report["versions"])
 
 
 def test_memory_shares_are_shares_and_orca_max_wastes_most(quick_sweep):
@@ -129,6 +142,18 @@ def test_block_size_and_sharing_studies_are_in_sane_ranges(quick_sweep):
         assert min(ops["swap_out_s"], ops["swap_in_s"], ops["recompute_s"]) > 0
     saved = {r["kind"]: r["memory_saved_pct"] for r in report["figures14_15"]}
     assert 0 < saved["parallel"] < saved["beam"] < 100
+    for row in report["figures14_15"]:
+        # Memory saved comes from a run nothing preempted: the throughput run with
+        # sharing, or else a run on the pool that holds every sequence privately.
+        if row["preemptions_sharing"] == 0:
+            assert row["memory_pool_tokens"] == row["pool_tokens"]
+        else:
+            assert row["memory_pool_tokens"] > row["pool_tokens"]
+        requests = row["by_request"]
+        assert len(requests) == 3
+        assert math.isclose(sum(r["block_steps_share_pct"] for r in requests), 100.0)
+        assert all(0 <= r["memory_saved_pct"] < 100 for r in requests)
+        assert all(0 <= r["common_output_prefix"] <= r["output_len"] for r in requests)
 
 
 @pytest.mark.parametrize("block_size", [1, 3, 16, 256])
@@ -141,3 +166,28 @@ def test_block_tables_for_lay_out_every_context_on_distinct_blocks(block_size):
     used = np.concatenate([row[:n] for row, n in zip(tables, needed, strict=True)])
     assert sorted(used) == list(range(1, num_blocks))  # each pool block once, none null
     assert all((row[n:] == 0).all() for row, n in zip(tables, needed, strict=True))
+
+
+def test_the_results_page_places_the_quick_sweep(quick_sweep, tmp_path):
+    out_dir, _ = quick_sweep
+    data = tmp_path / "data"
+    data.mkdir()
+    shutil.copy(out_dir / "sweep.json", data / "sweep.json")
+    reports = results_page.load_reports(data)
+    page = results_page.render(reports)
+    for title in ("Figure 2 in simulation", "Figure 12 on the engine", "Figure 18 on the engine",
+                  "Figure 19 (a) on the engine", "Figures 14 and 15 on the engine", "Summary"):
+        assert f"### {title}" in page
+    assert unaccounted_numbers(page, reports) == []
+    assert unaccounted_numbers(page + "| 12345.678 |\n", reports) == ["12345.678"]
+
+
+def test_the_results_page_refuses_a_report_it_cannot_place(quick_sweep, tmp_path):
+    out_dir, report = quick_sweep
+    (tmp_path / "unknown.json").write_text(json.dumps(report | {"script": "benchmarks.nope"}))
+    with pytest.raises(results_page.UnplacedResult, match="benchmarks.nope"):
+        results_page.load_reports(tmp_path)
+    undescribed = {key: value for key, value in report.items() if key != "date"}
+    (tmp_path / "unknown.json").write_text(json.dumps(undescribed))
+    with pytest.raises(results_page.UnplacedResult, match="no date"):
+        results_page.load_reports(tmp_path)

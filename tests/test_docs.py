@@ -1,0 +1,94 @@
+"""The README and docs/: every relative link resolves to a file or heading of the
+repository, and docs/results.md is what its generator makes of docs/data/, every number
+on it one of theirs."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from benchmarks import results_page
+
+REPO = Path(__file__).resolve().parents[1]
+PAGES = [REPO / "README.md", REPO / "CHANGELOG.md", *sorted((REPO / "docs").glob("*.md"))]
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+FENCE = re.compile(r"^```.*?^```", re.MULTILINE | re.DOTALL)
+HEADING = re.compile(r"^#+\s+(.*)$", re.MULTILINE)
+NUMBER = re.compile(r"(?<![\w.])\d+(?:\.\d+)?")
+
+
+def json_numbers(value) -> list[float | str]:
+    """Every number in a JSON value: its numbers, and the numbers written in its strings."""
+    if isinstance(value, dict):
+        return [x for item in value.values() for x in json_numbers(item)]
+    if isinstance(value, list):
+        return [x for item in value for x in json_numbers(item)]
+    if isinstance(value, str):
+        return NUMBER.findall(value)
+    if isinstance(value, bool) or value is None:
+        return []
+    return [abs(value)]
+
+
+def unaccounted_numbers(page: str, reports: list[tuple[Path, dict]]) -> list[str]:
+    """Numbers outside the page's headings that no report holds at the shown precision."""
+    values = [x for _, report in reports for x in json_numbers(report)]
+    written = {x for x in values if isinstance(x, str)}
+    numbers = [x for x in values if not isinstance(x, str)]
+    shown: dict[int, set[str]] = {}
+    missing = []
+    for line in page.splitlines():
+        if line.startswith("#"):
+            continue
+        for token in NUMBER.findall(line):
+            decimals = len(token.partition(".")[2])
+            if decimals not in shown:
+                shown[decimals] = {f"{x:.{decimals}f}" for x in numbers}
+            if token not in shown[decimals] and token not in written:
+                missing.append(token)
+    return missing
+
+
+def github_anchor(heading: str) -> str:
+    """The fragment GitHub gives a heading: lower case, punctuation dropped, spaces to -."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def headings(page: Path) -> set[str]:
+    return {github_anchor(h) for h in HEADING.findall(FENCE.sub("", page.read_text()))}
+
+
+def links(page: Path) -> list[str]:
+    text = FENCE.sub("", page.read_text())
+    return [t for t in LINK.findall(text) if not re.match(r"[a-z]+:", t)]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_link_resolves_to_a_file_or_heading(page):
+    broken = []
+    for target in links(page):
+        path, _, anchor = target.partition("#")
+        file = (page.parent / path) if path else page
+        if not file.exists() or anchor and anchor not in headings(file):
+            broken.append(target)
+    assert broken == []
+
+
+def test_the_link_check_sees_a_broken_link_and_a_missing_heading(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("# One title\n[ok](#one-title) [gone](nowhere.md) [lost](#two)\n"
+                    "```\n[in code](skipped.md)\n```\n")
+    assert links(page) == ["#one-title", "nowhere.md", "#two"]
+    assert github_anchor("Tensor and data parallelism") == "tensor-and-data-parallelism"
+    assert github_anchor("`LLM()`, defaults") == "llm-defaults"
+
+
+def test_the_committed_results_page_is_generated_from_docs_data():
+    data = REPO / "docs" / "data"
+    reports = results_page.load_reports(data)
+    page = (REPO / "docs" / "results.md").read_text()
+    assert page == results_page.render(reports)
+    assert unaccounted_numbers(page, reports) == []
