@@ -49,7 +49,6 @@ import itertools
 import json
 import math
 import os
-import platform
 import re
 import signal
 import statistics
@@ -60,14 +59,15 @@ import traceback
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from benchmarks.report import REPO, new_report, progress
 
 if TYPE_CHECKING:
     import jax
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+PEERS = ("torch", "transformers", "triton")
 GPU_OP = "jax.experimental.pallas.ops.gpu.paged_attention"
 TPU_OP = "jax.experimental.pallas.ops.tpu.paged_attention"
 SEED = 0
@@ -113,8 +113,9 @@ class Plan:
 
 
 ACCELERATOR = Plan(
-    test_args=("tests/test_kernels.py", "tests/test_runner.py", "tests/test_engine.py",
-               "tests/test_model.py", "tests/test_faults.py"),
+    test_args=("tests/kernels/test_kernels.py", "tests/engine/test_runner.py",
+               "tests/engine/test_engine.py", "tests/model/test_model.py",
+               "tests/engine/test_faults.py"),
     batches=(8, 64), contexts=(1024, 8192, 32768), block_sizes=(16, 64),
     attention_shape=(32, 8, 128), chain_length=20, repeats=5, interpret=False,
     model_shape=LLAMA3_8B, attention_backend=None,
@@ -124,7 +125,7 @@ ACCELERATOR = Plan(
     time_limit_s=460,
 )
 SMOKE = Plan(
-    test_args=("tests/test_kernels.py", "-k", "test_scale_and_soft_cap and decode"),
+    test_args=("tests/kernels/test_kernels.py", "-k", "test_scale_and_soft_cap and decode"),
     batches=(2,), contexts=(64,), block_sizes=(16, 32),
     attention_shape=(4, 2, 128), chain_length=2, repeats=1, interpret=True,
     model_shape=TINY_LLAMA, attention_backend="triton",
@@ -150,7 +151,7 @@ def run_child(command: list[str], timeout_s: float, env: dict) -> ChildRun:
     (pytest's own children too) and keep what it printed."""
     started = time.monotonic()
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                               text=True, env=env, cwd=REPO_ROOT, start_new_session=True)
+                               text=True, env=env, cwd=REPO, start_new_session=True)
     try:
         output, _ = process.communicate(timeout=timeout_s)
         returncode = process.returncode
@@ -229,11 +230,14 @@ def engine_ratio(engine: dict) -> float | None:
     return None if None in speeds else speeds[0] / speeds[1]
 
 
-def orchestrate(plan: Plan, smoke: bool, out: Path, time_limit_s: float) -> dict:
+def orchestrate(plan: Plan, smoke: bool, out: Path, time_limit_s: float, header: dict) -> dict:
+    """Every section in turn within the time limit; the report, `header`
+    (benchmarks.report's new_report) and the sections, rewritten to `out` after each."""
     deadline = time.monotonic() + time_limit_s
     env = child_environment(smoke)
-    report = {"benchmark": "accelerator", "smoke": smoke, "out": str(out),
-              "settings": asdict(plan) | {"time_limit_s": time_limit_s}, "sections": {}}
+    report = header | {"smoke": smoke, "out": str(out),
+                       "settings": asdict(plan) | {"time_limit_s": time_limit_s},
+                       "sections": {}}
 
     def within_budget(name: str, run: Callable[[float], dict]) -> dict:
         """run(its time limit): the section's own limit or what is left, if a second is."""
@@ -282,15 +286,9 @@ def machine_section(plan: Plan) -> Iterator[dict]:
         triton = "present"
     except Exception as error:
         triton = f"absent: {type(error).__name__}: {error}"
-    installed = {}
-    for package in ("jax", "jaxlib", "flax", "numpy", "torch", "transformers", "triton"):
-        with contextlib.suppress(PackageNotFoundError):
-            installed[package] = version(package)
     device = jax.devices()[0]
     yield {"backend": jax.default_backend(), "device_kind": device.device_kind,
-           "num_devices": jax.device_count(), "cpu_count": os.cpu_count(),
-           "platform": platform.platform(), "python": platform.python_version(),
-           "versions": installed, "pallas_triton_backend": triton}
+           "num_devices": jax.device_count(), "pallas_triton_backend": triton}
 
 
 @dataclass(frozen=True)
@@ -525,7 +523,7 @@ def kernels_section(plan: Plan) -> Iterator[dict]:
             section["skipped"].append({"batch": batch, "context": context, "reason": "memory"})
             continue
         point = decode_point(rng, plan, batch, context, block_size, ops, peak)
-        print(json.dumps(point), file=sys.stderr, flush=True)
+        progress(json.dumps(point))
         section["points"].append(point)
         section["summary"] = kernels_summary(section["points"])
         yield section
@@ -658,7 +656,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true",
                         help="the same code paths on CPU with tiny shapes, in about a minute")
-    parser.add_argument("--out", type=Path, default=REPO_ROOT / "results" / "accelerator.json",
+    parser.add_argument("--out", type=Path, default=REPO / "results" / "accelerator.json",
                         help="the JSON report, rewritten after every section")
     parser.add_argument("--time-limit", type=float, default=None,
                         help="seconds for the whole run (default 460; 300 with --smoke)")
@@ -671,7 +669,8 @@ def main(argv: list[str] | None = None) -> int:
     if time_limit <= 0:
         parser.error(f"--time-limit must be > 0 seconds, got {time_limit}")
     signal.signal(signal.SIGTERM, exit_on_sigterm)
-    report = orchestrate(plan, args.smoke, args.out.resolve(), time_limit)
+    header = new_report("benchmarks.accelerator", argv, peers=PEERS)
+    report = orchestrate(plan, args.smoke, args.out.resolve(), time_limit, header)
     print(json.dumps(report))
     return 1 if "error" in report else 0
 

@@ -20,16 +20,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from importlib.metadata import version
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from benchmarks.report import REPO, new_report, progress, record_end_load
+
 PROMPT = "What is the capital of France?"
 TRANSFORMERS_PEER = """
 import sys
@@ -75,6 +74,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--baseline", default=None, metavar="REV",
                         help="also time the command from this git revision of jpaged")
     args = parser.parse_args(argv)
+    report = new_report("benchmarks.cli_start", argv, peers=("torch", "transformers"))
     cli = [sys.executable, "-m", "jpaged", "generate", PROMPT]
     timed_run(cli, REPO)  # downloads and converts the model if it is not cached yet
     with tempfile.TemporaryDirectory(prefix="jpaged-baseline-") as scratch:
@@ -89,20 +89,10 @@ def main(argv: list[str] | None = None) -> None:
             for name, (command, source) in systems.items():
                 elapsed, answers[name] = timed_run(command, source)
                 seconds[name].append(round(elapsed, 2))
-                print(f"run {repeat + 1}/{args.repeats} {name}: {elapsed:.1f} s",
-                      file=sys.stderr, flush=True)
+                progress(f"run {repeat + 1}/{args.repeats} {name}: {elapsed:.1f} s")
     medians = {name: statistics.median(values) for name, values in seconds.items()}
-    report = {
-        "benchmark": "cli_start",
-        "machine": {
-            "platform": platform.platform(),
-            "processor": platform.processor() or platform.machine(),
-            "python": platform.python_version(),
-            "cpus": len(os.sched_getaffinity(0)),
-            "load_average_1min": os.getloadavg()[0],
-        },
-        "versions": {name: version(name) for name in ("jax", "jaxlib", "flax", "transformers",
-                                                      "torch")},
+    record_end_load(report)
+    report |= {
         "settings": vars(args) | {"prompt": PROMPT, "compilation_cache": "empty, per run",
                                   "model": "smollm2, cached"},
         "seconds": seconds,

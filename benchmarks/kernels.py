@@ -27,10 +27,7 @@ import argparse
 import functools
 import itertools
 import json
-import os
-import platform
 import statistics
-import sys
 import time
 
 import jax
@@ -39,6 +36,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 import kernels_pallas as kp
+from benchmarks.report import new_report, progress
 
 # Llama-3-8B attention shape: 32 query heads over 8 KV heads of 128.
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
@@ -296,6 +294,7 @@ def main(argv=None) -> dict:
     )
     parser.add_argument("--repeats", type=int, default=5 if on_cpu else 20)
     args = parser.parse_args(argv)
+    result = new_report("benchmarks.kernels", argv)
 
     device = jax.devices()[0]
     dtype = jnp.float32 if on_cpu else jnp.bfloat16
@@ -326,21 +325,10 @@ def main(argv=None) -> dict:
                     peak,
                 )
                 points.append(point)
-                print(json.dumps(point), file=sys.stderr)
-    result = {
-        "benchmark": "kernels.paged_decode",
-        "machine": {
-            "backend": backend,
-            "device_kind": device.device_kind,
-            "num_devices": jax.device_count(),
-            "cpu_count": os.cpu_count(),
-            "platform": platform.platform(),
-        },
-        "versions": {
-            "python": platform.python_version(),
-            "jax": jax.__version__,
-            "numpy": np.__version__,
-        },
+                progress(json.dumps(point))
+    result["machine"] |= {"backend": backend, "device_kind": device.device_kind,
+                          "num_devices": jax.device_count()}
+    result |= {
         "settings": {
             "implementations": implementations,
             "dtype": jnp.dtype(dtype).name,

@@ -25,17 +25,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
-import sys
 import time
-from importlib.metadata import version
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.report import new_report, progress
 from jpaged.model import sampler
 from jpaged.model.sampler import SamplingRow, nucleus_cutoffs, sample, sampling_tensors
 
@@ -144,22 +141,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    report = new_report("benchmarks.sampler", argv)
+    report["machine"]["device"] = str(jax.devices()[0])
     results = []
     for batch in args.batches:
         for workload in WORKLOADS:
             row = run(batch, workload, args.repeats, args.seed)
-            print(json.dumps(row), file=sys.stderr)
+            progress(json.dumps(row))
             results.append(row)
-    report = {
-        "benchmark": "sampler",
-        "machine": {
-            "platform": platform.platform(),
-            "processor": platform.processor() or platform.machine(),
-            "python": platform.python_version(),
-            "cpus": len(os.sched_getaffinity(0)),
-            "device": str(jax.devices()[0]),
-        },
-        "versions": {name: version(name) for name in ("jax", "jaxlib", "numpy")},
+    report |= {
         "settings": vars(args) | {
             "vocab": VOCAB, "candidates": sampler.CANDIDATES, "escalation": sampler.ESCALATION,
             "logit_scales": {"peaked": PEAKED, "flat": FLAT}, "num_top": 0,

@@ -20,13 +20,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
 import statistics
-import sys
 import time
 
 import numpy as np
 
+from benchmarks.report import new_report, progress
 from experiments.baselines import ContiguousArena
 from jpaged.config import CacheConfig, SchedulerConfig
 from jpaged.core.batch_builder import build_model_input
@@ -135,6 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40, help="timed decode steps per setting")
     args = parser.parse_args(argv)
+    report = new_report("benchmarks.scheduler", argv)
     steps = args.steps
 
     by_seqs = [measure_paged(n, 2048, 1, steps) for n in (64, 256, 1024)]
@@ -143,16 +143,9 @@ def main(argv: list[str] | None = None) -> None:
     peers = [measure_contiguous(n, 2048, steps) for n in (64, 256, 1024)]
     at_256 = by_seqs[1]
     for row in by_seqs + [short_context, big_pool]:
-        print(json.dumps(row), file=sys.stderr)
+        progress(json.dumps(row))
 
-    report = {
-        "benchmark": "scheduler host step (schedule + block bookkeeping + build_model_input)",
-        "machine": {
-            "platform": platform.platform(),
-            "processor": platform.processor() or platform.machine(),
-            "python": platform.python_version(),
-        },
-        "versions": {"numpy": np.__version__},
+    report |= {
         "settings": {
             "block_size": BLOCK_SIZE,
             "timed_steps": steps,

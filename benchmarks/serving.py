@@ -40,8 +40,6 @@ import argparse
 import asyncio
 import json
 import math
-import os
-import platform
 import signal
 import socket
 import subprocess
@@ -54,6 +52,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from benchmarks.report import new_report, progress
 from benchmarks.throughput import mixed_workload
 from experiments.workloads import arrival_times
 
@@ -80,10 +79,6 @@ class RequestResult:
     def tpot(self) -> float | None:
         """Mean time per output token after the first."""
         return (self.e2e - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else None
-
-
-def _progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 # The load generator.
@@ -199,7 +194,7 @@ def http_overhead(args, base_url: str, model: str, llm: LLM, workloads: list[Wor
                "greedy_mismatches": sum(r.text != t for r, t in zip(results, texts, strict=True))}
         run["http_overhead_pct"] = 100 * (1 - offline_s / http_s)
         label = "warm-up" if index == 0 else f"run {index}"
-        _progress(f"overhead {label}: HTTP {run['http_output_tokens_per_s']:.1f} tok/s, offline "
+        progress(f"overhead {label}: HTTP {run['http_output_tokens_per_s']:.1f} tok/s, offline "
                   f"{run['offline_output_tokens_per_s']:.1f} tok/s")
         if index:
             runs.append(run)
@@ -229,14 +224,14 @@ def measure(args, base_url: str, llm: LLM) -> dict:
     warmup = workload_for(args, vocab_size, next(token_seeds))
     started = time.perf_counter()
     load(args, base_url, model, warmup, math.inf)
-    _progress(f"server warm-up burst: {time.perf_counter() - started:.1f} s")
+    progress(f"server warm-up burst: {time.perf_counter() - started:.1f} s")
     by_rate = {}
     for rate in args.request_rates:
         workload = workload_for(args, vocab_size, next(token_seeds))
         results, duration = load(args, base_url, model, workload, rate)
         check_complete(results, workload)
         by_rate[str(rate)] = summarize(results, duration)
-        _progress(f"rate {rate}: {duration:.1f} s, "
+        progress(f"rate {rate}: {duration:.1f} s, "
                   f"{by_rate[str(rate)]['output_tokens_per_s']:.1f} output tok/s")
     workloads = [workload_for(args, vocab_size, next(token_seeds))
                  for _ in range(args.overhead_runs + 1)]
@@ -302,7 +297,7 @@ def with_server(args, run) -> dict:
         try:
             base_url = f"http://127.0.0.1:{port}"
             wait_until_healthy(base_url, server, log.name)
-            _progress(f"server up at {base_url}")
+            progress(f"server up at {base_url}")
             return run(base_url)
         finally:
             server.send_signal(signal.SIGINT)
@@ -310,13 +305,6 @@ def with_server(args, run) -> dict:
                 server.wait(60)
             except subprocess.TimeoutExpired:
                 server.kill()
-
-
-def _versions() -> dict:
-    from importlib.metadata import version
-
-    return {name: version(name) for name in ("jax", "jaxlib", "flax", "fastapi", "uvicorn",
-                                             "openai")}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -359,12 +347,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def report(args, measured: dict) -> dict:
-    return {
-        "benchmark": "serving",
-        "machine": {"platform": platform.platform(), "processor": platform.machine(),
-                    "cpus": len(os.sched_getaffinity(0))},
-        "versions": _versions(),
+def new_serving_report(argv: list[str] | None = None) -> dict:
+    """The report's common part, taken as the run starts (benchmarks.report)."""
+    return new_report("benchmarks.serving", argv, peers=("fastapi", "uvicorn", "openai"))
+
+
+def report(header: dict, args, measured: dict) -> dict:
+    """The JSON report: `header` (new_serving_report), the settings, the measurements."""
+    return header | {
         "settings": vars(args) | {"request_rates": [str(rate) for rate in args.request_rates],
                                   "dtype": "float32", "dataset": "sharegpt-like",
                                   "sampling": "greedy, ignore_eos"},
@@ -376,6 +366,7 @@ def main(argv: list[str] | None = None) -> dict:
     from jpaged.entrypoints.llm import LLM
 
     args = parse_args(argv)
+    header = new_serving_report(argv)
 
     def run(base_url: str) -> dict:
         llm = LLM(args.model, **engine_settings(args))
@@ -384,7 +375,7 @@ def main(argv: list[str] | None = None) -> dict:
         return measure(args, base_url, llm)
 
     measured = run(args.base_url) if args.base_url else with_server(args, run)
-    result = report(args, measured)
+    result = report(header, args, measured)
     print(json.dumps(result, indent=2))
     return result
 

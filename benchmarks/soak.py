@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import jax
 
+from benchmarks.report import new_report
 from jpaged import BeamSearchParams, SamplingParams
 from jpaged.engine.llm_engine import EngineConfig, LLMEngine
 from jpaged.model.loader import load_model
@@ -185,7 +186,7 @@ def run(model: str, seconds: float, args) -> dict:
     started = time.perf_counter()
     for mode in ("recompute", "swap"):
         soak(loaded, mode, seconds / 2, args, references, counts)
-    result = {"benchmark": "soak", "model": model, "seconds": time.perf_counter() - started,
+    result = {"model": model, "seconds": time.perf_counter() - started,
               "settings": {"fault_rate": args.fault_rate, "num_blocks": args.num_blocks,
                            "min_steps": args.min_steps, "seed": args.seed}}
     return result | vars(counts)
@@ -205,7 +206,7 @@ def main(argv: list[str] | None = None) -> dict:
                         help="soak each preemption mode for at least this many steps too")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    result = run(args.model, args.seconds, args)
+    result = new_report("benchmarks.soak", argv) | run(args.model, args.seconds, args)
     print(json.dumps(result, indent=2))
     return result
 

@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import statistics
 import subprocess
@@ -51,7 +50,8 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.cli_start import REPO, export_revision
+from benchmarks.cli_start import export_revision
+from benchmarks.report import REPO, new_report, progress
 from benchmarks.throughput import hf_generate, mixed_workload
 
 FIGURES = ("mixed", "batch1", "bf16", "cli", "cold_warmup")
@@ -62,10 +62,6 @@ TOPICS = ["the moon", "rivers", "bread", "volcanoes", "chess", "honey bees", "gl
           "music", "salt", "owls", "maps", "paper", "the ocean", "trains", "cheese", "snow",
           "lighthouses", "bicycles", "coral reefs", "ink", "wind", "castles", "mushrooms",
           "the alphabet"]
-
-
-def _progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 def _peak_rss_mib() -> float:
@@ -107,7 +103,7 @@ def jpaged_mixed(llm, args, dataset: str) -> dict:
     elapsed = time.perf_counter() - started
     num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     assert num_tokens == sum(o for _, o in workload), "a request lost tokens"
-    _progress(f"jpaged {dataset}: warm-up {warmup_s:.1f} s, timed {elapsed:.1f} s")
+    progress(f"jpaged {dataset}: warm-up {warmup_s:.1f} s, timed {elapsed:.1f} s")
     return {"warmup_s": warmup_s, "elapsed_s": elapsed, "output_tokens": num_tokens,
             "output_tokens_per_s": num_tokens / elapsed}
 
@@ -246,7 +242,7 @@ def transformers_mixed(model, torch, args, dataset: str) -> dict:
         hf_generate(model, torch, [p for p, _ in batch], max(o for _, o in batch), 0)
     elapsed = time.perf_counter() - started
     num_tokens = sum(o for _, o in workload)
-    _progress(f"transformers {dataset}: {elapsed:.1f} s ({s['num_requests']} requests)")
+    progress(f"transformers {dataset}: {elapsed:.1f} s ({s['num_requests']} requests)")
     return {"elapsed_s": elapsed, "output_tokens": num_tokens,
             "output_tokens_per_s": num_tokens / elapsed}
 
@@ -300,7 +296,7 @@ def cold_warmup(args) -> dict:
     command = [sys.executable, "-m", "benchmarks.warmup", "--model", args.model]
     if args.quick:
         command += ["--prompt-len", "16"]
-    _progress("running the cold warm-up ...")
+    progress("running the cold warm-up ...")
     lines = subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True).stdout
     return json.loads(lines.strip().splitlines()[-1])
 
@@ -311,7 +307,7 @@ def _child_result(system: str, section: str, source: Path = REPO) -> dict:
     argv = _without_baseline(sys.argv[1:])
     command = [sys.executable, "-m", "benchmarks.startup", "--system", system,
                "--section", section, *argv]
-    _progress(f"running {system} {section} from {source} ...")
+    progress(f"running {system} {section} from {source} ...")
     env = os.environ | {"PYTHONPATH": str(source)}
     lines = subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True, cwd=source,
                            env=env).stdout
@@ -398,18 +394,9 @@ def _ratio(ours: dict, theirs: dict, *keys: str) -> float:
     return get(ours) / get(theirs)
 
 
-def _versions() -> dict:
-    from importlib.metadata import version
-
-    return {name: version(name) for name in ("jax", "jaxlib", "flax", "torch", "transformers")}
-
-
 def _report(args, figures: list[str]) -> dict:
-    report = {"benchmark": "startup",
-              "machine": {"platform": platform.platform(), "processor": platform.machine(),
-                          "cpus": len(os.sched_getaffinity(0)),
-                          "load_average": os.getloadavg()},
-              "versions": _versions(), "settings": vars(args) | _settings(args)}
+    report = new_report("benchmarks.startup", peers=("torch", "transformers"))
+    report["settings"] = vars(args) | _settings(args)
     with tempfile.TemporaryDirectory(prefix="jpaged-baseline-") as scratch:
         baseline = export_revision(args.baseline, Path(scratch)) if args.baseline else None
         ours, theirs, base = _run_sections(args, figures, baseline)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import resource
 import subprocess
 import sys
@@ -29,6 +28,7 @@ import time
 
 import numpy as np
 
+from benchmarks.report import new_report, progress
 from experiments.workloads import sample_lengths
 from jpaged.engine.stats import percentiles
 
@@ -54,10 +54,6 @@ def mixed_workload(num_requests: int, scale: float, vocab_size: int, seed: int, 
     ]
 
 
-def _progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
 def run_jpaged(args) -> dict:
     from jpaged import LLM, SamplingParams
     from jpaged.engine.stats import EngineStats
@@ -74,13 +70,13 @@ def run_jpaged(args) -> dict:
     started = time.perf_counter()
     llm.generate([p for p, _ in warmup], params)
     warmup_s = time.perf_counter() - started
-    _progress(f"jpaged warm-up run (compiles its step shapes): {warmup_s:.1f} s")
+    progress(f"jpaged warm-up run (compiles its step shapes): {warmup_s:.1f} s")
 
     llm.engine.stats = EngineStats()
     started = time.perf_counter()
     outputs = llm.generate([p for p, _ in workload], params)
     elapsed = time.perf_counter() - started
-    _progress(f"jpaged mixed workload: {elapsed:.1f} s")
+    progress(f"jpaged mixed workload: {elapsed:.1f} s")
     num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     assert num_tokens == sum(o for _, o in workload), "a request lost tokens"
     summary = llm.engine.stats.summary()
@@ -160,7 +156,7 @@ def run_transformers(args) -> dict:
     for start in range(0, len(workload), args.hf_batch_size):
         batch = workload[start : start + args.hf_batch_size]
         times = hf_generate(model, torch, [p for p, _ in batch], max(o for _, o in batch), pad_id)
-        _progress(f"transformers batch {start // args.hf_batch_size}: {times[-1] - started:.1f} s")
+        progress(f"transformers batch {start // args.hf_batch_size}: {times[-1] - started:.1f} s")
         for _, num_out in batch:
             ttft.append(times[0] - started)
             if num_out > 1:
@@ -187,12 +183,6 @@ def _child(args) -> None:
     print(json.dumps(result))
 
 
-def _versions() -> dict:
-    from importlib.metadata import version
-
-    return {name: version(name) for name in ("jax", "jaxlib", "flax", "torch", "transformers")}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -210,19 +200,16 @@ def main() -> None:
     if args.system:
         _child(args)
         return
+    report = new_report("benchmarks.throughput", peers=("torch", "transformers"))
     results = {}
     for system in ("jpaged", "transformers"):
         command = [sys.executable, "-m", "benchmarks.throughput", "--system", system,
                    *sys.argv[1:]]
-        print(f"running {system} ...", file=sys.stderr, flush=True)
+        progress(f"running {system} ...")
         lines = subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True).stdout
         results[system] = json.loads(lines.strip().splitlines()[-1])
     ours, theirs = results["jpaged"], results["transformers"]
-    report = {
-        "benchmark": "throughput",
-        "machine": {"platform": platform.platform(), "processor": platform.machine(),
-                    "cpus": len(__import__("os").sched_getaffinity(0))},
-        "versions": _versions(),
+    report |= {
         "settings": vars(args) | {"model": "smollm2 (SmolLM2-135M-Instruct)", "dtype": "float32",
                                   "max_total_len": MAX_TOTAL_LEN},
         "jpaged": ours,

@@ -32,15 +32,14 @@ if "jax" not in sys.modules:
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import platform  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
-from importlib.metadata import version  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from benchmarks.report import new_report, progress  # noqa: E402
 from jpaged.core.attention_metadata import AttentionMetadata  # noqa: E402
 from jpaged.engine.runner import ModelRunner  # noqa: E402
 from jpaged.model.config import LlamaConfig  # noqa: E402
@@ -113,6 +112,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--context", type=int, default=256)
     args = parser.parse_args()
+    report = new_report("benchmarks.tp")
     if jax.device_count() < NUM_DEVICES:
         raise SystemExit(f"needs {NUM_DEVICES} devices, JAX sees {jax.device_count()}: "
                          "start it in a fresh process")
@@ -143,16 +143,13 @@ def main() -> None:
                 bytes_per_device(leaf) for leaf in jax.tree.leaves(runner.params)),
             "kv_bytes_per_device": sum(bytes_per_device(c) for c in runner.kv_cache),
         }
-        print(f"TP={size}: {results[f'tp{size}']}", file=sys.stderr, flush=True)
-    print(json.dumps({
-        "benchmark": "tp",
+        progress(f"TP={size}: {results[f'tp{size}']}")
+    report["machine"]["devices"] = jax.device_count()
+    print(json.dumps(report | {
         "note": ("simulated CPU devices share the host's cores: times measure the overhead "
                  "of the sharded step, not the speed-up of more hardware (a ratio below 1 "
                  "is the shards' work spread over more host threads); bytes per device "
                  "are what a real mesh holds"),
-        "machine": {"platform": platform.platform(), "processor": platform.machine(),
-                    "cpu_count": os.cpu_count(), "devices": jax.device_count()},
-        "versions": {name: version(name) for name in ("jax", "jaxlib", "flax")},
         "settings": {"model": {"num_layers": config.num_layers, "hidden_size": config.hidden_size,
                                "intermediate_size": config.intermediate_size,
                                "num_heads": config.num_heads,

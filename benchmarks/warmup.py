@@ -23,19 +23,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
 
 import numpy as np
 
+from benchmarks.report import new_report, progress
+
 TARGET_COLD_WARMUP_S = 30.0
 NUM_DECODE_STEPS = 16
-
-
-def _progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 def _timed_steps(engine, num_steps: int) -> list[float]:
@@ -101,11 +98,11 @@ def run_child(args) -> dict:
     started = time.perf_counter()
     engine = LLMEngine(EngineConfig(persistent_compilation_cache=False), loaded=loaded)
     engine_start_s = time.perf_counter() - started
-    _progress(f"model loaded in {load_s:.1f} s, engine started in {engine_start_s:.1f} s")
+    progress(f"model loaded in {load_s:.1f} s, engine started in {engine_start_s:.1f} s")
     started = time.perf_counter()
     num_shapes = engine.warmup()
     cold_warmup_s = time.perf_counter() - started
-    _progress(f"warm-up: {num_shapes} step shapes in {cold_warmup_s:.1f} s")
+    progress(f"warm-up: {num_shapes} step shapes in {cold_warmup_s:.1f} s")
     config = engine.config
     return {
         "cold_warmup_s": cold_warmup_s,
@@ -122,12 +119,6 @@ def run_child(args) -> dict:
     }
 
 
-def _versions() -> dict:
-    from importlib.metadata import version
-
-    return {name: version(name) for name in ("jax", "jaxlib", "flax")}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -140,15 +131,12 @@ def main() -> None:
     if args.child:
         print(json.dumps(run_child(args)))
         return
+    report = new_report("benchmarks.warmup")
     env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
     command = [sys.executable, "-m", "benchmarks.warmup", "--child", *sys.argv[1:]]
     lines = subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True, env=env).stdout
     result = json.loads(lines.strip().splitlines()[-1])
-    report = {
-        "benchmark": "warmup",
-        "machine": {"platform": platform.platform(), "processor": platform.machine(),
-                    "cpus": len(os.sched_getaffinity(0))},
-        "versions": _versions(),
+    report |= {
         "settings": vars(args) | {"dtype": "float32",
                                   "engine_config": "EngineConfig() defaults",
                                   "persistent_compilation_cache": False},

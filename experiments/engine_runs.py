@@ -34,6 +34,7 @@ from jax import monitoring
 
 from experiments.workloads import RequestSpec
 from jpaged.engine.stats import EngineStats
+from jpaged.outputs import RequestOutput
 
 # Events JAX reports while tracing, lowering, compiling or loading a compiled step.
 _COMPILE_EVENTS = frozenset({
@@ -60,6 +61,8 @@ class RunResult:
 
     normalized_latencies_s: per request, (finish - arrival) / output tokens, seconds.
     step_seconds: per step, measured duration less compilation, seconds.
+    outputs: request id -> its final output (token ids of every sample or beam, and
+        its metrics: the KV block-steps it held).
     """
 
     num_requests: int
@@ -77,10 +80,16 @@ class RunResult:
     logical_block_steps: int
     physical_block_steps: int
     step_seconds: list[float]
+    outputs: dict[str, RequestOutput]
 
     @property
     def mean_normalized_latency_s(self) -> float:
         return float(np.mean(self.normalized_latencies_s))
+
+    @property
+    def kv_memory_saved_pct(self) -> float:
+        """What block sharing saved: 1 - physical / logical block-steps, in %."""
+        return 100.0 * (1 - self.physical_block_steps / max(self.logical_block_steps, 1))
 
     def summary(self) -> dict:
         """JSON-ready measurements (no per-step or per-request lists)."""
@@ -101,8 +110,7 @@ class RunResult:
             "peak_running_requests": self.peak_running_requests,
             "mean_kv_utilization_pct": 100.0 * self.mean_kv_utilization,
             "num_preemptions": self.num_preemptions,
-            "kv_memory_saved_pct": 100.0 * (1 - self.physical_block_steps
-                                            / max(self.logical_block_steps, 1)),
+            "kv_memory_saved_pct": self.kv_memory_saved_pct,
             "step_s_median": float(np.median(self.step_seconds)),
         }
 
@@ -127,7 +135,7 @@ def serve(engine, requests: Sequence[RequestSpec], label: str = "",
     output_len = {r.request_id: r.output_len for r in requests}
     engine.stats = EngineStats()
     preemptions_before = engine.scheduler.num_preemptions
-    clock, next_arrival, latencies, step_seconds = 0.0, 0, [], []
+    clock, next_arrival, latencies, step_seconds, finished = 0.0, 0, [], [], {}
     compile_total, compiling_steps = 0.0, 0
     wall_start = time.perf_counter()
     progress = _Progress(label, len(pending))
@@ -153,6 +161,7 @@ def serve(engine, requests: Sequence[RequestSpec], label: str = "",
             if output.finished:
                 rid = output.request_id
                 latencies.append((clock - arrival[rid]) / output_len[rid])
+                finished[rid] = output
                 progress.advance()
     progress.close()
     stats = engine.stats
@@ -172,6 +181,7 @@ def serve(engine, requests: Sequence[RequestSpec], label: str = "",
         logical_block_steps=stats.logical_block_steps,
         physical_block_steps=stats.physical_block_steps,
         step_seconds=step_seconds,
+        outputs=finished,
     )
 
 

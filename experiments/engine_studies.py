@@ -11,12 +11,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import os
-import platform
-import sys
 import time
 
+from benchmarks.report import progress
 from experiments import block_size_study, rate_study, sharing_study, validation
+from experiments.paper import FIGURE12_SHAREGPT_RATE_RATIO
 
 # --quick: paged's run at its capacity sets the threshold, then one step up where needed.
 QUICK_RATE_FRACTIONS = (1.0, 2.0)
@@ -25,23 +24,6 @@ QUICK_LENGTH_SCALE = 0.1
 QUICK_BLOCK_SIZES = (8, 32)
 QUICK_PREEMPTION_BLOCK_SIZES = (16,)
 QUICK_MAX_MODEL_LEN = 64  # below what the quick burst holds at once, so that it preempts
-
-
-def versions() -> dict:
-    from importlib.metadata import PackageNotFoundError, version
-
-    found = {"python": platform.python_version(), "platform": platform.platform(),
-             "cpus": os.cpu_count()}
-    for name in ("jax", "jaxlib", "flax", "numpy", "matplotlib"):
-        try:
-            found[name] = version(name)
-        except PackageNotFoundError:
-            found[name] = None
-    return found
-
-
-def _progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 def rate_settings(dataset: str, args: argparse.Namespace) -> rate_study.RateSettings:
@@ -78,8 +60,8 @@ def run(selected: list[str], args: argparse.Namespace, timings: dict) -> dict:
                          for policy in validation.VALIDATED}
             report["validation"][dataset] = validation.validate(
                 validated, burst, result["pool_tokens"], settings)
-            _progress(f"rate study {dataset}: {result.get('rate_ratios')} "
-                      f"{result['capacity_ratios']}")
+            progress(f"rate study {dataset}: {result.get('rate_ratios')} "
+                     f"{result['capacity_ratios']}")
         sharegpt = report["figure12"]["sharegpt"]
         report |= sharegpt["rate_ratios"] | sharegpt["capacity_ratios"]
         report["sim_vs_engine_gap_pct"] = report["validation"]["sharegpt"][
@@ -98,7 +80,7 @@ def run(selected: list[str], args: argparse.Namespace, timings: dict) -> dict:
     if "block-size" in selected:
         began = time.perf_counter()
         report["figure18"] = block_size_study.latency_by_block_size(
-            loaded, block_settings, vocab, sharegpt_pool, capacity, _progress)
+            loaded, block_settings, vocab, sharegpt_pool, capacity, progress)
         timings["block-size"] = time.perf_counter() - began
     if "preemption" in selected:
         began = time.perf_counter()
@@ -106,17 +88,17 @@ def run(selected: list[str], args: argparse.Namespace, timings: dict) -> dict:
                  else block_size_study.PREEMPTION_BLOCK_SIZES)
         report["figure19"] = {
             "operations": block_size_study.operation_costs(loaded, block_settings, vocab,
-                                                           _progress),
+                                                           progress),
             "runs": block_size_study.preemption_runs(
                 loaded, dataclasses.replace(block_settings, block_sizes=sizes), vocab,
-                _progress)}
+                progress)}
         timings["preemption"] = time.perf_counter() - began
     if "sharing" in selected:
         began = time.perf_counter()
         settings = sharing_study.SharingSettings(
             num_requests=3 if args.quick else 8, seed=args.seed,
             degrees=(2,) if args.quick else sharing_study.DEGREES)
-        report["figures14_15"] = sharing_study.run(loaded, settings, vocab, _progress)
+        report["figures14_15"] = sharing_study.run(loaded, settings, vocab, progress)
         timings["sharing"] = time.perf_counter() - began
     return report
 
@@ -208,11 +190,11 @@ def summary_rows(report: dict) -> list[dict]:
     """The headline numbers of whatever studies ran, one row each."""
     rows = [{"measure": f"{study} study wall clock (s)", "value": f"{seconds:.0f}", "paper": "-"}
             for study, seconds in report.get("study_wall_s", {}).items()]
-    for key, paper in (("rate_ratio_vs_orca_oracle", "1.7-2.7"),
-                       ("rate_ratio_vs_orca_max", "2.7-8")):
+    for versus, paper in FIGURE12_SHAREGPT_RATE_RATIO.items():
+        key = f"rate_ratio_{versus}"
         if key in report:
             rows.append({"measure": f"{key} (ShareGPT-like; {report[key + '_bound']})",
-                         "value": _f(report[key], 2), "paper": paper})
+                         "value": _f(report[key], 2), "paper": str(paper)})
     for dataset, result in report.get("figure12", {}).items():
         for key, ratio in result["capacity_ratios"].items():
             rows.append({"measure": f"{key} ({dataset}-like)", "value": _f(ratio, 2),

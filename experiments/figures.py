@@ -13,6 +13,11 @@ import matplotlib
 matplotlib.use("Agg")  # files only: no display is needed or wanted
 import matplotlib.pyplot as plt  # noqa: E402
 
+from experiments.paper import (  # noqa: E402
+    FIGURE2_SHAREGPT_TOKEN_STATES_PCT,
+    FIGURE15_MEMORY_SAVED_PCT,
+)
+
 POLICY_STYLE = {
     "paged": ("jpaged (paged)", "tab:blue", "o"),
     "orca-oracle": ("Orca (Oracle)", "tab:green", "s"),
@@ -44,7 +49,7 @@ def _save(fig, out_dir: Path, name: str) -> str:
     return name
 
 
-def memory_breakdown(runs: list[dict], paper: dict[str, float], out_dir: Path) -> str:
+def memory_breakdown(runs: list[dict], out_dir: Path) -> str:
     """Figure 2: stacked % of KV memory by use per system, the paper's token states marked."""
     rows = [r for r in runs if r["table"] == "figure2"]
     fig, ax = plt.subplots(figsize=(8.6, 4.2))
@@ -54,7 +59,8 @@ def memory_breakdown(runs: list[dict], paper: dict[str, float], out_dir: Path) -
         values = [r["breakdown_pct"][key] for r in rows]
         ax.bar(range(len(rows)), values, bottom=bottoms, label=label, color=color, width=0.6)
         bottoms = [b + v for b, v in zip(bottoms, values, strict=True)]
-    ax.scatter(range(len(rows)), [paper[n] for n in names], marker="_", s=900, color="black",
+    paper = [FIGURE2_SHAREGPT_TOKEN_STATES_PCT[n] for n in names]
+    ax.scatter(range(len(rows)), paper, marker="_", s=900, color="black",
                zorder=3, label="Paper: token states")
     ax.set_xticks(range(len(rows)), [SYSTEM_LABELS[n] for n in names])
     ax.set_ylabel("KV cache memory (%)")
@@ -199,8 +205,9 @@ def sharing_savings(rows: list[dict], out_dir: Path) -> str:
         label = "Parallel sampling" if kind == "parallel" else "Beam search"
         left.plot(degrees, [r["memory_saved_pct"] for r in mine], marker="o", color=color,
                   label=label)
-        low, high = (float(v) for v in mine[0]["paper_memory_saved_pct"].split("-"))
-        left.axhspan(low, high, color=color, alpha=0.15, label=f"{label}, paper (OPT-13B)")
+        paper = FIGURE15_MEMORY_SAVED_PCT[mine[0]["dataset"]][kind]
+        left.axhspan(paper.low, paper.high, color=color, alpha=0.15,
+                     label=f"{label}, paper (OPT-13B)")
         right.plot(degrees, [r["throughput_ratio"] for r in mine], marker="o", color=color,
                    label=label)
     left.set_ylabel("KV memory saved by sharing (%)")
@@ -210,17 +217,16 @@ def sharing_savings(rows: list[dict], out_dir: Path) -> str:
         ax.set_xticks(sorted({r["degree"] for r in rows}))
         ax.set_xlabel("Number of samples / beam width")
         ax.legend(fontsize=8)
-    fig.suptitle("Figures 14 and 15 on the engine: Alpaca-like requests")
+    fig.suptitle(f"Figures 14 and 15 on the engine: {DATASET_LABELS[rows[0]['dataset']]} "
+                 "requests")
     return _save(fig, out_dir, "figures14_15_sharing.png")
 
 
 def draw_all(report: dict, out_dir: Path) -> list[str]:
     """Every figure whose data the report holds; the PNG file names written."""
-    from experiments.sweep import PAPER_TOKEN_STATES
-
     names = []
     if "runs" in report:
-        names.append(memory_breakdown(report["runs"], PAPER_TOKEN_STATES, out_dir))
+        names.append(memory_breakdown(report["runs"], out_dir))
         names.append(block_size_memory(report["runs"], out_dir))
     if "figure12" in report:
         names.append(latency_vs_rate(report["figure12"], out_dir))

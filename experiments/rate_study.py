@@ -54,7 +54,6 @@ BASE_FRACTION = 0.25
 THRESHOLD_FACTOR = 3.0
 # Lengths scaled as benchmarks/throughput.py scales them to fit a CPU.
 LENGTH_SCALES = {"sharegpt": 0.25, "alpaca": 1.0}
-PAPER_RATE_RATIOS = {"vs_orca_oracle": "1.7-2.7", "vs_orca_max": "2.7-8"}
 ORCA_POLICIES = ("orca-oracle", "orca-pow2", "orca-max")
 
 

@@ -1,32 +1,75 @@
 """The paper's Figures 14 and 15 on the real engine: parallel sampling and beam search.
 
-Alpaca-like requests (full length), all at once, every request asking for n
-parallel samples (seeded, temperature 1) or a beam search of width n, as
-benchmarks/sharing.py measures them:
+Requests of one dataset (Alpaca-like at full length by default), all at once,
+every request asking for n parallel samples (seeded, temperature 1) or a beam
+search of width n (vLLM's scoring), prefix caching off so that forks are the
+only sharing. benchmarks.sharing takes its memory figures from here too.
 
-- memory saved (Figure 15): 1 - physical / logical block-steps of the run with
-  sharing, where logical counts every sequence's block table as if private;
-- throughput (Figure 14): output tokens per virtual second with block sharing
-  on and off (`share_blocks=False`: forks copy their parent's blocks) on one
-  pool that binds, holding max_num_seqs / 2 sequences of the mean length.
+- Memory saved (Figure 15, `memory_saved`): 1 - physical / logical block-steps
+  of the run with sharing, where logical counts every sequence's block table as
+  if private, summed over the run's steps (a time average, as the paper's).
+  It is measured on a run that nothing preempted, since a recomputed group
+  loses its sharing: on a pool that holds every sequence of every request
+  privately at its full length, or, in `run`, on the throughput run with
+  sharing when that one preempted nothing.
+- Throughput (Figure 14, `run`): output tokens per virtual second with block
+  sharing on and off (`share_blocks=False`: forks copy their parent's blocks)
+  on one pool that binds, holding max_num_seqs / 2 sequences of the mean length.
+
+Why two runs can disagree. Summed block-steps weigh each request by its blocks
+times its steps, so a small workload's few longest requests decide the figure.
+For parallel sampling the engine's figure is the simulator's exactly (the same
+scheduler and block manager; outputs of fixed length), which measures the
+spread with these settings over workload seeds 0-9, n = 2 / 4 / 6: 0.2-17.8 /
+0.3-26.8 / 0.4-29.8 % with 8 Alpaca-like requests (medians 9.0 / 13.6 /
+15.1 %) and 4.4-10.4 / 6.6-15.6 / 7.3-17.1 % with 16 (medians 6.9 / 10.4 /
+11.4 %); 1000 requests, all running from the first step (no cap on sequences
+or batched tokens), save 6.1 / 9.2 / 10.3 % (the paper: 6.1-9.8 %). Where n
+times the requests exceeds max_num_seqs, a prompt computed but for its last
+token waits for its samples' n rows, holding blocks no sample shares yet, which
+lowers the figure a little (16 requests at n = 6: 7.3 % against 7.4 % uncapped).
+Seed 0's 8 requests (the sweep's) save 10.8 / 16.2 / 18.0 %; its 16
+(benchmarks.sharing's; not the 8 and 8 more, since the lengths are drawn in
+batches sized by the count) save 4.4 / 6.6 / 7.3 %: two of them, 196 and 186
+output tokens after prompts of 17 and 8 tokens (one full block to share, and
+none), hold about 57 % of the block-steps.
+
+Beam search saved less at width 6 than at width 4 in the sweep's run on seed
+0's 8 requests (41.5 against 51.3 %; width 2 32.7 %), with no preemption: the
+longest request (28 prompt and 149 output tokens) holds 47 % of the block-steps,
+and at width 6 its beams split after 3 output tokens into lineages that stayed
+apart (its final beams' common prefix; 60 tokens at width 4), so it saved
+34.3 % against 55.1 % at width 4, while the other seven requests saved 47.8 %
+together at width 6 and 47.9 % at width 4. How long beams stay together is the
+model's doing: the simulator's beams, which pick random parents, merge soon and
+save 38.1 / 56.8 / 62.5 % on the same requests. Each row's `by_request` gives
+every request's share of the block-steps, what it saved and its outputs'
+common prefix, so that a row's figure can be traced to its requests.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from experiments.engine_runs import make_engine, serve
+from experiments.engine_runs import RunResult, make_engine, serve
+from experiments.paper import FIGURE15_MEMORY_SAVED_PCT
 from experiments.workloads import RequestSpec, scaled_workload
 
-PAPER_FIGURE_15_PCT = {"parallel": "6.1-9.8", "beam": "37.6-55.2"}  # Alpaca, OPT-13B
 DEGREES = (2, 4, 6)
+KINDS = ("parallel", "beam")
 
 
 @dataclass(frozen=True)
 class SharingSettings:
+    """One dataset's runs: its lengths times length_scale (experiments.workloads'
+    scaled_workload), every request with each kind and degree."""
+
+    dataset: str = "alpaca"
+    length_scale: float = 1.0
     num_requests: int = 12
     degrees: tuple[int, ...] = DEGREES
     block_size: int = 16
@@ -35,8 +78,41 @@ class SharingSettings:
     max_model_len: int = 512
     seed: int = 0
 
+    def cases(self) -> list[tuple[str, int]]:
+        return [(kind, degree) for kind in KINDS for degree in self.degrees]
 
-def params_for(kind: str, degree: int):
+
+def workload(settings: SharingSettings, vocab_size: int,
+             token_seed: int | None = None) -> list[RequestSpec]:
+    """The requests; another token_seed gives the same lengths (and steps) with other
+    prompt tokens, as a warm-up run needs."""
+    return scaled_workload(settings.dataset, settings.num_requests, scale=settings.length_scale,
+                           max_total_len=settings.max_model_len, vocab_size=vocab_size,
+                           seed=settings.seed, token_seed=token_seed)
+
+
+def throughput_pool_tokens(requests: Sequence[RequestSpec], settings: SharingSettings) -> int:
+    """A pool that binds: max_num_seqs / 2 sequences of the requests' mean length."""
+    mean_len = float(np.mean([r.total_len for r in requests]))
+    blocks = math.ceil(settings.max_num_seqs / 2 * mean_len / settings.block_size)
+    return blocks * settings.block_size
+
+
+def private_pool_tokens(requests: Sequence[RequestSpec], settings: SharingSettings) -> int:
+    """A pool that holds every sequence of every request privately at its full length,
+    at the widest degree, so that no run on it can preempt."""
+    blocks = sum(math.ceil(r.total_len / settings.block_size) for r in requests)
+    return max(settings.degrees) * blocks * settings.block_size
+
+
+def engine_for(loaded, settings: SharingSettings, pool_tokens: int, share_blocks: bool = True):
+    return make_engine(loaded, allocation="paged", block_size=settings.block_size,
+                       num_pool_tokens=pool_tokens, max_num_seqs=settings.max_num_seqs,
+                       max_num_batched_tokens=settings.max_num_batched_tokens,
+                       max_model_len=settings.max_model_len, share_blocks=share_blocks)
+
+
+def params_for(kind: str, degree: int, scoring: str = "vllm"):
     """spec -> the request's parameters for n parallel samples or a beam of width n."""
     from jpaged import BeamSearchParams, SamplingParams
 
@@ -45,45 +121,101 @@ def params_for(kind: str, degree: int):
             seed = int(spec.request_id.rsplit("-", 1)[1])
             return SamplingParams(n=degree, temperature=1.0, seed=seed,
                                   max_tokens=spec.output_len, ignore_eos=True)
-        return BeamSearchParams(beam_width=degree, max_tokens=spec.output_len, ignore_eos=True)
+        return BeamSearchParams(beam_width=degree, max_tokens=spec.output_len, ignore_eos=True,
+                                scoring=scoring)
 
     return params_of
 
 
-def run(loaded, settings: SharingSettings, vocab_size: int, progress) -> list[dict]:
-    """One row per (kind, degree): memory saved and throughput with sharing on and off."""
-    requests = scaled_workload("alpaca", settings.num_requests, scale=1.0,
-                               max_total_len=settings.max_model_len, vocab_size=vocab_size,
-                               seed=settings.seed)
-    mean_len = float(np.mean([r.total_len for r in requests]))
-    pool = math.ceil(settings.max_num_seqs / 2 * mean_len / settings.block_size) \
-        * settings.block_size
-    engines = {
-        share: make_engine(loaded, allocation="paged", block_size=settings.block_size,
-                           num_pool_tokens=pool, max_num_seqs=settings.max_num_seqs,
-                           max_num_batched_tokens=settings.max_num_batched_tokens,
-                           max_model_len=settings.max_model_len, share_blocks=share)
-        for share in (True, False)
-    }
+def serve_case(engine, requests: Sequence[RequestSpec], kind: str, degree: int,
+               share_blocks: bool = True) -> RunResult:
+    return serve(engine, requests, f"{kind} n={degree} share={share_blocks}",
+                 params_for(kind, degree))
+
+
+def common_prefix_len(outputs: Sequence[Sequence[int]]) -> int:
+    """Tokens every output has in common from its start."""
+    length = 0
+    for tokens in zip(*outputs, strict=False):
+        if len(set(tokens)) > 1:
+            break
+        length += 1
+    return length
+
+
+def memory_fields(requests: Sequence[RequestSpec], result: RunResult, pool_tokens: int) -> dict:
+    """Figure 15's figure of one run with sharing, and each request's part in it."""
+    total = max(result.logical_block_steps, 1)
+    by_request = []
+    for spec in requests:
+        output = result.outputs[spec.request_id]
+        by_request.append({
+            "request_id": spec.request_id,
+            "prompt_len": len(spec.prompt_token_ids),
+            "output_len": spec.output_len,
+            "block_steps_share_pct": 100.0 * output.metrics.logical_block_steps / total,
+            "memory_saved_pct": 100.0 * output.metrics.kv_memory_saved,
+            "common_output_prefix": common_prefix_len([o.token_ids for o in output.outputs]),
+        })
+    return {"memory_saved_pct": result.kv_memory_saved_pct, "memory_pool_tokens": pool_tokens,
+            "by_request": by_request}
+
+
+def case_fields(settings: SharingSettings, kind: str, degree: int) -> dict:
+    return {"dataset": settings.dataset, "kind": kind, "degree": degree,
+            "paper_memory_saved_pct": str(FIGURE15_MEMORY_SAVED_PCT[settings.dataset][kind])}
+
+
+def memory_saved(loaded, settings: SharingSettings, vocab_size: int, progress) -> list[dict]:
+    """Figure 15 alone: one row per (kind, degree), served with sharing on a pool that
+    holds every sequence privately."""
+    requests = workload(settings, vocab_size)
+    pool = private_pool_tokens(requests, settings)
+    engine = engine_for(loaded, settings, pool)
     rows = []
-    for kind in ("parallel", "beam"):
-        for degree in settings.degrees:
-            params_of = params_for(kind, degree)
-            on, off = (serve(engines[share], requests, f"{kind} n={degree} share={share}",
-                             params_of).summary() for share in (True, False))
-            rows.append({
-                "kind": kind, "degree": degree, "pool_tokens": pool,
-                "memory_saved_pct": on["kv_memory_saved_pct"],
-                "paper_memory_saved_pct": PAPER_FIGURE_15_PCT[kind],
-                "output_tokens_per_s_sharing": on["output_tokens_per_virtual_s"],
-                "output_tokens_per_s_no_sharing": off["output_tokens_per_virtual_s"],
-                "throughput_ratio": (on["output_tokens_per_virtual_s"]
-                                     / off["output_tokens_per_virtual_s"]),
-                "mean_running_requests_sharing": on["mean_running_requests"],
-                "mean_running_requests_no_sharing": off["mean_running_requests"],
-                "preemptions_sharing": on["num_preemptions"],
-                "preemptions_no_sharing": off["num_preemptions"],
-            })
-            progress(f"{kind} n={degree}: saved {rows[-1]['memory_saved_pct']:.1f} %, "
-                     f"throughput x{rows[-1]['throughput_ratio']:.2f}")
+    for kind, degree in settings.cases():
+        rows.append(case_fields(settings, kind, degree)
+                    | memory_fields(requests, serve_case(engine, requests, kind, degree), pool))
+        progress(f"{settings.dataset} {kind} n={degree}: saved "
+                 f"{rows[-1]['memory_saved_pct']:.1f} %")
+    return rows
+
+
+def throughput_fields(on: RunResult, off: RunResult, pool_tokens: int) -> dict:
+    """Figure 14's figures: the same requests with sharing on and off on one pool."""
+    on_summary, off_summary = on.summary(), off.summary()
+    return {
+        "pool_tokens": pool_tokens,
+        "output_tokens_per_s_sharing": on_summary["output_tokens_per_virtual_s"],
+        "output_tokens_per_s_no_sharing": off_summary["output_tokens_per_virtual_s"],
+        "throughput_ratio": (on_summary["output_tokens_per_virtual_s"]
+                             / off_summary["output_tokens_per_virtual_s"]),
+        "mean_running_requests_sharing": on.mean_running_requests,
+        "mean_running_requests_no_sharing": off.mean_running_requests,
+        "preemptions_sharing": on.num_preemptions,
+        "preemptions_no_sharing": off.num_preemptions,
+    }
+
+
+def run(loaded, settings: SharingSettings, vocab_size: int, progress) -> list[dict]:
+    """Figures 14 and 15: one row per (kind, degree), throughput with sharing on and off
+    on a pool that binds, and the memory saved."""
+    requests = workload(settings, vocab_size)
+    pool = throughput_pool_tokens(requests, settings)
+    engines = {share: engine_for(loaded, settings, pool, share) for share in (True, False)}
+    private_pool, private_engine = private_pool_tokens(requests, settings), None
+    rows = []
+    for kind, degree in settings.cases():
+        on, off = (serve_case(engines[share], requests, kind, degree, share)
+                   for share in (True, False))
+        if on.num_preemptions:
+            private_engine = private_engine or engine_for(loaded, settings, private_pool)
+            memory = memory_fields(
+                requests, serve_case(private_engine, requests, kind, degree), private_pool)
+        else:
+            memory = memory_fields(requests, on, pool)
+        rows.append(case_fields(settings, kind, degree) | memory
+                    | throughput_fields(on, off, pool))
+        progress(f"{kind} n={degree}: saved {rows[-1]['memory_saved_pct']:.1f} %, "
+                 f"throughput x{rows[-1]['throughput_ratio']:.2f}")
     return rows

@@ -17,9 +17,11 @@ minutes, to check the pipeline rather than the numbers):
 
 The real-engine studies run the default model (SmolLM2-135M-Instruct, float32)
 with Poisson arrivals replayed on a virtual clock of measured step times
-(experiments.engine_runs). Everything lands in --out-dir: sweep.json (every
-measurement, its settings, package versions and timings), one CSV per table
-and one PNG per figure (experiments.figures); a summary table ends the output.
+(experiments.engine_runs). Everything lands in --out-dir: sweep.json (the
+script, command, date, machine and package versions of the run, as every
+benchmark's report has them (benchmarks.report), then every measurement, its
+settings and timings), one CSV per table and one PNG per figure
+(experiments.figures); a summary table ends the output.
 
 The memory study runs the model-free simulator (experiments/simulator.py)
 over synthetic workloads (experiments/workloads.py: fits to the vLLM paper's
@@ -51,12 +53,12 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from benchmarks.report import new_report
 from experiments import engine_studies, figures, rate_study
+from experiments.paper import FIGURE2_SHAREGPT_TOKEN_STATES_PCT, FIGURE15_MEMORY_SAVED_PCT
 from experiments.simulator import SimConfig, simulate
 from experiments.workloads import make_workload
 
-PAPER_TOKEN_STATES = {"orca-max": 20.4, "orca-pow2": 26.8, "orca-oracle": 38.2, "paged": 96.3}
-PAPER_SHARING_SAVED = {"parallel": "6.1-9.8", "beam": "37.6-55.2"}
 DEFAULT_BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
@@ -99,7 +101,7 @@ def plan_runs(args: argparse.Namespace) -> list[Run]:
                 base, block_size=block_size, enable_prefix_caching=prefix_caching
             )
             runs.append(Run("block_size", dataset, num_requests, config, workload, args.seed))
-    for allocator in PAPER_TOKEN_STATES:
+    for allocator in FIGURE2_SHAREGPT_TOKEN_STATES_PCT:
         config = dataclasses.replace(base, allocator=allocator)
         runs.append(Run("figure2", "sharegpt", args.figure2_requests, config, seed=args.seed))
     for beam_search in (False, True):
@@ -152,7 +154,7 @@ def figure2_rows(results: list[dict]) -> list[dict]:
             {
                 "system": allocator,
                 "token_states_pct": f"{breakdown['token_states']:.1f}",
-                "paper_token_states_pct": PAPER_TOKEN_STATES[allocator],
+                "paper_token_states_pct": FIGURE2_SHAREGPT_TOKEN_STATES_PCT[allocator],
                 "reserved_pct": f"{breakdown['reserved']:.1f}",
                 "internal_frag_pct": f"{breakdown['internal_fragmentation']:.1f}",
                 "external_frag_and_other_pct": f"{breakdown['external_fragmentation']:.1f}",
@@ -175,7 +177,7 @@ def sharing_rows(results: list[dict]) -> list[dict]:
             kind, paper = f"prefix ({workload['prefix']})", "-"
         else:
             kind = "beam" if workload["beam_search"] else "parallel"
-            paper = PAPER_SHARING_SAVED[kind]
+            paper = str(FIGURE15_MEMORY_SAVED_PCT[r["dataset"]][kind])
             kind = f"{kind} n={workload['n']}"
         rows.append(
             {
@@ -206,7 +208,6 @@ def write_csv(path: Path, rows: list[dict]) -> None:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-
 
 
 STUDIES = ("memory", "rate", "block-size", "preemption", "sharing")
@@ -291,8 +292,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     start = time.perf_counter()
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    report: dict = {"args": {k: str(v) for k, v in vars(args).items()},
-                    "versions": engine_studies.versions(), "study_wall_s": {}}
+    report = new_report("experiments.sweep", argv, peers=("matplotlib",))
+    report |= {"args": {k: str(v) for k, v in vars(args).items()}, "study_wall_s": {}}
     tables: dict = {}
     if "memory" in args.studies:
         began = time.perf_counter()

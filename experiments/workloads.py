@@ -4,16 +4,14 @@ These are synthetic fits to published means, not the datasets themselves:
 prompt and output lengths are independent log-normal draws whose location is
 fitted so that, after vLLM's benchmark filter (drop prompts or outputs shorter
 than 4 tokens, prompts longer than 1024, prompt + output longer than 2048), the
-mean lengths equal those the vLLM paper reports (Kwon et al., SOSP 2023, Fig. 11):
-
-- ShareGPT-like: input mean 161.31, output mean 337.99 tokens.
-- Alpaca-like:   input mean 19.31,  output mean 58.45 tokens.
+mean lengths equal those the vLLM paper reports in its Figure 11
+(`experiments.paper.FIGURE11_MEAN_LENGTHS`).
 
 The spreads (log-normal sigma) are assumptions: wide for ShareGPT's chat
 conversations, narrower for Alpaca's short instructions. Prompt tokens are
 uniform random ids, so they share nothing unless a shared prefix is asked for:
-the one-shot (80 tokens) and five-shot (341 tokens) prefixes of the paper's
-prefix-sharing experiment (its Section 6.4). Arrivals are a Poisson process.
+the one-shot and five-shot prefixes of the paper's prefix-sharing experiment
+(its Figure 16). Arrivals are a Poisson process.
 """
 
 from __future__ import annotations
@@ -24,11 +22,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from experiments.paper import FIGURE11_MEAN_LENGTHS, FIGURE16_PREFIX_TOKENS
+
 MIN_LEN = 4
 MAX_PROMPT_LEN = 1024
 MAX_TOTAL_LEN = 2048
 VOCAB_SIZE = 32000
-PREFIX_LENS = {"one-shot": 80, "five-shot": 341}
+PREFIX_LENS = FIGURE16_PREFIX_TOKENS
 
 
 @dataclass(frozen=True)
@@ -42,9 +42,14 @@ class LengthModel:
     output_sigma: float
 
 
+def _length_model(name: str, input_sigma: float, output_sigma: float) -> LengthModel:
+    means = FIGURE11_MEAN_LENGTHS[name]
+    return LengthModel(name, means.input_tokens, means.output_tokens, input_sigma, output_sigma)
+
+
 DATASETS = {
-    "sharegpt": LengthModel("sharegpt", 161.31, 337.99, input_sigma=1.1, output_sigma=0.9),
-    "alpaca": LengthModel("alpaca", 19.31, 58.45, input_sigma=0.6, output_sigma=0.9),
+    "sharegpt": _length_model("sharegpt", input_sigma=1.1, output_sigma=0.9),
+    "alpaca": _length_model("alpaca", input_sigma=0.6, output_sigma=0.9),
 }
 
 
@@ -149,7 +154,7 @@ def make_workload(
     """A seeded synthetic workload (see the module docstring: fits to published means).
 
     prefix: None, "one-shot" or "five-shot": every prompt starts with the same
-    prefix of 80 or 341 tokens, followed by the dataset's own prompt.
+    prefix of PREFIX_LENS[prefix] tokens, followed by the dataset's own prompt.
     """
     if num_requests < 1:
         raise ValueError(f"num_requests must be >= 1, got {num_requests}")
