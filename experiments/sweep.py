@@ -20,8 +20,9 @@ with Poisson arrivals replayed on a virtual clock of measured step times
 (experiments.engine_runs). Everything lands in --out-dir: sweep.json (the
 script, command, date, machine and package versions of the run, as every
 benchmark's report has them (benchmarks.report), then every measurement, its
-settings and timings), one CSV per table and one PNG per figure
-(experiments.figures); a summary table ends the output.
+settings and timings), sweep_timelines.json (each simulation's per-step
+timeline, in the order of sweep.json's runs), one CSV per table and one PNG per
+figure (experiments.figures); a summary table ends the output.
 
 The memory study runs the model-free simulator (experiments/simulator.py)
 over synthetic workloads (experiments/workloads.py: fits to the vLLM paper's
@@ -311,6 +312,9 @@ def main(argv: list[str] | None = None) -> None:
             write_csv(args.out_dir / f"sweep_{name}.csv", rows)
     report["figures"] = figures.draw_all(report, args.out_dir)
     report["wall_s"] = time.perf_counter() - start
+    # The per-step timelines are most of the bytes and none of the figures: a file apart.
+    timelines = [run.pop("timeline") for run in report.get("runs", [])]
+    (args.out_dir / "sweep_timelines.json").write_text(json.dumps(timelines))
     (args.out_dir / "sweep.json").write_text(json.dumps(report, indent=1, default=str))
     summary = engine_studies.summary_rows(report)
     print(f"\nSummary\n{format_table(summary)}")

@@ -17,6 +17,7 @@ LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 FENCE = re.compile(r"^```.*?^```", re.MULTILINE | re.DOTALL)
 HEADING = re.compile(r"^#+\s+(.*)$", re.MULTILINE)
 NUMBER = re.compile(r"(?<![\w.])\d+(?:\.\d+)?")
+UNIT_SCALES = (1, 100, 1000)
 
 
 def json_numbers(value) -> list[float | str]:
@@ -33,10 +34,11 @@ def json_numbers(value) -> list[float | str]:
 
 
 def unaccounted_numbers(page: str, reports: list[tuple[Path, dict]]) -> list[str]:
-    """Numbers outside the page's headings that no report holds at the shown precision."""
+    """Numbers outside the page's headings that no report holds at the shown precision,
+    as it is or in the units the tables show it in (a fraction in %, seconds in ms)."""
     values = [x for _, report in reports for x in json_numbers(report)]
     written = {x for x in values if isinstance(x, str)}
-    numbers = [x for x in values if not isinstance(x, str)]
+    numbers = [scale * x for x in values if not isinstance(x, str) for scale in UNIT_SCALES]
     shown: dict[int, set[str]] = {}
     missing = []
     for line in page.splitlines():

@@ -190,3 +190,6 @@ def test_sweep_writes_its_tables(tmp_path, capsys):
     assert float(figure2["paged"]["paper_token_states_pct"]) == 96.3
     report = json.loads((tmp_path / "sweep.json").read_text())
     assert len(report["runs"]) == 6 + 4 + 8
+    timelines = json.loads((tmp_path / "sweep_timelines.json").read_text())
+    assert len(timelines) == len(report["runs"]) and all(timelines)
+    assert all("timeline" not in run for run in report["runs"])
