@@ -60,3 +60,26 @@ FIGURE16_PREFIX_TOKENS = {"one-shot": 80, "five-shot": 341}
 
 BLOCK_SIZE_TOKENS = 16
 """Section 7.2: vLLM's default KV block size, in tokens (Figure 18 finds it best)."""
+
+
+
+def published() -> dict:
+    """Every figure above, JSON-ready (a Span as [low, high]), for the reports that set
+    measurements beside them."""
+    def plain(value):
+        if isinstance(value, Span):
+            return [value.low, value.high]
+        if isinstance(value, MeanLengths):
+            return {"input_tokens": value.input_tokens, "output_tokens": value.output_tokens}
+        if isinstance(value, dict):
+            return {key: plain(item) for key, item in value.items()}
+        return value
+
+    return plain({
+        "figure2_sharegpt_token_states_pct": FIGURE2_SHAREGPT_TOKEN_STATES_PCT,
+        "figure11_mean_lengths": FIGURE11_MEAN_LENGTHS,
+        "figure12_sharegpt_rate_ratio": FIGURE12_SHAREGPT_RATE_RATIO,
+        "figure15_memory_saved_pct": FIGURE15_MEMORY_SAVED_PCT,
+        "figure16_prefix_tokens": FIGURE16_PREFIX_TOKENS,
+        "block_size_tokens": BLOCK_SIZE_TOKENS,
+    })

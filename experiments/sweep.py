@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks.report import new_report
-from experiments import engine_studies, figures, rate_study
+from experiments import engine_studies, figures, paper, rate_study
 from experiments.paper import FIGURE2_SHAREGPT_TOKEN_STATES_PCT, FIGURE15_MEMORY_SAVED_PCT
 from experiments.simulator import SimConfig, simulate
 from experiments.workloads import make_workload
@@ -84,6 +84,7 @@ def execute(run: Run) -> dict:
         "dataset": run.dataset,
         "workload": run.workload,
         **result.summary(),
+        "requests_per_s": result.num_finished / result.simulated_s,
         "timeline": result.timeline,
     }
 
@@ -137,7 +138,7 @@ def block_size_rows(results: list[dict]) -> list[dict]:
                 ),
                 "mean_running_seqs": f"{r['mean_running_seqs']:.1f}",
                 "preemptions": r["num_preemptions"],
-                "requests_per_s": f"{r['num_finished'] / r['simulated_s']:.2f}",
+                "requests_per_s": f"{r['requests_per_s']:.2f}",
                 "prefix_hit_pct": _pct(r["prefix_cache_hit_rate"]),
                 "memory_saved_by_sharing_pct": _pct(r["sharing_saved"]),
             }
@@ -162,7 +163,7 @@ def figure2_rows(results: list[dict]) -> list[dict]:
                 "token_states_pct_of_allocated": _pct(r["token_states_of_allocated"]),
                 "mean_running_seqs": f"{r['mean_running_seqs']:.1f}",
                 "preemptions": r["num_preemptions"],
-                "requests_per_s": f"{r['num_finished'] / r['simulated_s']:.2f}",
+                "requests_per_s": f"{r['requests_per_s']:.2f}",
             }
         )
     return rows
@@ -294,7 +295,8 @@ def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     report = new_report("experiments.sweep", argv, peers=("matplotlib",))
-    report |= {"args": {k: str(v) for k, v in vars(args).items()}, "study_wall_s": {}}
+    report |= {"args": {k: str(v) for k, v in vars(args).items()}, "study_wall_s": {},
+               "paper": paper.published()}
     tables: dict = {}
     if "memory" in args.studies:
         began = time.perf_counter()
