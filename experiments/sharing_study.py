@@ -17,34 +17,25 @@ only sharing. benchmarks.sharing takes its memory figures from here too.
   on one pool that binds, holding max_num_seqs / 2 sequences of the mean length.
 
 Why two runs can disagree. Summed block-steps weigh each request by its blocks
-times its steps, so a small workload's few longest requests decide the figure.
-For parallel sampling the engine's figure is the simulator's exactly (the same
-scheduler and block manager; outputs of fixed length), which measures the
-spread with these settings over workload seeds 0-9, n = 2 / 4 / 6: 0.2-17.8 /
-0.3-26.8 / 0.4-29.8 % with 8 Alpaca-like requests (medians 9.0 / 13.6 /
-15.1 %) and 4.4-10.4 / 6.6-15.6 / 7.3-17.1 % with 16 (medians 6.9 / 10.4 /
-11.4 %); 1000 requests, all running from the first step (no cap on sequences
-or batched tokens), save 6.1 / 9.2 / 10.3 % (the paper: 6.1-9.8 %). Where n
-times the requests exceeds max_num_seqs, a prompt computed but for its last
+times its steps, so a small workload's few longest requests decide the figure,
+and two workloads of different sizes (the sweep's 8 requests, benchmarks.sharing's
+16, which are not the 8 and 8 more: lengths are drawn in batches sized by the
+count) give different answers from the same code. For parallel sampling the
+engine's figure is the simulator's exactly (the same scheduler and block
+manager, outputs of fixed length), so the simulator shows the spread over
+workload seeds cheaply; a thousand requests land inside the paper's range. Where
+n times the requests exceeds max_num_seqs, a prompt computed but for its last
 token waits for its samples' n rows, holding blocks no sample shares yet, which
-lowers the figure a little (16 requests at n = 6: 7.3 % against 7.4 % uncapped).
-Seed 0's 8 requests (the sweep's) save 10.8 / 16.2 / 18.0 %; its 16
-(benchmarks.sharing's; not the 8 and 8 more, since the lengths are drawn in
-batches sized by the count) save 4.4 / 6.6 / 7.3 %: two of them, 196 and 186
-output tokens after prompts of 17 and 8 tokens (one full block to share, and
-none), hold about 57 % of the block-steps.
+lowers the figure a little.
 
-Beam search saved less at width 6 than at width 4 in the sweep's run on seed
-0's 8 requests (41.5 against 51.3 %; width 2 32.7 %), with no preemption: the
-longest request (28 prompt and 149 output tokens) holds 47 % of the block-steps,
-and at width 6 its beams split after 3 output tokens into lineages that stayed
-apart (its final beams' common prefix; 60 tokens at width 4), so it saved
-34.3 % against 55.1 % at width 4, while the other seven requests saved 47.8 %
-together at width 6 and 47.9 % at width 4. How long beams stay together is the
-model's doing: the simulator's beams, which pick random parents, merge soon and
-save 38.1 / 56.8 / 62.5 % on the same requests. Each row's `by_request` gives
-every request's share of the block-steps, what it saved and its outputs'
-common prefix, so that a row's figure can be traced to its requests.
+Beam search can save less at a larger width: in the sweep's default run width 6
+saves less than width 4 because its longest request, about half the
+block-steps, has beams that part after a few output tokens into lineages that
+stay apart, where width 4's share a long prefix; the other requests save about
+the same at both widths. How long beams stay together is the model's doing (the
+simulator's beams, which pick random parents, merge soon). Each row's
+`by_request` gives every request's share of the block-steps, what it saved and
+its outputs' common prefix, so that a row's figure can be traced to its requests.
 """
 
 from __future__ import annotations
