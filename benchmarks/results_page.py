@@ -121,8 +121,10 @@ def _leaves(value, prefix: str):
 
 
 def _shown(value) -> str:
-    if isinstance(value, bool) or value is None:
-        return str(value).lower() if value is not None else "-"
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return str(value).lower()
     if isinstance(value, int | float):
         return _number(value)
     return str(value)
