@@ -17,6 +17,8 @@ from jpaged.errors import InvalidParameter, InvalidParameterType
 
 # Below this temperature a request is greedy, as in vLLM.
 GREEDY_TEMPERATURE = 1e-5
+# OpenAI's range for a logit bias.
+MAX_LOGIT_BIAS = 100.0
 
 
 class RequestOutputKind(enum.Enum):
@@ -72,6 +74,23 @@ def _token_ids(name: str, ids) -> tuple[int, ...]:
     return ids
 
 
+def _logit_bias(bias) -> dict[int, float]:
+    if not isinstance(bias, dict):
+        raise InvalidParameterType(
+            "logit_bias", f"logit_bias must be a dict of token id -> bias, got "
+                          f"{type(bias).__name__}")
+    checked = {}
+    for token_id, value in bias.items():
+        _check_int("every token id of logit_bias", token_id, low=0, param="logit_bias")
+        value = _check_float("logit_bias", value)
+        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise InvalidParameter(
+                "logit_bias", f"logit_bias of token {token_id} must be in "
+                              f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {value}")
+        checked[token_id] = value
+    return checked
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Sampling parameters of one request.
@@ -87,13 +106,17 @@ class SamplingParams:
     presence_penalty, frequency_penalty:
                          subtracted from a token's logit once if it occurs in the
                          output, and once per occurrence; in [-2, 2].
-    seed:                a seeded request samples the same tokens whatever else
-                         runs beside it (per sample: seed, sample index, position).
+    seed:                any 64-bit integer, -1 included (vLLM's range); a seeded
+                         request samples the same tokens whatever else runs beside
+                         it (per sample: seed, sample index, position).
     stop:                strings that end a sample; the text that could still
                          become one is held back until it cannot.
     stop_token_ids:      tokens that end a sample (EOS does too unless ignore_eos).
     max_tokens:          output tokens per sample (None: up to max_model_len).
     min_tokens:          EOS and stop_token_ids are suppressed before this many.
+    logit_bias:          token id -> a bias in [-100, 100] added to its logit before
+                         penalties and sampling (the engine checks the ids against
+                         its vocabulary); log-probabilities stay the model's.
     logprobs:            per output token, the sampled token's log-probability and
                          the top `logprobs` (None: none; 0: only the sampled one).
     prompt_logprobs:     the same for every prompt token after the first.
@@ -114,6 +137,7 @@ class SamplingParams:
     ignore_eos: bool = False
     max_tokens: int | None = 16
     min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
@@ -138,7 +162,7 @@ class SamplingParams:
         if not 0.0 <= _check_float("min_p", self.min_p) <= 1.0:
             raise InvalidParameter("min_p", f"min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None:
-            _check_int("seed", self.seed, low=0, high=2**32 - 1)
+            _check_int("seed", self.seed, low=-2**63, high=2**63 - 1)
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens, low=1)
         _check_int("min_tokens", self.min_tokens, low=0)
@@ -153,6 +177,8 @@ class SamplingParams:
             raise InvalidParameterType(
                 "output_kind",
                 f"output_kind must be a RequestOutputKind, got {type(self.output_kind).__name__}")
+        if self.logit_bias is not None:
+            object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
         object.__setattr__(self, "stop", _stop_strings(self.stop))
         object.__setattr__(self, "stop_token_ids", _token_ids("stop_token_ids",
                                                               self.stop_token_ids))

@@ -98,6 +98,13 @@ class InputProcessor:
                 "prompt", f"token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
         return token_ids
 
+    def _check_vocabulary(self, name: str, token_ids) -> None:
+        vocab_size = self.limits.vocab_size
+        bad = [t for t in token_ids if t >= vocab_size]
+        if bad:
+            raise InvalidParameter(
+                name, f"{name} has token ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
+
     def _check(self, params: SamplingParams | BeamSearchParams) -> None:
         limits = self.limits
         name, width = (("n", params.n) if isinstance(params, SamplingParams)
@@ -107,6 +114,8 @@ class InputProcessor:
                 name, f"{name}={width} is more than min(max_num_seqs, max_num_batched_tokens)"
                       f"={limits.max_seqs}")
         if isinstance(params, SamplingParams):
+            self._check_vocabulary("logit_bias", params.logit_bias or ())
+            self._check_vocabulary("stop_token_ids", params.stop_token_ids)
             for name in ("logprobs", "prompt_logprobs"):
                 value = getattr(params, name)
                 if value is not None and value > limits.max_logprobs:

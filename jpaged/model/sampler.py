@@ -2,7 +2,8 @@
 
 Per row, from the model's raw logits l (f32 [V]), `sample` applies in this order:
 
-1. min_tokens suppression: the row's suppressed tokens (EOS, stop tokens) get -inf.
+1. the request's logit_bias is added, and min_tokens suppression gives the row's
+   suppressed tokens (EOS, stop tokens) -inf.
 2. penalties (vLLM's `apply_penalties`): where a token occurs in the prompt or the
    output so far, a positive logit is divided by repetition_penalty and a non-positive
    one multiplied by it; then frequency_penalty * (occurrences in the output) and
@@ -18,7 +19,8 @@ Per row, from the model's raw logits l (f32 [V]), `sample` applies in this order
 8. a draw over the whole vocabulary, the token `jax.random.categorical` gives (argmax
    of logits plus Gumbel noise) from the key
    fold_in(fold_in(key(seed), sample_index), position): a seeded row gets the same
-   token whatever shares its batch.
+   token whatever shares its batch. A 64-bit seed outside [0, 2^32) is key(its low 32
+   bits) with its high 32 bits folded in; a seed inside keeps key(seed).
 
 Log-probabilities come from the raw logits (before 1 and 2):
 log_softmax(l / logprob_temperature), with the sampled token's rank and the top ones.
@@ -71,16 +73,19 @@ class SamplingTensors:
     top_k:               int32 [B]   0 = off
     top_p:               f32 [B]     1 = off
     min_p:               f32 [B]     0 = off
-    seeds:               uint32 [B]
+    seeds:               uint32 [B]  the seeds' low 32 bits
+    seed_high:           uint32 [B]  their high 32 bits (0 for a seed in [0, 2^32))
     sample_indices:      int32 [B]   which of the request's n samples
     positions:           int32 [B]   position of the token being sampled
     logprob_temperature: f32 [B]     > 0; 1 but for beam-search rows
-    The dense inputs are None unless some row has penalties or suppressed tokens (a
-    None changes the pytree, so jit compiles the dense variant only when it is used):
+    The dense inputs are None unless some row has penalties, a logit bias or suppressed
+    tokens (a None changes the pytree, so jit compiles the dense variant only when it is
+    used):
     penalties:           f32 [B, 3]  (repetition, presence, frequency)
     output_counts:       int32 [B, V] occurrences of each token in the output so far
     prompt_mask:         bool [B, V]  token occurs in the prompt
-    suppress_mask:       bool [B, V]  token gets -inf (min_tokens not reached)
+    bias:                f32 [B, V]  added to the logits: the logit_bias, and -inf on
+                                     suppressed tokens (min_tokens not reached)
 
     draws (static): some row has temperature > 0. A batch of greedy rows compiles
     without the draw and its filters, a fraction of the sampler's compile time.
@@ -91,13 +96,14 @@ class SamplingTensors:
     top_p: chex.Array
     min_p: chex.Array
     seeds: chex.Array
+    seed_high: chex.Array
     sample_indices: chex.Array
     positions: chex.Array
     logprob_temperature: chex.Array
     penalties: chex.Array | None = None
     output_counts: chex.Array | None = None
     prompt_mask: chex.Array | None = None
-    suppress_mask: chex.Array | None = None
+    bias: chex.Array | None = None
     draws: bool = field(default=True, metadata=dict(static=True))
 
 
@@ -124,14 +130,15 @@ class SamplerOutput:
 
 
 def process_logits(logits: chex.Array, tensors: SamplingTensors) -> chex.Array:
-    """Steps 1 and 2: min_tokens suppression, then vLLM's penalties. f32 [B, V] -> [B, V].
+    """Steps 1 and 2: logit bias and min_tokens suppression, then vLLM's penalties.
+    f32 [B, V] -> [B, V].
 
-    Neutral penalties (1, 0, 0) leave a row bit-identical, so rows without them need
-    no counts.
+    A zero bias and neutral penalties (1, 0, 0) leave a row bit-identical, so rows
+    without them need no counts.
     """
     if tensors.penalties is None:
         return logits
-    logits = jnp.where(tensors.suppress_mask, -jnp.inf, logits)
+    logits = logits + tensors.bias
     repetition, presence, frequency = (tensors.penalties[:, i, None] for i in range(3))
     counts = tensors.output_counts
     factor = jnp.where(tensors.prompt_mask | (counts > 0), repetition, 1.0)
@@ -262,11 +269,20 @@ def _first_argmax(x: chex.Array) -> chex.Array:
                    axis=-1)
 
 
-def _categorical(seed: chex.Array, sample_index: chex.Array, position: chex.Array,
-                 logits: chex.Array) -> chex.Array:
+def _seed_key(seed: chex.Array, seed_high: chex.Array) -> chex.Array:
+    """The key of a 64-bit seed given as two uint32 halves: key(seed) for a seed below 2^32,
+    so 32-bit seeds keep their stream, else that key with the high half folded in."""
+    key = jax.random.key(seed)
+    return jax.lax.cond(seed_high == 0, lambda: key,
+                        lambda: jax.random.fold_in(key, seed_high))
+
+
+def _categorical(seed: chex.Array, seed_high: chex.Array, sample_index: chex.Array,
+                 position: chex.Array, logits: chex.Array) -> chex.Array:
     """jax.random.categorical(key, logits) for one row ([V] -> int32 []): its definition,
     the argmax of logits plus Gumbel noise, with the faster argmax."""
-    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), sample_index), position)
+    key = jax.random.fold_in(jax.random.fold_in(_seed_key(seed, seed_high), sample_index),
+                             position)
     return _first_argmax(logits + jax.random.gumbel(key, logits.shape))
 
 
@@ -281,8 +297,8 @@ def _draw(processed: chex.Array, tensors: SamplingTensors) -> chex.Array:
     filters = (top_k > 0) | (top_p < 1.0) | (min_p > 0.0)
     masked = jax.lax.cond(filters.any(), filter_logits, lambda s, *_: s,
                           scaled, top_k, top_p, min_p)
-    return jax.vmap(_categorical)(tensors.seeds, tensors.sample_indices, tensors.positions,
-                                  masked)
+    return jax.vmap(_categorical)(tensors.seeds, tensors.seed_high, tensors.sample_indices,
+                                  tensors.positions, masked)
 
 
 def logprob_outputs(
@@ -330,13 +346,14 @@ class SamplingRow:
     repetition_penalty: float
     presence_penalty: float
     frequency_penalty: float
-    seed: int
+    seed: int  # 64-bit, signed or not
     sample_index: int
     position: int
     logprob_temperature: float = 1.0
     prompt_token_ids: Sequence[int] = ()
     output_token_ids: Sequence[int] = ()
     suppressed_token_ids: tuple[int, ...] = ()
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
 
     @classmethod
     def of(cls, params: SamplingParams, *, seed: int, sample_index: int, position: int,
@@ -352,6 +369,7 @@ class SamplingRow:
             seed=seed, sample_index=sample_index, position=position,
             prompt_token_ids=prompt_token_ids, output_token_ids=output_token_ids,
             suppressed_token_ids=tuple(suppressed_token_ids),
+            logit_bias=tuple((params.logit_bias or {}).items()),
         )
 
     @classmethod
@@ -367,24 +385,31 @@ class SamplingRow:
     def penalties(self) -> tuple[float, float, float]:
         return (self.repetition_penalty, self.presence_penalty, self.frequency_penalty)
 
+    @property
+    def dense(self) -> bool:
+        """The row needs the sampler's [B, V] inputs."""
+        return (self.penalties != NEUTRAL_PENALTIES or bool(self.suppressed_token_ids)
+                or bool(self.logit_bias))
+
 
 def _dense(rows: Sequence[SamplingRow], num_rows: int, vocab_size: int) -> dict:
-    """penalties f32 [B, 3], output_counts int32 [B, V], prompt_mask and suppress_mask
-    bool [B, V]; counts and prompts are filled only for rows with penalties, the only
+    """penalties f32 [B, 3], output_counts int32 [B, V], prompt_mask bool [B, V] and bias
+    f32 [B, V]; counts and prompts are filled only for rows with penalties, the only
     rows that read them."""
     penalties = np.tile(np.array(NEUTRAL_PENALTIES, np.float32), (num_rows, 1))
     counts = np.zeros((num_rows, vocab_size), np.int32)
     prompt_mask = np.zeros((num_rows, vocab_size), bool)
-    suppress_mask = np.zeros((num_rows, vocab_size), bool)
+    bias = np.zeros((num_rows, vocab_size), np.float32)
     for i, row in enumerate(rows):
-        suppress_mask[i, list(row.suppressed_token_ids)] = True
+        for token_id, value in row.logit_bias:
+            bias[i, token_id] = value
+        bias[i, list(row.suppressed_token_ids)] = -np.inf
         if row.penalties != NEUTRAL_PENALTIES:
             penalties[i] = row.penalties
             counts[i] = np.bincount(np.asarray(row.output_token_ids, np.int64),
                                     minlength=vocab_size)
             prompt_mask[i, list(row.prompt_token_ids)] = True
-    return dict(penalties=penalties, output_counts=counts, prompt_mask=prompt_mask,
-                suppress_mask=suppress_mask)
+    return dict(penalties=penalties, output_counts=counts, prompt_mask=prompt_mask, bias=bias)
 
 
 def sampling_tensors(
@@ -392,8 +417,7 @@ def sampling_tensors(
 ) -> SamplingTensors:
     """Host numpy inputs of `sample`, padded to num_rows with greedy, neutral rows.
 
-    The dense [B, V] arrays are built only when some row has penalties or suppressed
-    tokens.
+    The dense [B, V] arrays are built only when some row needs them (SamplingRow.dense).
     """
     pad = num_rows - len(rows)
     if pad < 0:
@@ -402,16 +426,17 @@ def sampling_tensors(
     def column(name: str, fill, dtype) -> np.ndarray:
         return np.array([getattr(r, name) for r in rows] + [fill] * pad, dtype)
 
-    dense = any(r.penalties != NEUTRAL_PENALTIES or r.suppressed_token_ids for r in rows)
+    seeds = [r.seed for r in rows] + [0] * pad
     return SamplingTensors(
         temperature=column("temperature", 0.0, np.float32),
         top_k=column("top_k", 0, np.int32),
         top_p=column("top_p", 1.0, np.float32),
         min_p=column("min_p", 0.0, np.float32),
-        seeds=column("seed", 0, np.uint32),
+        seeds=np.array([s & 0xFFFFFFFF for s in seeds], np.uint32),
+        seed_high=np.array([(s >> 32) & 0xFFFFFFFF for s in seeds], np.uint32),
         sample_indices=column("sample_index", 0, np.int32),
         positions=column("position", 0, np.int32),
         logprob_temperature=column("logprob_temperature", 1.0, np.float32),
-        **(_dense(rows, num_rows, vocab_size) if dense else {}),
+        **(_dense(rows, num_rows, vocab_size) if any(r.dense for r in rows) else {}),
         draws=any(r.temperature > 0 for r in rows),
     )

@@ -103,7 +103,10 @@ def test_chat_goes_through_the_template(llm):
     ("min_tokens", 20, r"min_tokens \(20\) must be <= max_tokens"),
     ("logprobs", -1, "logprobs must be >= 0"),
     ("stop", ["ok", ""], "stop strings must not be empty"),
-    ("seed", 2**32, "seed must be <= "),
+    ("seed", 2**63, "seed must be <= 9223372036854775807"),
+    ("seed", -2**63 - 1, "seed must be >= -9223372036854775808"),
+    ("logit_bias", {3: 100.5}, r"logit_bias of token 3 must be in \[-100, 100\]"),
+    ("logit_bias", {-1: 1.0}, "every token id of logit_bias must be >= 0"),
 ])
 def test_bad_sampling_params_name_the_field_and_limit(field, value, match):
     with pytest.raises(ValueError, match=match):
@@ -117,6 +120,10 @@ def test_type_errors_name_the_field():
         SamplingParams(stop=[3])
     with pytest.raises(TypeError, match="output_kind"):
         SamplingParams(output_kind="delta")
+    with pytest.raises(TypeError, match="logit_bias must be a dict"):
+        SamplingParams(logit_bias=[(3, 1.0)])
+    with pytest.raises(TypeError, match="every token id of logit_bias must be an int"):
+        SamplingParams(logit_bias={"3": 1.0})
 
 
 def test_tiny_temperature_is_greedy(llm):
@@ -140,11 +147,16 @@ def test_bad_beam_search_params(kwargs, match):
 def test_engine_limits_are_checked_before_anything_is_queued(llm):
     engine = llm.engine
     engine.add_request("good", "the theme", GREEDY)
+    vocab_size = engine.model_config.vocab_size
     bad = [
         (SamplingParams(logprobs=21), "logprobs=21 is more than max_logprobs=20"),
         (SamplingParams(prompt_logprobs=30), "prompt_logprobs=30 is more than max_logprobs=20"),
         (SamplingParams(n=9), r"n=9 is more than min\(max_num_seqs"),
         (BeamSearchParams(beam_width=9, max_tokens=4), r"beam_width=9 is more than min"),
+        (SamplingParams(logit_bias={vocab_size: 1.0}),
+         rf"logit_bias has token ids \[{vocab_size}\] outside the vocabulary \[0, {vocab_size}\)"),
+        (SamplingParams(stop_token_ids=[vocab_size + 1], min_tokens=2),
+         rf"stop_token_ids has token ids \[{vocab_size + 1}\] outside the vocabulary"),
     ]
     for params, match in bad:
         with pytest.raises(ValueError, match=match):

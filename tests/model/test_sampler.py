@@ -62,8 +62,10 @@ def np_log_softmax(z: np.ndarray) -> np.ndarray:
 
 
 def np_process(logits: np.ndarray, r: SamplingRow) -> np.ndarray:
-    """min_tokens suppression, then vLLM's apply_penalties, for one row."""
+    """logit bias and min_tokens suppression, then vLLM's apply_penalties, for one row."""
     z = logits.astype(np.float64).copy()
+    for token_id, bias in r.logit_bias:
+        z[token_id] += bias
     z[list(r.suppressed_token_ids)] = -np.inf
     counts = np.bincount(np.asarray(r.output_token_ids, int), minlength=len(z))
     seen = counts > 0
@@ -119,7 +121,7 @@ def test_greedy_rows_take_the_first_argmax():
 
 
 def test_penalties_match_numpy():
-    logits = normal_logits(6, seed=1)
+    logits = normal_logits(7, seed=1)
     rows = [
         row(repetition_penalty=1.3, prompt_token_ids=[0, 1, 2], output_token_ids=[2, 5, 5]),
         row(repetition_penalty=0.7, output_token_ids=[4, 7]),
@@ -129,8 +131,9 @@ def test_penalties_match_numpy():
             prompt_token_ids=[11, 12], output_token_ids=[12, 13, 13, 13],
             suppressed_token_ids=(15,)),
         row(prompt_token_ids=[1, 2], output_token_ids=[2]),  # neutral: left as is
+        row(repetition_penalty=1.5, logit_bias=((4, 3.0), (6, -2.5)), output_token_ids=[4, 6]),
     ]
-    tensors = sampling_tensors(rows, 6, VOCAB)
+    tensors = sampling_tensors(rows, 7, VOCAB)
     got = np.asarray(process_logits(jnp.asarray(logits), tensors))
     expected = np.stack([np_process(logits[i], r) for i, r in enumerate(rows)])
     np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
@@ -169,6 +172,20 @@ def test_suppressed_tokens_are_never_chosen_but_keep_raw_logprobs():
     assert not np.any(out.tokens == eos)
     # Log-probabilities come from the raw logits, before suppression.
     np.testing.assert_array_equal(out.top_ids[:, 0], eos)
+
+
+def test_a_logit_bias_moves_the_draws_but_not_the_logprobs():
+    num_draws = 2000
+    logits = np.tile(normal_logits(1, seed=12), (num_draws, 1))
+    least, most = int(logits[0].argmin()), int(logits[0].argmax())
+    bias = ((least, 100.0), (most, -100.0))
+    rows = [row(temperature=0.0 if i == 0 else 1.0, seed=i, logit_bias=bias)
+            for i in range(num_draws)]
+    out = run(logits, rows, num_rows=num_draws)
+    assert np.all(out.tokens == least)  # +100 outweighs any gap of these logits
+    np.testing.assert_array_equal(out.top_ids[:, 0], most)
+    np.testing.assert_allclose(out.logprobs, np_log_softmax(logits[0].astype(np.float64))[least],
+                               rtol=1e-5)
 
 
 # ---- filters ----------------------------------------------------------------------------
@@ -233,6 +250,20 @@ def test_the_draw_is_jax_random_categorical_from_the_documented_key():
                                  r.position)
         scaled = jnp.asarray(logits[i]) / jnp.float32(r.temperature)
         assert out.tokens[i] == jax.random.categorical(key, scaled)
+
+
+def test_a_64_bit_seed_folds_its_high_bits_into_the_key_of_its_low_bits():
+    logits = np.tile(normal_logits(1, seed=13) * 0.1, (ROWS, 1))  # flat: seeds differ
+    seeds = [-1, 2**40 + 5, -2**63, 2**63 - 1, 5, 2**32 - 1, 2**32, -(2**32)]
+    rows = [row(seed=seed, sample_index=1, position=3) for seed in seeds]
+    out = run(logits, rows)
+    for seed, token in zip(seeds, out.tokens, strict=True):
+        low, high = seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF
+        key = jax.random.key(low)
+        if high:
+            key = jax.random.fold_in(key, high)
+        key = jax.random.fold_in(jax.random.fold_in(key, 1), 3)
+        assert token == jax.random.categorical(key, jnp.asarray(logits[0])), seed
 
 
 # ---- the candidate fast path against the full sort ----------------------------------------
@@ -355,11 +386,16 @@ def test_sampling_rows_map_vllm_conventions():
     assert plain.seeds.dtype == np.uint32 and plain.top_k.dtype == np.int32
 
     dense = sampling_tensors([greedy, sampled], 4, VOCAB)
-    chex.assert_shape([dense.output_counts, dense.prompt_mask, dense.suppress_mask], (4, VOCAB))
+    chex.assert_shape([dense.output_counts, dense.prompt_mask, dense.bias], (4, VOCAB))
     np.testing.assert_array_equal(dense.penalties, [[1, 0, 0], [1, 0.5, 0], [1, 0, 0], [1, 0, 0]])
     np.testing.assert_array_equal(dense.output_counts[1, [2, 5]], [2, 1])
     assert dense.output_counts.sum() == 3  # only the row with penalties reads its counts
     np.testing.assert_array_equal(np.flatnonzero(dense.prompt_mask[1]), [1, 2])
-    np.testing.assert_array_equal(np.flatnonzero(dense.suppress_mask.any(0)), [7])
+    np.testing.assert_array_equal(np.flatnonzero(np.isinf(dense.bias).any(0)), [7])
+    biased = sampling_tensors([SamplingRow.of(SamplingParams(logit_bias={3: -2.0}), seed=2**33,
+                                              sample_index=0, position=0, **history)], 2, VOCAB)
+    assert biased.penalties is not None and biased.bias[0, 3] == -2.0
+    np.testing.assert_array_equal(biased.seeds, [0, 0])
+    np.testing.assert_array_equal(biased.seed_high, [2, 0])
     with pytest.raises(ValueError, match="do not fit"):
         sampling_tensors([greedy] * 5, 4, VOCAB)
