@@ -29,7 +29,8 @@ def warmup(runner: ModelRunner, shapes: StepShapes, *, vocab_size: int, hidden_s
            num_top: int) -> int:
     """Compile every step shape the limits allow, so serving never compiles: the model
     steps, the logits and the sampler's four variants (greedy or drawing, with or
-    without penalties) for every row count, and the prompt log-probabilities.
+    without the dense inputs of penalties, logit bias and min_tokens) for every row
+    count, and the prompt log-probabilities.
 
     XLA compiles without holding the GIL, so the compiles run in one thread per
     core; each step shape then runs once, from the compiled cache, on the
