@@ -32,7 +32,8 @@ def _parser() -> argparse.ArgumentParser:
     chat = commands.add_parser("chat", help="talk to the model; an empty line or Ctrl-D quits")
     chat.add_argument("--system", default=None, help="a system message")
     serve = commands.add_parser("serve", help="serve the OpenAI API (/v1/completions, "
-                                "/v1/chat/completions, /v1/models, /health, /metrics) over HTTP")
+                                "/v1/chat/completions, /v1/models, /tokenize, /detokenize, "
+                                "/health, /metrics) over HTTP")
     serve.add_argument("--served-model-name", default=None,
                        help="the model name clients send (default: the --model argument)")
     serve.add_argument("--host", default="127.0.0.1")
@@ -41,6 +42,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="require 'Authorization: Bearer KEY' on /v1 requests")
     serve.add_argument("--max-waiting", type=int, default=1024,
                        help="requests waiting for their first token before new ones get 503")
+    serve.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="S",
+                       help="on SIGINT/SIGTERM, seconds running requests get to finish before "
+                       "they are aborted (open streams then end with an error event)")
     serve.add_argument("--warmup", action="store_true",
                        help="compile every step shape before accepting requests (slower "
                        "start-up; no compile pauses while serving)")
@@ -152,7 +156,7 @@ def _serve(llm: LLM, args: argparse.Namespace) -> None:
 
     serve(llm.engine, served_model_name=args.served_model_name or args.model, host=args.host,
           port=args.port, api_key=args.api_key, max_waiting=args.max_waiting,
-          warmup=args.warmup)
+          warmup=args.warmup, shutdown_timeout=args.shutdown_timeout)
 
 
 COMMANDS = {"generate": _generate, "chat": _chat, "serve": _serve}

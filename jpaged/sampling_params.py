@@ -106,9 +106,9 @@ class SamplingParams:
     presence_penalty, frequency_penalty:
                          subtracted from a token's logit once if it occurs in the
                          output, and once per occurrence; in [-2, 2].
-    seed:                any 64-bit integer, -1 included (vLLM's range); a seeded
-                         request samples the same tokens whatever else runs beside
-                         it (per sample: seed, sample index, position).
+    seed:                any 64-bit integer (vLLM's range); a seeded request samples
+                         the same tokens whatever else runs beside it (per sample:
+                         seed, sample index, position). -1 means unseeded, as in vLLM.
     stop:                strings that end a sample; the text that could still
                          become one is held back until it cannot.
     stop_token_ids:      tokens that end a sample (EOS does too unless ignore_eos).
@@ -163,6 +163,8 @@ class SamplingParams:
             raise InvalidParameter("min_p", f"min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None:
             _check_int("seed", self.seed, low=-2**63, high=2**63 - 1)
+            if self.seed == -1:
+                object.__setattr__(self, "seed", None)
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens, low=1)
         _check_int("min_tokens", self.min_tokens, low=0)

@@ -121,8 +121,8 @@ class DataParallelEngine:
     def state(self) -> EngineState:
         return EngineState.total([replica.state() for replica in self.replicas])
 
-    def tokenize(self, prompt: PromptType) -> list[int]:
-        return self.replicas[0].tokenize(prompt)
+    def tokenize(self, prompt: PromptType, add_special_tokens: bool = True) -> list[int]:
+        return self.replicas[0].tokenize(prompt, add_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        return self.replicas[0].apply_chat_template(messages)
+    def apply_chat_template(self, messages: list[dict[str, str]], **options) -> list[int]:
+        return self.replicas[0].apply_chat_template(messages, **options)

@@ -11,11 +11,26 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from jpaged.engine.beam_search import BeamSearch
 from jpaged.errors import InvalidParameter, InvalidParameterType
 from jpaged.inputs import PromptType, parse_prompt
 from jpaged.sampling_params import BeamSearchParams, SamplingParams
+
+# Template variables a request's chat_template_kwargs may not set.
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "chat_template", "tokenize",
+                                         "add_generation_prompt", "continue_final_message"})
+
+
+def _check_encodable(param: str, text: str) -> None:
+    """ValueError naming `param` for text that UTF-8 cannot encode (a lone surrogate)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise InvalidParameter(
+            param, f"{param} cannot be encoded as UTF-8: {error.reason} "
+                   f"{text[error.start]!r} at character {error.start}") from None
 
 
 @dataclass(frozen=True)
@@ -73,24 +88,62 @@ class InputProcessor:
         return EngineRequest(request_id, parsed.text, token_ids, params, salt,
                              time.perf_counter())
 
-    def tokenize(self, prompt: PromptType) -> list[int]:
-        """A prompt (text, token ids or a prompt dict) as token ids in the vocabulary."""
+    def tokenize(self, prompt: PromptType, add_special_tokens: bool = True) -> list[int]:
+        """A prompt (text, token ids or a prompt dict) as token ids in the vocabulary;
+        add_special_tokens: a text gets the BOS/EOS its model asks for."""
         parsed = parse_prompt(prompt)
-        return self._token_ids(parsed.text, parsed.token_ids)
+        return self._token_ids(parsed.text, parsed.token_ids, add_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        """Chat messages through the model's chat template, as token ids."""
+    def apply_chat_template(self, messages: list[dict[str, str]], *,
+                            add_generation_prompt: bool = True,
+                            continue_final_message: bool = False,
+                            chat_template_kwargs: dict[str, Any] | None = None,
+                            add_special_tokens: bool = False) -> list[int]:
+        """Chat messages through the model's chat template, as token ids.
+
+        add_generation_prompt opens the assistant's turn after the messages;
+        continue_final_message instead ends the prompt inside the last message, which
+        must be the assistant's, for the model to continue; chat_template_kwargs are
+        more template variables (not these two, nor the template itself);
+        add_special_tokens: BOS/EOS as for a text prompt, besides what the template writes.
+        """
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise InvalidParameterType(
                 "messages",
                 "a conversation must be a list of message dicts ({'role', 'content'})")
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                  add_generation_prompt=True)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        self._check_continuation(messages, add_generation_prompt, continue_final_message)
+        kwargs = dict(chat_template_kwargs or {})
+        refused = sorted(set(kwargs) & RESERVED_TEMPLATE_VARIABLES)
+        if refused:
+            raise InvalidParameter(
+                "chat_template_kwargs", f"chat_template_kwargs may not set {refused}: the "
+                                        "request's own fields set them")
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, **kwargs)
+        _check_encodable("messages", text)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def _token_ids(self, text: str | None, token_ids: list[int] | None) -> list[int]:
+    @staticmethod
+    def _check_continuation(messages: list[dict[str, str]], add_generation_prompt: bool,
+                            continue_final_message: bool) -> None:
+        if not continue_final_message:
+            return
+        if add_generation_prompt:
+            raise InvalidParameter(
+                "continue_final_message", "continue_final_message and add_generation_prompt "
+                                          "cannot both be true")
+        role = messages[-1].get("role") if messages else None
+        if role != "assistant":
+            raise InvalidParameter(
+                "continue_final_message", "continue_final_message continues the last "
+                                          f"message, which must be the assistant's, not {role!r}")
+
+    def _token_ids(self, text: str | None, token_ids: list[int] | None,
+                   add_special_tokens: bool = True) -> list[int]:
         if token_ids is None:
-            return self.tokenizer.encode(text)
+            _check_encodable("prompt", text)
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         vocab_size = self.limits.vocab_size
         bad = [t for t in token_ids if not 0 <= t < vocab_size]
         if bad:

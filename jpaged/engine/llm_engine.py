@@ -185,13 +185,14 @@ class LLMEngine:
         """Requests queued or running (a data-parallel replica's load)."""
         return len(self.output_processor)
 
-    def tokenize(self, prompt: PromptType) -> list[int]:
+    def tokenize(self, prompt: PromptType, add_special_tokens: bool = True) -> list[int]:
         """A prompt (text, token ids or a prompt dict) as token ids in the vocabulary."""
-        return self.input_processor.tokenize(prompt)
+        return self.input_processor.tokenize(prompt, add_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        """Chat messages through the model's chat template, as token ids."""
-        return self.input_processor.apply_chat_template(messages)
+    def apply_chat_template(self, messages: list[dict[str, str]], **options) -> list[int]:
+        """Chat messages through the model's chat template, as token ids; options:
+        InputProcessor.apply_chat_template's."""
+        return self.input_processor.apply_chat_template(messages, **options)
 
     # One iteration.
 

@@ -70,11 +70,22 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = False,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """generate() for one conversation or a list of them, through the model's chat
-        template (each message a {"role": ..., "content": ...} dict)."""
+        template (each message a {"role": ..., "content": ...} dict).
+
+        add_generation_prompt opens the assistant's turn; continue_final_message instead
+        continues the last message (the assistant's); chat_template_kwargs are more
+        variables for the template (vLLM's `LLM.chat` arguments)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [{"prompt_token_ids": self.engine.apply_chat_template(c)} for c in conversations]
+        options = dict(add_generation_prompt=add_generation_prompt,
+                       continue_final_message=continue_final_message,
+                       chat_template_kwargs=chat_template_kwargs)
+        prompts = [{"prompt_token_ids": self.engine.apply_chat_template(c, **options)}
+                   for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def beam_search(

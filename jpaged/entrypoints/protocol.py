@@ -2,11 +2,14 @@
 response bodies and stream chunks out.
 
 Request bodies are pydantic models that refuse what jpaged does not implement:
-an unknown field (`tools`, `response_format`, `logit_bias`, ...) is a 400 that
-names it, never silently ignored. Types are strict (no "5" for 5, no true for
-1); an explicit JSON null means the field's default. `user` is accepted and
-not used. Responses are plain dicts built from the engine's outputs: a `Job`
-(one HTTP request's engine requests) renders its choices, usage and envelope.
+an unknown field (`tools`, `response_format`, ...) is a 400 that names it, never
+silently ignored (vLLM ignores unknown fields with a log line). Types are strict
+(no "5" for 5, no true for 1) but for integral floats (5.0 is 5); an explicit JSON
+null means the field's default. Fields that change nothing for a model without
+tools or storage (`user`, `store`, `metadata`, `service_tier`,
+`parallel_tool_calls`) are accepted and not used. Responses are plain dicts built
+from the engine's outputs: a `Job` (one HTTP request's engine requests) renders its
+choices, usage and envelope.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from jpaged.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 
@@ -25,6 +28,17 @@ if TYPE_CHECKING:
 
 # What JSON cannot hold (-inf) is reported as this, as vLLM does.
 MIN_LOGPROB = -9999.0
+
+
+def _integral(value: Any) -> Any:
+    """5.0 -> 5: JSON writers may spell an integer as a float. 5.5 stays a float (refused)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+# An int field: an int, or a float with an integral value.
+Integer = Annotated[int, BeforeValidator(_integral)]
 
 
 class OpenAIBaseModel(BaseModel):
@@ -39,50 +53,70 @@ class OpenAIBaseModel(BaseModel):
 
 
 class StreamOptions(OpenAIBaseModel):
-    include_usage: bool = False
+    """include_usage: a last chunk with the request's usage (on once stream_options is
+    given, as in vLLM); continuous_usage_stats: with include_usage, every chunk also
+    carries its choice's usage so far."""
+
+    include_usage: bool = True
+    continuous_usage_stats: bool = False
 
 
 class SamplingFields(OpenAIBaseModel):
     """The fields both endpoints map onto SamplingParams; vLLM's extras included."""
 
     model: str | None = None
-    n: int = 1
+    n: Integer = 1
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Integer | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
     # vLLM's extra sampling parameters.
-    top_k: int = 0
+    top_k: Integer = 0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
-    min_tokens: int = 0
+    min_tokens: Integer = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Integer] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    prompt_logprobs: Integer | None = None
     cache_salt: str | None = None
+    # Accepted and not used: nothing here stores requests or sells service tiers.
+    user: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage in every chunk: vLLM's rule, continuous_usage_stats with include_usage."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(SamplingFields):
     """POST /v1/completions. prompt: text, token ids, or a list of either (a batch).
 
     max_tokens 0 is allowed with echo: the response holds only the prompt (and
-    with logprobs, the prompt's log-probabilities).
+    with logprobs, the prompt's log-probabilities). best_of: each prompt samples
+    best_of candidates and returns the n of highest cumulative log-probability
+    (vLLM v0's meaning; not with a stream unless best_of == n).
     """
 
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int = 16
+    prompt: str | list[Integer] | list[str] | list[list[Integer]]
+    max_tokens: Integer = 16
     echo: bool = False
-    logprobs: Annotated[int, Field(ge=0)] | None = None
+    logprobs: Annotated[Integer, Field(ge=0)] | None = None
+    best_of: Annotated[Integer, Field(ge=1)] | None = None
+    suffix: str | None = None  # refused with a 400 that names it, as vLLM does
 
     def prompts(self) -> list[str] | list[list[int]]:
         """The batch of prompts: a text or a token-id list is a batch of one."""
@@ -102,24 +136,52 @@ class ChatMessage(OpenAIBaseModel):
     content: str | list[TextContentPart]
     name: str | None = None
 
+    @property
+    def text(self) -> str:
+        """The content, text parts joined."""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
     def as_template_message(self) -> dict[str, str]:
-        """{"role", "content"} with text parts joined, for the chat template."""
-        content = self.content
-        if not isinstance(content, str):
-            content = "".join(part.text for part in content)
-        return {"role": self.role, "content": content}
+        """{"role", "content"}, for the chat template."""
+        return {"role": self.role, "content": self.text}
 
 
 class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions. max_completion_tokens wins over max_tokens; neither
     means up to max_model_len. logprobs=True reports each output token's
-    log-probability and its top_logprobs alternatives."""
+    log-probability and its top_logprobs alternatives.
+
+    vLLM's template fields: add_generation_prompt opens the assistant's turn;
+    continue_final_message instead continues the last message (the assistant's),
+    without closing its turn; chat_template_kwargs are more variables for the template
+    (the two fields above win over the same names in it). echo prepends the last
+    message's content to each choice when the response continues that message's role.
+    """
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Integer | None = None
+    max_completion_tokens: Integer | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    top_logprobs: Annotated[Integer, Field(ge=0, le=20)] | None = None
+    echo: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # accepted and not used: tools are refused
+
+    @property
+    def response_role(self) -> str:
+        """The role the response speaks in: the assistant's, or the last message's when
+        no generation prompt opens a new turn (as vLLM answers)."""
+        return "assistant" if self.add_generation_prompt else self.messages[-1].role
+
+    @property
+    def echoed_text(self) -> str:
+        """What echo prepends: the last message's content if the response continues its role."""
+        last = self.messages[-1]
+        return last.text if self.echo and last.role == self.response_role else ""
 
 
 # Responses.
@@ -178,6 +240,15 @@ def chat_logprobs(output: CompletionOutput, num_top: int) -> dict[str, list]:
     return {"content": content}
 
 
+def prompt_logprobs_entries(entries: PromptLogprobs) -> list[dict[int, dict] | None]:
+    """vLLM's prompt_logprobs: per prompt token, None for the first, then token id ->
+    {logprob, rank, decoded_token} for the token itself and the top alternatives."""
+    return [None if entry is None else {
+        token_id: {"logprob": _finite(lp.logprob), "rank": lp.rank,
+                   "decoded_token": lp.decoded_token}
+        for token_id, lp in entry.items()} for entry in entries]
+
+
 # One HTTP request's engine requests.
 
 
@@ -222,6 +293,9 @@ class PromptRun:
     def num_output_tokens(self) -> int:
         return sum(len(output.token_ids) for output in self.outputs.values())
 
+    def sorted_outputs(self) -> list[CompletionOutput]:
+        return sorted(self.outputs.values(), key=lambda output: output.index)
+
 
 @dataclass
 class Job:
@@ -242,16 +316,32 @@ class Job:
         return {"id": self.request_id, "object": kind, "created": self.created,
                 "model": self.model, "choices": choices}
 
+    def returned(self, run: PromptRun) -> list[tuple[int, CompletionOutput]]:
+        """(choice index, output) of what the response reports of a run."""
+        return [(output.index, output) for output in run.sorted_outputs()]
+
+    def num_completion_tokens(self, output: CompletionOutput) -> int:
+        return len(output.token_ids)
+
     def usage(self) -> dict[str, int]:
         return usage(sum(len(run.prompt.token_ids) for run in self.runs),
-                     self.num_completion_tokens())
+                     sum(self.num_completion_tokens(output)
+                         for run in self.runs for _, output in self.returned(run)))
 
-    def num_completion_tokens(self) -> int:
-        return sum(run.num_output_tokens for run in self.runs)
+    def chunk(self, choices: list[dict], kind: str, run: PromptRun, index: int) -> dict:
+        """A stream's chunk for sample `index` of `run`; with continuous usage it carries
+        that choice's usage so far (the prompt's tokens, the choice's output tokens)."""
+        chunk = self.envelope(choices, kind)
+        if self.body.continuous_usage:
+            output = run.outputs.get(index)
+            chunk["usage"] = usage(len(run.prompt.token_ids),
+                                   0 if output is None else self.num_completion_tokens(output))
+        return chunk
 
 
 class CompletionJob(Job):
-    """A completions request: choice index = prompt index * n + sample index."""
+    """A completions request: choice index = prompt index * n + its rank among the
+    prompt's returned samples."""
 
     body: CompletionRequest
 
@@ -260,17 +350,27 @@ class CompletionJob(Job):
         """max_tokens=0: the one token generated is not reported."""
         return self.body.max_tokens == 0
 
-    def num_completion_tokens(self) -> int:
-        return 0 if self.drops_output else super().num_completion_tokens()
+    def num_completion_tokens(self, output: CompletionOutput) -> int:
+        return 0 if self.drops_output else len(output.token_ids)
 
-    def choice_index(self, run: PromptRun, output: CompletionOutput) -> int:
+    def returned(self, run: PromptRun) -> list[tuple[int, CompletionOutput]]:
+        """All n samples in order; with best_of, the n candidates of highest cumulative
+        log-probability, best first."""
+        n, outputs = self.body.n, run.sorted_outputs()
+        if self.body.best_of is not None:
+            outputs = sorted(outputs, key=lambda output: -output.cumulative_logprob)[:n]
+        return [(run.index * n + rank, output) for rank, output in enumerate(outputs)]
+
+    def stream_index(self, run: PromptRun, output: CompletionOutput) -> int:
+        """A streamed choice's index (a stream has best_of == n: every sample returns)."""
         return run.index * self.body.n + output.index
 
-    def choice(self, run: PromptRun, output: CompletionOutput, first: bool = True,
+    def choice(self, run: PromptRun, output: CompletionOutput, index: int, first: bool = True,
                text_offset: int = 0) -> dict:
         """A choice from an output (cumulative, or a stream's delta). The first piece of a
-        choice carries the echoed prompt; text_offset: where its first logprobs token
-        starts (in a stream, where the previous piece's tokens ended)."""
+        choice carries the echoed prompt and the prompt's log-probabilities; text_offset:
+        where its first logprobs token starts (in a stream, where the previous piece's
+        tokens ended)."""
         echoes = self.body.echo and first
         text = (run.prompt.text if echoes else "") + ("" if self.drops_output else output.text)
         logprobs = None
@@ -279,8 +379,11 @@ class CompletionJob(Job):
         finish_reason, stop_reason = output.finish_reason, output.stop_reason
         if self.drops_output and finish_reason is not None:
             finish_reason, stop_reason = "length", None
-        return {"index": self.choice_index(run, output), "text": text, "logprobs": logprobs,
-                "finish_reason": finish_reason, "stop_reason": stop_reason}
+        choice = {"index": index, "text": text, "logprobs": logprobs,
+                  "finish_reason": finish_reason, "stop_reason": stop_reason}
+        if self.body.prompt_logprobs is not None and first:
+            choice["prompt_logprobs"] = prompt_logprobs_entries(run.prompt_logprobs)
+        return choice
 
     def _logprobs(self, run: PromptRun, output: CompletionOutput, with_prompt: bool,
                   text_offset: int) -> dict:
@@ -315,3 +418,19 @@ class ChatJob(Job):
             else None
         return {"index": output.index, key: message, "logprobs": logprobs,
                 "finish_reason": output.finish_reason, "stop_reason": output.stop_reason}
+
+    def message(self, output: CompletionOutput) -> dict:
+        """A response's message: the echoed text, then the output's."""
+        return {"role": self.body.response_role, "content": self.body.echoed_text + output.text}
+
+    def opening(self, index: int) -> dict:
+        """A stream's first choice of sample `index`: its role."""
+        return {"index": index, "delta": {"role": self.body.response_role, "content": ""},
+                "logprobs": None, "finish_reason": None}
+
+    def extras(self) -> dict:
+        """The response's fields beside the choices: prompt_logprobs when asked for."""
+        run = self.runs[0]
+        if self.body.prompt_logprobs is None:
+            return {}
+        return {"prompt_logprobs": prompt_logprobs_entries(run.prompt_logprobs)}

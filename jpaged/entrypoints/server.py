@@ -1,18 +1,22 @@
 """An OpenAI-compatible HTTP server over AsyncLLMEngine, on FastAPI and uvicorn.
 
     GET  /v1/models             the served model
+    GET  /v1/models/{id}        its card (404 for another id)
     POST /v1/completions        text or token-id prompts (a batch too), echo, logprobs
     POST /v1/chat/completions   messages through the model's chat template
+    POST /tokenize, /detokenize, GET /tokenizer_info, /version
+                                the tokenizer over HTTP (jpaged.entrypoints.tokenization)
     GET  /health                200 while the engine runs, else 503
     GET  /metrics               Prometheus text format
 
 Streams are server-sent events ending with `data: [DONE]`; a request that fails
-mid-stream sends `data: {"error": ...}` before it. Errors have OpenAI's shape,
-{"error": {"message", "type", "param", "code"}}, and vLLM's status codes: 400
-for bad parameters, malformed JSON, wrong types, unsupported fields and prompts
-over max_model_len; 401 without the API key (when one is set, for /v1 paths);
-404 for an unknown model; 413 for a body over max_body_bytes; 503 with
-Retry-After when max_waiting requests wait.
+mid-stream, or that the server's shutdown ends, sends `data: {"error": ...}` before
+it. Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}, and
+vLLM's status codes: 400 for bad parameters, malformed JSON, a body that is not
+JSON, wrong types, unsupported fields and prompts over max_model_len; 401 without
+the API key (when one is set, for /v1 paths only, as in vLLM); 404 for an unknown
+model; 413 for a body over max_body_bytes; 503 with Retry-After when max_waiting
+requests wait.
 
 A client that disconnects aborts its requests: their KV blocks are freed before
 the engine's next step. The endpoints' logic is jpaged.entrypoints.serving; this
@@ -24,9 +28,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import secrets
+import threading
 import time
 
-from fastapi import FastAPI
+import uvicorn
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -40,13 +46,16 @@ from jpaged.engine.async_engine import (
 )
 from jpaged.entrypoints.errors import ApiError, RequestFailedError, validation_error
 from jpaged.entrypoints.serving import OpenAIServing
+from jpaged.entrypoints.tokenization import TokenizerEndpoints
 
 logger = logging.getLogger("jpaged")
 
 # Request bodies larger than this get 413 (8 MiB: a few thousand long token-id prompts).
 MAX_BODY_BYTES = 8 * 2**20
 # On SIGINT/SIGTERM running requests get this long to finish before they are aborted.
-SHUTDOWN_GRACE_S = 10
+SHUTDOWN_TIMEOUT_S = 10.0
+# After that, what the aborted requests' streams get to send their last events.
+FINAL_EVENTS_S = 5.0
 RETRY_AFTER_S = 1
 
 
@@ -101,6 +110,15 @@ class RequireApiKey:
         await self.app(scope, receive, send)
 
 
+async def require_json(request: Request) -> None:
+    """400 for a body not declared as JSON (FastAPI would not parse it)."""
+    content_type = request.headers.get("content-type")
+    if content_type is None or content_type.split(";")[0].strip() != "application/json":
+        got = "no Content-Type" if content_type is None else f"Content-Type '{content_type}'"
+        raise ApiError(400, "the request body must be JSON, sent with the header "
+                            f"'Content-Type: application/json'; got {got}")
+
+
 def _add_error_handlers(app: FastAPI) -> None:
     async def api_error(_, error: ApiError) -> JSONResponse:
         return error.response()
@@ -140,9 +158,16 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
     app = FastAPI(title="jpaged", lifespan=lifespan)
     serving = OpenAIServing(engine, served_model_name)
     app.state.serving = serving
+    tokenizer = TokenizerEndpoints(serving)
+    json_body = [Depends(require_json)]
     app.get("/v1/models")(serving.models)
-    app.post("/v1/completions")(serving.create_completion)
-    app.post("/v1/chat/completions")(serving.create_chat_completion)
+    app.get("/v1/models/{model_id:path}")(serving.model)
+    app.post("/v1/completions", dependencies=json_body)(serving.create_completion)
+    app.post("/v1/chat/completions", dependencies=json_body)(serving.create_chat_completion)
+    app.post("/tokenize", dependencies=json_body)(tokenizer.tokenize)
+    app.post("/detokenize", dependencies=json_body)(tokenizer.detokenize)
+    app.get("/tokenizer_info")(tokenizer.tokenizer_info)
+    app.get("/version")(tokenizer.version)
 
     @app.get("/health")
     async def health() -> Response:
@@ -159,16 +184,44 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
     return app
 
 
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, whose SIGINT/SIGTERM gives running requests shutdown_timeout
+    seconds and then shuts the engine down: every request still running ends, each
+    open stream with an error event and `data: [DONE]`, before its connection closes.
+    (uvicorn alone would cut those connections mid-stream.)"""
+
+    def __init__(self, app: FastAPI, engine: AsyncLLMEngine, shutdown_timeout: float,
+                 **config):
+        super().__init__(uvicorn.Config(
+            app, timeout_graceful_shutdown=shutdown_timeout + FINAL_EVENTS_S, **config))
+        self.engine, self.shutdown_timeout = engine, shutdown_timeout
+        self.drain: threading.Timer | None = None
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.drain is None:
+            logger.info("shutting down: running requests get %g s", self.shutdown_timeout)
+            self.drain = threading.Timer(self.shutdown_timeout, self.engine.shutdown)
+            self.drain.daemon = True
+            self.drain.start()
+        super().handle_exit(sig, frame)
+
+    def run(self, sockets=None) -> None:
+        try:
+            super().run(sockets)
+        finally:
+            if self.drain is not None:
+                self.drain.cancel()
+
+
 def serve(engine: Engine, *, served_model_name: str, host: str = "127.0.0.1",
           port: int = 8000, api_key: str | None = None, max_waiting: int = 1024,
-          max_body_bytes: int = MAX_BODY_BYTES, warmup: bool = False) -> None:
+          max_body_bytes: int = MAX_BODY_BYTES, warmup: bool = False,
+          shutdown_timeout: float = SHUTDOWN_TIMEOUT_S) -> None:
     """Serve `engine` until SIGINT/SIGTERM: then no new connection is accepted, running
-    requests get SHUTDOWN_GRACE_S seconds to finish, the rest are aborted, and the
-    engine thread is joined. warmup=True compiles every step shape first
-    (`LLMEngine.warmup`, every replica's for a DataParallelEngine), so no request waits
-    for a compile."""
-    import uvicorn
-
+    requests get shutdown_timeout seconds to finish, the rest are aborted (their streams
+    end with an error event and [DONE]), and the engine thread is joined. warmup=True
+    compiles every step shape first (`LLMEngine.warmup`, every replica's for a
+    DataParallelEngine), so no request waits for a compile."""
     if warmup:
         started = time.perf_counter()
         num_shapes = engine.warmup()
@@ -177,7 +230,7 @@ def serve(engine: Engine, *, served_model_name: str, host: str = "127.0.0.1",
     async_engine = AsyncLLMEngine(engine, max_waiting=max_waiting)
     try:
         app = build_app(async_engine, served_model_name, api_key, max_body_bytes)
-        uvicorn.run(app, host=host, port=port, timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
-                    log_level="info")
+        DrainingServer(app, async_engine, shutdown_timeout, host=host, port=port,
+                       log_level="info").run()
     finally:
         async_engine.shutdown()

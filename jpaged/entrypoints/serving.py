@@ -40,22 +40,43 @@ from jpaged.sampling_params import SamplingParams
 T = TypeVar("T")
 SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
                    "frequency_penalty", "repetition_penalty", "seed", "stop", "stop_token_ids",
-                   "ignore_eos", "min_tokens", "max_tokens", "logprobs", "prompt_logprobs",
-                   "skip_special_tokens", "include_stop_str_in_output")
+                   "ignore_eos", "min_tokens", "max_tokens", "logprobs", "skip_special_tokens",
+                   "include_stop_str_in_output")
 
 
 # Requests to SamplingParams.
 
 
-def completion_sampling_params(body: CompletionRequest) -> SamplingParams:
+def completion_sampling_params(body: CompletionRequest, max_logprobs: int) -> SamplingParams:
     """The engine's parameters for a completions request. max_tokens=0 (allowed with
     echo) generates one token, which the response leaves out: the engine always
-    samples at least one token."""
+    samples at least one token. echo with logprobs asks for the prompt's
+    log-probabilities unless prompt_logprobs says otherwise; best_of samples best_of."""
+    if body.suffix is not None:
+        raise ApiError(400, "suffix is not supported: jpaged completes a prompt's end only",
+                       "suffix")
     if body.max_tokens < 0 or (body.max_tokens == 0 and not body.echo):
         raise ApiError(400, f"max_tokens must be >= 1 (or 0 with echo), got {body.max_tokens}",
                        "max_tokens")
-    return _sampling_params(body, {}, max_tokens=max(body.max_tokens, 1), logprobs=body.logprobs,
-                            prompt_logprobs=body.logprobs if body.echo else None)
+    n = _best_of(body)
+    prompt_logprobs = body.prompt_logprobs
+    if prompt_logprobs is None and body.echo:
+        prompt_logprobs = body.logprobs
+    return _sampling_params(body, {}, max_logprobs, n=n, max_tokens=max(body.max_tokens, 1),
+                            logprobs=body.logprobs, prompt_logprobs=prompt_logprobs)
+
+
+def _best_of(body: CompletionRequest) -> int:
+    """The samples per prompt: best_of candidates, of which the response keeps n."""
+    if body.best_of is None:
+        return body.n
+    if body.best_of < body.n:
+        raise ApiError(400, f"best_of must be >= n, got n={body.n} and best_of={body.best_of}",
+                       "best_of")
+    if body.stream and body.best_of != body.n:
+        raise ApiError(400, f"best_of={body.best_of} with n={body.n} cannot stream: the best "
+                            "candidates are known only when all have finished", "best_of")
+    return body.best_of
 
 
 def chat_max_tokens(body: ChatCompletionRequest) -> tuple[int | None, str]:
@@ -65,7 +86,7 @@ def chat_max_tokens(body: ChatCompletionRequest) -> tuple[int | None, str]:
     return body.max_tokens, "max_tokens"
 
 
-def chat_sampling_params(body: ChatCompletionRequest) -> SamplingParams:
+def chat_sampling_params(body: ChatCompletionRequest, max_logprobs: int) -> SamplingParams:
     """The engine's parameters for a chat request: logprobs=True asks for the sampled
     tokens' log-probabilities with top_logprobs alternatives each."""
     if body.top_logprobs is not None and not body.logprobs:
@@ -75,15 +96,33 @@ def chat_sampling_params(body: ChatCompletionRequest) -> SamplingParams:
         raise ApiError(400, f"{param} must be >= 1, got {max_tokens}", param)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     return _sampling_params(body, {"max_tokens": param, "logprobs": "top_logprobs"},
-                            max_tokens=max_tokens, logprobs=logprobs)
+                            max_logprobs, max_tokens=max_tokens, logprobs=logprobs,
+                            prompt_logprobs=body.prompt_logprobs)
 
 
-def _sampling_params(body: SamplingFields, renamed: dict[str, str], **specific) -> SamplingParams:
+def _sampling_params(body: SamplingFields, renamed: dict[str, str], max_logprobs: int,
+                     **specific) -> SamplingParams:
+    if body.stream_options is not None and not body.stream:
+        raise ApiError(400, "stream_options needs stream=true", "stream_options")
+    if specific.get("prompt_logprobs") == -1:  # vLLM's "the whole vocabulary"
+        raise ApiError(400, "prompt_logprobs=-1 asks for every token of the vocabulary; "
+                            f"this server gives at most max_logprobs={max_logprobs}",
+                       "prompt_logprobs")
     common = {name: getattr(body, name) for name in SAMPLING_FIELDS if hasattr(body, name)}
     try:
-        return SamplingParams(**(common | specific))
+        return SamplingParams(**(common | {"logit_bias": _logit_bias(body)} | specific))
     except (ValueError, TypeError) as error:
         raise bad_request(error, renamed) from error
+
+
+def _logit_bias(body: SamplingFields) -> dict[int, float] | None:
+    """The JSON object's token-id keys as ints."""
+    if body.logit_bias is None:
+        return None
+    keys = [key for key in body.logit_bias if not key.strip().lstrip("-").isdigit()]
+    if keys:
+        raise ApiError(400, f"logit_bias keys must be token ids, got {keys[:5]}", "logit_bias")
+    return {int(key): bias for key, bias in body.logit_bias.items()}
 
 
 # Running one HTTP request's engine requests.
@@ -152,6 +191,7 @@ class OpenAIServing:
         self.engine = engine
         self.served_model_name = served_model_name
         self.max_model_len = engine.engine.max_model_len
+        self.max_logprobs = engine.engine.config.max_logprobs
         self.metrics = ServerMetrics(engine)
 
     def check_model(self, model: str | None) -> None:
@@ -159,19 +199,26 @@ class OpenAIServing:
             raise ApiError(404, f"the model '{model}' does not exist; this server serves "
                                 f"'{self.served_model_name}'", "model")
 
+    def model_card(self) -> dict:
+        return {"id": self.served_model_name, "object": "model", "created": int(time.time()),
+                "owned_by": "jpaged", "root": self.engine.engine.config.model,
+                "max_model_len": self.max_model_len}
+
     def models(self) -> dict:
-        return {"object": "list", "data": [{
-            "id": self.served_model_name, "object": "model", "created": int(time.time()),
-            "owned_by": "jpaged", "root": self.engine.engine.config.model,
-            "max_model_len": self.max_model_len,
-        }]}
+        return {"object": "list", "data": [self.model_card()]}
+
+    def model(self, model_id: str) -> dict:
+        """GET /v1/models/{model_id}: the served model's card, or 404."""
+        self.check_model(model_id)
+        return self.model_card()
 
     async def on_engine(self, fn: Callable[[Engine], T], param: str) -> T:
-        """fn(engine) on the engine thread; its ValueError/TypeError is a 400 for `param`."""
+        """fn(engine) on the engine thread; its ValueError/TypeError is a 400 naming the
+        parameter it carries (jpaged.errors), else `param`."""
         try:
             return await self.engine.run(fn)
         except (ValueError, TypeError) as error:
-            raise ApiError(400, str(error), param) from error
+            raise ApiError(400, str(error), getattr(error, "param", None) or param) from error
 
     async def start(self, request_id: str, prompts: list[EncodedPrompt], params: SamplingParams,
                     cache_salt: str | None, renamed: dict[str, str]) -> list[PromptRun]:
@@ -204,11 +251,35 @@ class OpenAIServing:
                     self.metrics.observe_finished(run, delta)
                 yield run, delta
 
+    async def _run_to_completion(self, job: Job) -> None:
+        try:
+            async with contextlib.aclosing(self.deltas(job.runs)) as deltas:
+                async for _ in deltas:
+                    pass
+        finally:
+            job.close()
+
+    async def _events(self, job: Job, chunks: AsyncIterator[dict], kind: str
+                      ) -> AsyncIterator[str]:
+        """A stream's server-sent events: its chunks, the usage chunk if asked for, then
+        [DONE]; a failure (the engine's, or its shutdown) sends an error event first."""
+        try:
+            async with contextlib.aclosing(chunks):
+                async for chunk in chunks:
+                    yield sse(chunk)
+            if job.body.include_usage:
+                yield sse(job.envelope([], kind) | {"usage": job.usage()})
+        except (RequestFailedError, EngineStoppedError) as error:
+            yield sse(stream_error(error))
+        finally:
+            job.close()
+        yield "data: [DONE]\n\n"
+
     # /v1/completions
 
     async def create_completion(self, body: CompletionRequest, raw_request: Request) -> Any:
         self.check_model(body.model)
-        params = completion_sampling_params(body)
+        params = completion_sampling_params(body, self.max_logprobs)
         prompt_list = body.prompts()
         if not prompt_list:
             raise ApiError(400, "prompt must not be an empty list", "prompt")
@@ -218,57 +289,45 @@ class OpenAIServing:
             check_context(len(prompt.token_ids), body.max_tokens, self.max_model_len,
                           "max_tokens", "prompt")
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        runs = await self.start(request_id, prompts, params, body.cache_salt, {})
+        runs = await self.start(request_id, prompts, params, body.cache_salt,
+                                {"n": "best_of"} if body.best_of is not None else {})
         job = CompletionJob(request_id, body, runs, self.served_model_name)
         if body.stream:
-            return StreamingResponse(self._completion_events(job),
-                                     media_type="text/event-stream")
+            return StreamingResponse(
+                self._events(job, self._completion_chunks(job), "text_completion"),
+                media_type="text/event-stream")
         return await until_disconnected(raw_request, self._completion_response(job))
 
     async def _completion_response(self, job: CompletionJob) -> dict:
         await self._run_to_completion(job)
-        choices = [job.choice(run, output)
-                   for run in job.runs for output in sorted(run.outputs.values(),
-                                                            key=lambda o: o.index)]
+        choices = [job.choice(run, output, index)
+                   for run in job.runs for index, output in job.returned(run)]
         return job.envelope(choices) | {"usage": job.usage()}
 
-    async def _run_to_completion(self, job: Job) -> None:
-        try:
-            async with contextlib.aclosing(self.deltas(job.runs)) as deltas:
-                async for _ in deltas:
-                    pass
-        finally:
-            job.close()
-
-    async def _completion_events(self, job: CompletionJob) -> AsyncIterator[str]:
+    async def _completion_chunks(self, job: CompletionJob) -> AsyncIterator[dict]:
+        """One chunk per choice's new piece."""
         offsets: dict[int, int] = {}  # choice index -> text offset of its next token
-        try:
-            async with contextlib.aclosing(self.deltas(job.runs)) as deltas:
-                async for run, delta in deltas:
-                    choices = []
-                    for piece in delta.outputs:
-                        index = job.choice_index(run, piece)
-                        offset = offsets.get(index, 0)
-                        choices.append(job.choice(run, piece, index not in offsets, offset))
-                        offsets[index] = next_text_offset(choices[-1], offset)
-                    yield sse(job.envelope(choices))
-            if job.body.include_usage:
-                yield sse(job.envelope([]) | {"usage": job.usage()})
-        except (RequestFailedError, EngineStoppedError) as error:
-            yield sse(stream_error(error))
-        finally:
-            job.close()
-        yield "data: [DONE]\n\n"
+        async with contextlib.aclosing(self.deltas(job.runs)) as deltas:
+            async for run, delta in deltas:
+                for piece in delta.outputs:
+                    index = job.stream_index(run, piece)
+                    offset = offsets.get(index, 0)
+                    choice = job.choice(run, piece, index, index not in offsets, offset)
+                    offsets[index] = next_text_offset(choice, offset)
+                    yield job.chunk([choice], "text_completion", run, piece.index)
 
     # /v1/chat/completions
 
     async def create_chat_completion(self, body: ChatCompletionRequest,
                                      raw_request: Request) -> Any:
         self.check_model(body.model)
-        params = chat_sampling_params(body)
+        params = chat_sampling_params(body, self.max_logprobs)
         messages = [message.as_template_message() for message in body.messages]
-        token_ids = await self.on_engine(lambda engine: engine.apply_chat_template(messages),
-                                         "messages")
+        options = dict(add_generation_prompt=body.add_generation_prompt,
+                       continue_final_message=body.continue_final_message,
+                       chat_template_kwargs=body.chat_template_kwargs)
+        token_ids = await self.on_engine(
+            lambda engine: engine.apply_chat_template(messages, **options), "messages")
         max_tokens, param = chat_max_tokens(body)
         check_context(len(token_ids), max_tokens, self.max_model_len,
                       param if max_tokens is not None else "messages", "messages")
@@ -278,30 +337,35 @@ class OpenAIServing:
                                  "prompt": "messages"})
         job = ChatJob(request_id, body, runs, self.served_model_name)
         if body.stream:
-            return StreamingResponse(self._chat_events(job), media_type="text/event-stream")
+            return StreamingResponse(
+                self._events(job, self._chat_chunks(job), "chat.completion.chunk"),
+                media_type="text/event-stream")
         return await until_disconnected(raw_request, self._chat_response(job))
 
     async def _chat_response(self, job: ChatJob) -> dict:
         await self._run_to_completion(job)
-        outputs = sorted(job.runs[0].outputs.values(), key=lambda o: o.index)
-        choices = [job.choice(output, "message", {"role": "assistant", "content": output.text})
-                   for output in outputs]
-        return job.envelope(choices, "chat.completion") | {"usage": job.usage()}
+        choices = [job.choice(output, "message", job.message(output))
+                   for _, output in job.returned(job.runs[0])]
+        return job.envelope(choices, "chat.completion") | job.extras() | {"usage": job.usage()}
 
-    async def _chat_events(self, job: ChatJob) -> AsyncIterator[str]:
-        try:
-            roles = [{"index": i, "delta": {"role": "assistant", "content": ""},
-                      "logprobs": None, "finish_reason": None} for i in range(job.body.n)]
-            yield sse(job.envelope(roles, "chat.completion.chunk"))
-            async with contextlib.aclosing(self.deltas(job.runs)) as deltas:
-                async for _, delta in deltas:
-                    choices = [job.choice(piece, "delta", {"content": piece.text})
-                               for piece in delta.outputs]
-                    yield sse(job.envelope(choices, "chat.completion.chunk"))
-            if job.body.include_usage:
-                yield sse(job.envelope([], "chat.completion.chunk") | {"usage": job.usage()})
-        except (RequestFailedError, EngineStoppedError) as error:
-            yield sse(stream_error(error))
-        finally:
-            job.close()
-        yield "data: [DONE]\n\n"
+    async def _chat_chunks(self, job: ChatJob) -> AsyncIterator[dict]:
+        """Each choice's role, its echoed text if any, then one chunk per new piece; the
+        first piece's chunk carries prompt_logprobs when asked for."""
+        kind, run = "chat.completion.chunk", job.runs[0]
+        for index in range(job.body.n):
+            yield job.chunk([job.opening(index)], kind, run, index)
+        if job.body.echoed_text:
+            for index in range(job.body.n):
+                echo = {"index": index, "delta": {"content": job.body.echoed_text},
+                        "logprobs": None, "finish_reason": None}
+                yield job.chunk([echo], kind, run, index)
+        extras = None
+        async with contextlib.aclosing(self.deltas(job.runs)) as deltas:
+            async for _, delta in deltas:
+                for piece in delta.outputs:
+                    choice = job.choice(piece, "delta", {"content": piece.text})
+                    chunk = job.chunk([choice], kind, run, piece.index)
+                    if extras is None:
+                        extras = job.extras()
+                        chunk |= extras
+                    yield chunk

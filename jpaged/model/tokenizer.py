@@ -11,7 +11,8 @@ transformers does. It comes from
   rebuilt the way transformers rebuilds it.
 
 Its methods keep transformers' names and meanings: `encode`, `decode`,
-`apply_chat_template`, `convert_tokens_to_ids`, `len()`, `save_pretrained`.
+`apply_chat_template`, `convert_tokens_to_ids`, `convert_ids_to_tokens`, `len()`,
+`save_pretrained`.
 """
 
 from __future__ import annotations
@@ -48,6 +49,10 @@ GGUF_PRE_TOKENIZER_SPLITS = {
     "smaug-bpe": _LLAMA3_SPLIT, "dbrx": _LLAMA3_SPLIT,
     "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT,
 }
+
+
+# Marks where the final message's content ends in a rendered chat (continue_final_message).
+CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 
 
 class TokenizerError(ValueError):
@@ -135,22 +140,38 @@ class Tokenizer:
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
+    def convert_ids_to_tokens(self, token_ids: Sequence[int]) -> list[str | None]:
+        """Each id's token as the vocabulary spells it (GPT-2's byte alphabet for byte-level
+        BPE); None outside the vocabulary."""
+        return [self.backend.id_to_token(token_id) for token_id in token_ids]
+
     def convert_tokens_to_ids(self, tokens: str | Sequence[str]) -> int | None | list[int | None]:
         if isinstance(tokens, str):
             return self.backend.token_to_id(tokens)
         return [self.backend.token_to_id(token) for token in tokens]
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *,
-                            add_generation_prompt: bool = False, tokenize: bool = True
-                            ) -> str | list[int]:
+                            add_generation_prompt: bool = False,
+                            continue_final_message: bool = False, tokenize: bool = True,
+                            **template_kwargs: Any) -> str | list[int]:
         """The conversation rendered by the chat template: its text, or (tokenize=True)
-        that text's token ids, without adding BOS/EOS (the template writes them)."""
+        that text's token ids, without adding BOS/EOS (the template writes them).
+
+        continue_final_message: the text ends where the last message's content ends, so
+        generation continues it (what the template writes after it, the end of its turn,
+        is cut), as in transformers. template_kwargs: more template variables (over the
+        special tokens of the same names).
+        """
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat template; send the prompt as text")
+        messages = [dict(message) for message in messages]
+        if continue_final_message:
+            messages[-1]["content"] += CONTINUE_TAG
         text = _compiled_template(self.chat_template).render(
-            messages=list(messages), add_generation_prompt=add_generation_prompt,
-            **self.special_tokens,
-        )
+            **(self.special_tokens | template_kwargs), messages=messages,
+            add_generation_prompt=add_generation_prompt)
+        if continue_final_message:
+            text = _cut_at_tag(text)
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
     def save_pretrained(self, directory: str | Path) -> None:
@@ -255,6 +276,16 @@ def _chat_template(directory: Path, config: Mapping[str, Any]) -> str | None:
     if isinstance(template, list):
         template = {entry["name"]: entry["template"] for entry in template}.get("default")
     return template
+
+
+def _cut_at_tag(text: str) -> str:
+    """The rendered chat up to CONTINUE_TAG, where the final message's content ended; a
+    template that trimmed the tag's space trimmed the content's trailing space too."""
+    end = text.rfind(CONTINUE_TAG.strip())
+    if end < 0:
+        raise ValueError("continue_final_message is set but the chat template does not "
+                         "write the final message's content")
+    return text[:end] if text.startswith(CONTINUE_TAG, end) else text[:end].rstrip()
 
 
 @lru_cache(maxsize=8)

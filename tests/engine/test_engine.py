@@ -135,7 +135,7 @@ def test_no_recompilation_after_warmup(loaded):
     kinds = [dict(temperature=0.0), dict(temperature=0.8, top_p=0.9, seed=3),
              dict(temperature=0.0, repetition_penalty=1.2),
              dict(temperature=1.0, presence_penalty=0.5),
-             dict(temperature=0.7, seed=-1, logit_bias={5: 3.0, 9: -100.0}),
+             dict(temperature=0.7, seed=-5, logit_bias={5: 3.0, 9: -100.0}),
              dict(temperature=0.0, logit_bias={int(rng.integers(vocab)): 50.0})]
     params = [SamplingParams(max_tokens=int(rng.integers(1, 24)), ignore_eos=True,
                              **kinds[i % len(kinds)]) for i in range(len(prompts))]

@@ -113,6 +113,11 @@ def test_bad_sampling_params_name_the_field_and_limit(field, value, match):
         SamplingParams(**{field: value})
 
 
+def test_seed_minus_one_means_unseeded_as_in_vllm():
+    assert SamplingParams(seed=-1).seed is None
+    assert SamplingParams(seed=-2).seed == -2
+
+
 def test_type_errors_name_the_field():
     with pytest.raises(TypeError, match="n must be an int"):
         SamplingParams(n=2.0)

@@ -211,8 +211,8 @@ BAD_REQUESTS = {
     # name: (path, body (a dict, or raw bytes), status, param, words in the message)
     "malformed JSON": ("completions", b'{"model": "tiny", "prompt": ', 400, None, "malformed JSON"),
     "not an object": ("completions", b"[1, 2]", 400, None, "dictionary"),
-    "max_tokens a string": ("completions", GOOD_COMPLETION | {"max_tokens": "5"}, 400,
-                            "max_tokens", "integer"),
+    "unknown field": ("completions", GOOD_COMPLETION | {"frobnicate": 1}, 400, "frobnicate",
+                      "unsupported parameter 'frobnicate'"),
     "temperature a string": ("chat/completions", GOOD_CHAT | {"temperature": "hot"}, 400,
                              "temperature", "number"),
     "prompt a number": ("completions", GOOD_COMPLETION | {"prompt": 3}, 400, "prompt", "prompt"),
@@ -244,12 +244,6 @@ BAD_REQUESTS = {
                                         400, "prompt", "vocabulary"),
     "prompt over max_model_len": ("completions", GOOD_COMPLETION | {"prompt": LONG_PROMPT},
                                   400, "prompt", "max_model_len=256"),
-    "unsupported field tools": ("chat/completions", GOOD_CHAT | {"tools": []}, 400, "tools",
-                                "'tools'"),
-    "unsupported field logit_bias": ("completions", GOOD_COMPLETION | {"logit_bias": {"1": 2}},
-                                     400, "logit_bias", "'logit_bias'"),
-    "unsupported field response_format": ("chat/completions", GOOD_CHAT | {
-        "response_format": {"type": "json_object"}}, 400, "response_format", "response_format"),
     "body over the limit": ("completions", GOOD_COMPLETION | {"prompt": "x" * MAX_BODY_BYTES},
                             413, None, f"limit of {MAX_BODY_BYTES} bytes"),
 }

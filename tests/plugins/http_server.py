@@ -19,8 +19,11 @@ import pytest
 
 from jpaged.core.step_shapes import BucketSizes
 
+# ChatML, with Qwen3's switch: enable_thinking=False opens the answer with an empty thought.
 CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
-          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+          "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
+          "{% endif %}{% endif %}")
 SERVED_MODEL = "tiny"
 SERVER_API_KEY = "test-key"
 SERVER_MAX_BODY_BYTES = 64 * 1024
