@@ -196,6 +196,18 @@ def test_logit_bias_shows_in_the_tokens(base_url, offline):
     assert all(lp < -1e-3 for lp in choice["logprobs"]["token_logprobs"])
 
 
+def test_an_ending_eos_is_in_tokens_logprobs_and_usage_but_not_the_text(base_url, offline):
+    """vLLM's accounting: the detokenizer leaves the stop token out of the text only."""
+    tokenizer = offline.get_tokenizer()
+    eos = tokenizer.eos_token_id
+    body = COMPLETION | {"logit_bias": {str(eos): 100}, "logprobs": 0, "max_tokens": 4}
+    response = ok(post(base_url, "/v1/completions", body))
+    choice = response["choices"][0]
+    assert (choice["text"], choice["finish_reason"]) == ("", "stop")
+    assert choice["logprobs"]["tokens"] == [tokenizer.decode([eos])]
+    assert response["usage"]["completion_tokens"] == 1
+
+
 @pytest.mark.parametrize("seed", [-1, 2**40 + 3, -(2**63), 5.0])
 def test_any_64_bit_seed_is_taken(base_url, offline, seed):
     body = COMPLETION | {"seed": seed, "temperature": 1.0}
