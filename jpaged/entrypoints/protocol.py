@@ -430,7 +430,6 @@ class ChatJob(Job):
 
     def extras(self) -> dict:
         """The response's fields beside the choices: prompt_logprobs when asked for."""
-        run = self.runs[0]
         if self.body.prompt_logprobs is None:
             return {}
-        return {"prompt_logprobs": prompt_logprobs_entries(run.prompt_logprobs)}
+        return {"prompt_logprobs": prompt_logprobs_entries(self.runs[0].prompt_logprobs)}
