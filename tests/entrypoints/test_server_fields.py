@@ -128,6 +128,18 @@ def test_prompt_logprobs_equal_offline_on_both_endpoints(base_url, offline):
                 assert entry[str(token_id)]["decoded_token"] == logprob.decoded_token
 
 
+@pytest.mark.parametrize("path,body", [("/v1/completions", COMPLETION),
+                                       ("/v1/chat/completions", CHAT)])
+def test_a_stream_carries_the_prompt_logprobs_once(base_url, path, body):
+    request = body | {"prompt_logprobs": 1}
+    whole = ok(post(base_url, path, request))
+    expected = whole.get("prompt_logprobs") or whole["choices"][0]["prompt_logprobs"]
+    chunks = events(post(base_url, path, request | {"stream": True}))
+    carried = [c.get("prompt_logprobs") or c["choices"][0].get("prompt_logprobs")
+               for c in chunks if c["choices"]]
+    assert [entries for entries in carried if entries] == [expected]
+
+
 def test_add_generation_prompt_false_leaves_the_turn_to_the_last_role(base_url, hf_tokenizer):
     response = ok(post(base_url, "/v1/chat/completions",
                        CHAT | {"add_generation_prompt": False}))
