@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,8 @@ class Llama3RopeScaling:
 @dataclass(frozen=True)
 class LlamaConfig:
     """Architecture of a Llama-family decoder.
+
+    qk_norm: Qwen3's RMSNorm of each query and key head over head_dim, before RoPE.
 
     shard_groups: the fused `qkv_proj` and `gate_up_proj` columns come in this many
     equal groups, group g holding [its q heads | its k heads | its v heads] and
@@ -43,6 +45,7 @@ class LlamaConfig:
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    qk_norm: bool = False
     max_position_embeddings: int = 2048
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -69,9 +72,9 @@ class LlamaConfig:
     def from_hf_config(cls, hf_config: Mapping[str, Any] | Any) -> LlamaConfig:
         """Read a Hugging Face config (a config.json dict or a transformers config).
 
-        Accepts model_type "llama" (Llama 2/3, SmolLM2) and "qwen2" (Qwen2/2.5), with
-        the RoPE settings in either transformers 4 (`rope_theta`, `rope_scaling`) or
-        transformers 5 (`rope_parameters`) form.
+        Accepts model_type "llama" (Llama 2/3, SmolLM2), "qwen2" (Qwen2/2.5) and "qwen3"
+        (dense Qwen3), with the RoPE settings in either transformers 4 (`rope_theta`,
+        `rope_scaling`) or transformers 5 (`rope_parameters`) form.
         """
         d = dict(hf_config) if isinstance(hf_config, Mapping) else hf_config.to_dict()
         _check_supported(d)
@@ -91,6 +94,7 @@ class LlamaConfig:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             # Qwen2 always has q/k/v biases; its configs carry no flag for them.
             attention_bias=d["model_type"] == "qwen2" or bool(d.get("attention_bias", False)),
+            qk_norm=d["model_type"] == "qwen3",
             max_position_embeddings=d.get("max_position_embeddings", 2048),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=token_ids_tuple(d.get("eos_token_id")),
@@ -114,10 +118,11 @@ def _check_supported(d: Mapping[str, Any]) -> None:
         raise ValueError(f"hidden_act {d['hidden_act']!r} is not supported; expected 'silu'")
     if d.get("mlp_bias"):
         raise ValueError("mlp_bias=True is not supported")
-    if model_type == "llama" and d.get("attention_bias"):
-        # Llama's flag also adds an o_proj bias, which this model does not have.
-        raise ValueError("attention_bias=True is not supported for model_type 'llama'")
+    if model_type in ("llama", "qwen3") and d.get("attention_bias"):
+        # Their flag also adds an o_proj bias, which this model does not have.
+        raise ValueError(f"attention_bias=True is not supported for model_type {model_type!r}")
     if d.get("use_sliding_window"):
+        # Qwen2/Qwen3's window over the layers past max_window_layers.
         raise ValueError("use_sliding_window=True is not supported")
 
 

@@ -1,11 +1,12 @@
 """A Llama-family decoder in Flax NNX that reads and writes a paged KV cache.
 
-One module covers Llama 2/3 (llama3 RoPE scaling), SmolLM2 and Qwen2/2.5 (q/k/v
-biases): RMSNorm, rotate-half RoPE, grouped-query attention, SwiGLU MLP, tied or
-untied embeddings. A step (`hidden_states`) takes a flat run of new tokens from
-several sequences (prefill chunks and decodes mixed), writes their K/V into the
-paged cache at `metadata.slot_mapping` and attends through the block tables;
-`compute_logits` then gives the logits of the rows the sampler draws from.
+One module covers Llama 2/3 (llama3 RoPE scaling), SmolLM2, Qwen2/2.5 (q/k/v
+biases) and Qwen3 (RMSNorm of each query and key head): RMSNorm, rotate-half RoPE,
+grouped-query attention, SwiGLU MLP, tied or untied embeddings. A step
+(`hidden_states`) takes a flat run of new tokens from several sequences (prefill
+chunks and decodes mixed), writes their K/V into the paged cache at
+`metadata.slot_mapping` and attends through the block tables; `compute_logits`
+then gives the logits of the rows the sampler draws from.
 
 Arithmetic runs in the parameters' dtype (f32 by default, bf16 optional); norm
 statistics, RoPE and softmax run in f32.
@@ -101,6 +102,8 @@ class Attention(nnx.Module):
         qkv_width = (config.num_heads + 2 * config.num_kv_heads) * head_dim
         self.qkv_proj = Linear(hidden, qkv_width, dtype, rngs, bias)
         self.o_proj = Linear(config.num_heads * head_dim, hidden, dtype, rngs)
+        self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
+        self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
 
     def __call__(
         self,
@@ -123,6 +126,8 @@ class Attention(nnx.Module):
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         k_cache, v_cache = write_kv_fn(*kv_cache, k, v, metadata.slot_mapping, layer)
         out = attention_fn(

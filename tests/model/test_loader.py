@@ -115,9 +115,16 @@ def _add_tokenizer(writer: gguf.GGUFWriter, hf_dir: Path, config: dict) -> None:
     writer.add_eos_token_id(config["eos_token_id"])
 
 
+@pytest.fixture(scope="module", params=["tiny_llama_dir", "tiny_qwen2_dir"])
+def gguf_source_dir(request) -> Path:
+    """A tiny model of each GGUF architecture jpaged reads (Qwen3 loads from its Hugging
+    Face directory only)."""
+    return request.getfixturevalue(request.param)
+
+
 @pytest.fixture(scope="module")
-def tiny_gguf(tiny_model_dir, tmp_path_factory) -> Path:
-    return write_gguf(tiny_model_dir, tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+def tiny_gguf(gguf_source_dir, tmp_path_factory) -> Path:
+    return write_gguf(gguf_source_dir, tmp_path_factory.mktemp("gguf") / "tiny.gguf")
 
 
 def paged_prefill_logits(model, config, prompts, book_factory) -> np.ndarray:
@@ -137,7 +144,7 @@ def torch_last_logits(model, prompts) -> np.ndarray:
 PROMPTS = [[3, 99, 200, 7, 262, 41, 5], [17], [250, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]]
 
 
-def test_gguf_matches_transformers_gguf_load(tiny_gguf, tiny_model_dir, paged_cache_book):
+def test_gguf_matches_transformers_gguf_load(tiny_gguf, gguf_source_dir, paged_cache_book):
     model, config, tokenizer = load_gguf(tiny_gguf)
     oracle = transformers.AutoModelForCausalLM.from_pretrained(
         tiny_gguf.parent, gguf_file=tiny_gguf.name, dtype=torch.float32
@@ -148,7 +155,7 @@ def test_gguf_matches_transformers_gguf_load(tiny_gguf, tiny_model_dir, paged_ca
     np.testing.assert_allclose(ours, torch_last_logits(oracle, PROMPTS), atol=1e-4, rtol=0)
     assert config.tie_word_embeddings == oracle.config.tie_word_embeddings
     assert config.attention_bias == (oracle.model.layers[0].self_attn.q_proj.bias is not None)
-    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(gguf_source_dir)
     text = "the other thing in a theater"
     assert tokenizer.encode(text) == hf_tokenizer(text).input_ids
 

@@ -108,7 +108,20 @@ def tiny_qwen2_dir(tmp_path_factory) -> Path:
     return _save(model, tokenizer, tmp_path_factory.mktemp("tiny_qwen2"))
 
 
-@pytest.fixture(scope="session", params=["tiny_llama_dir", "tiny_qwen2_dir"])
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory) -> Path:
+    """Qwen3: per-head q/k RMSNorm before RoPE, a head_dim apart from hidden / heads."""
+    transformers = oracle_transformers()
+    tokenizer = tiny_tokenizer()
+    config = transformers.Qwen3Config(
+        vocab_size=len(tokenizer), **(TINY_SHAPE | {"head_dim": 24}), tie_word_embeddings=True,
+        rope_theta=1e6, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+    )
+    model = randomize(transformers.Qwen3ForCausalLM(config), seed=2)
+    return _save(model, tokenizer, tmp_path_factory.mktemp("tiny_qwen3"))
+
+
+@pytest.fixture(scope="session", params=["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir"])
 def tiny_model_dir(request) -> Path:
     return request.getfixturevalue(request.param)
 
