@@ -23,7 +23,14 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels_pallas import reference, tiles, tpu_attention, triton_attention, xla_attention
+from kernels_pallas import (
+    online_softmax,
+    reference,
+    tiles,
+    tpu_attention,
+    triton_attention,
+    xla_attention,
+)
 from kernels_pallas.write_kv import check_cache_shapes
 
 Implementation = Literal["tpu", "triton", "xla", "reference"]
@@ -164,6 +171,7 @@ def _attend_tiles(
     k_cache: jax.Array,
     v_cache: jax.Array,
     layer: jax.Array,
+    window: jax.Array,
     block_tables: jax.Array,
     query_tiles: tiles.QueryTiles,
     *,
@@ -173,8 +181,8 @@ def _attend_tiles(
 ) -> jax.Array:
     """Lay q out tile by tile, run the kernel, and put the outputs back per token.
 
-    q: [T, Hq, D]; k/v_cache: [L, Hkv, num_blocks, block_size, D]; layer: int32
-    scalar; block_tables: int32 [B, max_blocks]; query_tiles: tiles of block_q
+    q: [T, Hq, D]; k/v_cache: [L, Hkv, num_blocks, block_size, D]; layer, window:
+    int32 scalars; block_tables: int32 [B, max_blocks]; query_tiles: tiles of block_q
     tokens. Returns [T, Hq, D] in q.dtype.
     """
     num_kv_heads = k_cache.shape[1]
@@ -193,6 +201,7 @@ def _attend_tiles(
         k_cache,
         v_cache,
         layer,
+        window,
         block_tables,
         query_tiles,
         group=group,
@@ -201,6 +210,13 @@ def _attend_tiles(
         **kernel_knobs,
     )
     return tiles.scatter_output_tiles(out_tiles, query_tiles, q.shape[0], group, block_q)
+
+
+def _window(sliding_window: jax.Array | int | None) -> jax.Array:
+    """The window as the kernels take it: an int32 scalar, NO_WINDOW for none."""
+    if sliding_window is None:
+        return jnp.int32(online_softmax.NO_WINDOW)
+    return jnp.asarray(sliding_window, jnp.int32).reshape(())
 
 
 def _tile_rows(implementation: str, group: int, block_q: int) -> int:
@@ -231,6 +247,7 @@ def paged_decode_attention(
     context_lens: jax.Array,
     *,
     layer: jax.Array | None = None,
+    sliding_window: jax.Array | int | None = None,
     scale: float | None = None,
     soft_cap: float | None = None,
     implementation: Implementation | None = None,
@@ -248,6 +265,9 @@ def paged_decode_attention(
                   rows, whose output is 0
     layer:        int32 scalar (traced or not), the layer of a stacked cache to
                   read; None for a one-layer cache
+    sliding_window: int32 scalar (traced or not) W >= 1: the query at position p
+                  sees the keys p - W < j <= p, and pages wholly before them are not
+                  read; None sees every key
     scale:        score scale, default D ** -0.5
     soft_cap:     if set, scores become soft_cap * tanh(scores / soft_cap)
     implementation, interpret: see the module docstring.
@@ -262,10 +282,11 @@ def paged_decode_attention(
     implementation = implementation or default_implementation(interpret)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     k_cache, v_cache, layer = reference.as_layered(k_cache, v_cache, layer)
+    window = _window(sliding_window)
     if implementation == "reference":
         return reference.paged_decode_attention_reference(
-            q, k_cache, v_cache, block_tables, context_lens, layer=layer, scale=scale,
-            soft_cap=soft_cap,
+            q, k_cache, v_cache, block_tables, context_lens, layer=layer, sliding_window=window,
+            scale=scale, soft_cap=soft_cap,
         )
     _, num_kv_heads, _, block_size, head_dim = k_cache.shape
     max_blocks = block_tables.shape[1]
@@ -282,6 +303,7 @@ def paged_decode_attention(
         k_cache,
         v_cache,
         layer,
+        window,
         block_tables,
         tiles.decode_tiles(context_lens),
         block_q=1,
@@ -333,6 +355,7 @@ def ragged_paged_attention(
     query_start_loc: jax.Array,
     *,
     layer: jax.Array | None = None,
+    sliding_window: jax.Array | int | None = None,
     scale: float | None = None,
     soft_cap: float | None = None,
     implementation: Implementation | None = None,
@@ -353,7 +376,8 @@ def ragged_paged_attention(
     block_tables:    int32 [B, max_blocks]
     context_lens:    int32 [B]
     query_start_loc: int32 [B + 1], non-decreasing, query_start_loc[-1] <= T
-    layer, scale, soft_cap, implementation, interpret: as paged_decode_attention.
+    layer, sliding_window, scale, soft_cap, implementation, interpret: as
+                     paged_decode_attention.
     block_q:         tokens per query tile, a power of two (kernels only).
     pages_per_chunk, num_kv_splits: as paged_decode_attention.
     returns          [T, Hq, D] in q.dtype; tokens owned by no sequence get 0.
@@ -372,6 +396,7 @@ def ragged_paged_attention(
     implementation = implementation or default_implementation(interpret)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     k_cache, v_cache, layer = reference.as_layered(k_cache, v_cache, layer)
+    window = _window(sliding_window)
     if implementation == "reference":
         return reference.ragged_paged_attention_reference(
             q,
@@ -381,6 +406,7 @@ def ragged_paged_attention(
             context_lens,
             query_start_loc,
             layer=layer,
+            sliding_window=window,
             scale=scale,
             soft_cap=soft_cap,
         )
@@ -400,6 +426,7 @@ def ragged_paged_attention(
         k_cache,
         v_cache,
         layer,
+        window,
         block_tables,
         tiles.ragged_tiles(context_lens, query_start_loc, num_tokens, block_q),
         block_q=block_q,

@@ -8,10 +8,14 @@ visits the keys chunk by chunk, keeping flash-attention state in f32:
     acc     [rows, D]  running sum of exp(score - row_max) * v
 
 State is 2-D so that Mosaic keeps it in vector registers; the same jnp code
-lowers through Triton. Masking is NaN-proof: keys past a row's position get
-MASK_VALUE before the max and probability exactly 0 after it, and values past
-the tile's last position are zeroed before the second matmul (0 * NaN would be
-NaN), so whatever sits in unused slots of a page never reaches the output.
+lowers through Triton. Masking is NaN-proof: keys a row does not see (past its
+position, or before its sliding window) get MASK_VALUE before the max and
+probability exactly 0 after it, and values no row of the tile sees are zeroed
+before the second matmul (0 * NaN would be NaN), so whatever sits in unused slots
+of a page never reaches the output.
+
+A sliding window W lets the query at position p see keys j with p - W < j <= p
+(transformers' and vLLM's definition); NO_WINDOW sees every key.
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ from jax.experimental import pallas as pl
 from kernels_pallas.reference import DEFAULT_MASK_VALUE
 
 AttentionState = tuple[jax.Array, jax.Array, jax.Array]
+# The window of a layer without one: larger than any context, and p - NO_WINDOW
+# does not overflow int32 for any position p >= 0.
+NO_WINDOW = 2**31 - 1
 
 
 def initial_state(rows: int, head_dim: int) -> AttentionState:
@@ -49,15 +56,22 @@ def row_positions(
     return first_pos + token, valid
 
 
+def first_visible_key(first_pos: jax.Array, window: jax.Array) -> jax.Array:
+    """The lowest key position any row of a tile starting at first_pos sees. int32."""
+    return jnp.maximum(first_pos - window + 1, 0)
+
+
 def attend_chunk(
     state: AttentionState,
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
     kv_start: jax.Array,
+    kv_first: jax.Array,
     kv_len: jax.Array,
     row_pos: jax.Array,
     row_valid: jax.Array,
+    window: jax.Array,
     *,
     scale: float,
     soft_cap: float | None,
@@ -67,9 +81,10 @@ def attend_chunk(
     q:         [rows, D]    query rows (dtype of the cache)
     k, v:      [chunk, D]   keys/values of positions kv_start .. kv_start + chunk - 1
     kv_start:  int32 scalar, position of the chunk's first key
-    kv_len:    int32 scalar, keys at positions >= kv_len are not in the sequence
+    kv_first, kv_len: int32 scalars, the keys [kv_first, kv_len) some row may see
     row_pos:   int32 [rows, 1] position of each query row (it sees keys <= it)
     row_valid: bool  [rows, 1]
+    window:    int32 scalar, the sliding window (NO_WINDOW for none)
     """
     max_prev, sum_prev, acc_prev = state
     chunk = k.shape[0]
@@ -83,7 +98,7 @@ def attend_chunk(
     if soft_cap is not None:
         scores = soft_cap * jnp.tanh(scores / soft_cap)
     key_pos = kv_start + lax.broadcasted_iota(jnp.int32, (1, chunk), 1)
-    visible = (key_pos <= row_pos) & row_valid
+    visible = (key_pos <= row_pos) & (key_pos > row_pos - window) & row_valid
     scores = jnp.where(visible, scores, DEFAULT_MASK_VALUE)
 
     max_next = jnp.maximum(max_prev, scores.max(axis=1, keepdims=True))
@@ -92,7 +107,7 @@ def attend_chunk(
     sum_next = correction * sum_prev + probs.sum(axis=1, keepdims=True)
 
     value_pos = kv_start + lax.broadcasted_iota(jnp.int32, (chunk, 1), 0)
-    v = jnp.where(value_pos < kv_len, v, jnp.zeros_like(v))
+    v = jnp.where((value_pos >= kv_first) & (value_pos < kv_len), v, jnp.zeros_like(v))
     pv = lax.dot_general(
         probs.astype(v.dtype),
         v,
@@ -165,17 +180,17 @@ def _divide(acc: jax.Array, row_sum: jax.Array) -> jax.Array:
 
 
 def split_chunk_range(
-    kv_len: jax.Array, split: jax.Array, num_splits: int, chunk: int
+    kv_first: jax.Array, kv_len: jax.Array, split: jax.Array, num_splits: int, chunk: int
 ) -> tuple[jax.Array, jax.Array]:
-    """Chunks [first, last) of a kv_len-key sequence that key split `split` visits.
+    """Chunks [first, last) holding keys [kv_first, kv_len) that key split `split` visits.
 
     Chunk c holds key positions c * chunk .. (c + 1) * chunk - 1; the chunks are
     dealt out in contiguous runs, so last <= first for splits with no work.
     """
-    num_chunks = ceil_div(kv_len, chunk)
-    per_split = ceil_div(num_chunks, num_splits)
-    first = split * per_split
-    return first, jnp.minimum(first + per_split, num_chunks)
+    begin, end = lax.div(kv_first, chunk), ceil_div(kv_len, chunk)
+    per_split = ceil_div(jnp.maximum(end - begin, 0), num_splits)
+    first = begin + split * per_split
+    return first, jnp.minimum(first + per_split, end)
 
 
 def ceil_div(a: jax.Array, b: int) -> jax.Array:

@@ -67,6 +67,14 @@ def _gather_sequence(cache: jax.Array, layer: jax.Array, block_table: jax.Array)
     return pages.reshape(cache.shape[1], -1, cache.shape[-1])
 
 
+def _visible(key_pos: jax.Array, pos: jax.Array, sliding_window) -> jax.Array:
+    """Keys the query at position pos sees: causal, and within its window if any."""
+    visible = key_pos <= pos
+    if sliding_window is None:
+        return visible
+    return visible & (key_pos > pos - sliding_window)
+
+
 def _attend(q, k, v, mask, scale, soft_cap):
     """q [Q, Hq, D], k/v [Hkv, S, D], mask [Q, S] -> [Q, Hq, D] (f32 math)."""
     num_q_heads, num_kv_heads = q.shape[1], k.shape[0]
@@ -93,6 +101,7 @@ def paged_decode_attention_reference(
     context_lens: jax.Array,
     *,
     layer: jax.Array | None = None,
+    sliding_window: jax.Array | int | None = None,
     scale: float | None = None,
     soft_cap: float | None = None,
 ) -> jax.Array:
@@ -103,6 +112,8 @@ def paged_decode_attention_reference(
     block_tables: int32 [B, max_blocks]
     context_lens: int32 [B]    0 for padding rows (their output is 0)
     layer:        int32 scalar, the layer of a stacked cache (None for a one-layer cache)
+    sliding_window: int32 scalar W: the token at position p sees keys p - W < j <= p
+                  (None: every key)
     returns       [B, Hq, D] in q.dtype.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -111,7 +122,7 @@ def paged_decode_attention_reference(
     def one(q_row, table, length):
         k = _gather_sequence(k_cache, layer, table)
         v = _gather_sequence(v_cache, layer, table)
-        mask = (jnp.arange(k.shape[1]) < length)[None, :]
+        mask = _visible(jnp.arange(k.shape[1]), length - 1, sliding_window)[None, :]
         return _attend(q_row[None], k, v, mask, scale, soft_cap)[0]
 
     return jax.vmap(one)(q, block_tables, context_lens).astype(q.dtype)
@@ -127,6 +138,7 @@ def ragged_paged_attention_reference(
     query_start_loc: jax.Array,
     *,
     layer: jax.Array | None = None,
+    sliding_window: jax.Array | int | None = None,
     scale: float | None = None,
     soft_cap: float | None = None,
 ) -> jax.Array:
@@ -143,6 +155,7 @@ def ragged_paged_attention_reference(
     context_lens:    int32 [B]
     query_start_loc: int32 [B + 1]
     layer:           int32 scalar, the layer of a stacked cache (None for a one-layer cache)
+    sliding_window:  as paged_decode_attention_reference
     returns          [T, Hq, D] in q.dtype; tokens owned by no sequence get 0.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -159,7 +172,7 @@ def ragged_paged_attention_reference(
     def one(q_row, table, pos, valid):
         k = _gather_sequence(k_cache, layer, table)
         v = _gather_sequence(v_cache, layer, table)
-        mask = ((jnp.arange(k.shape[1]) <= pos) & valid)[None, :]
+        mask = (_visible(jnp.arange(k.shape[1]), pos, sliding_window) & valid)[None, :]
         return _attend(q_row[None], k, v, mask, scale, soft_cap)[0]
 
     out = jax.vmap(one)(q, block_tables[owner], q_pos, owned)

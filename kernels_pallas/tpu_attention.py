@@ -47,6 +47,7 @@ def _kernel(
     num_tokens_ref,
     block_tables_ref,
     layer_ref,
+    window_ref,
     q_ref,
     k_hbm_ref,
     v_hbm_ref,
@@ -65,6 +66,7 @@ def _kernel(
       seq_ref, first_pos_ref, num_tokens_ref: int32 [NT]  tile metadata (tiles.py)
       block_tables_ref:  int32 [B * pages_per_seq]  the tables, row-major
       layer_ref:         int32 [1]  the layer read
+      window_ref:        int32 [1]  its sliding window (online_softmax.NO_WINDOW: none)
     q_ref:               [rows, D]  (VMEM) this tile's query rows for this KV head
     k_hbm_ref, v_hbm_ref: [L, Hkv, num_blocks, block_size, D]  (HBM) whole caches
     refs: the outputs as in the Triton kernel, then the scratch
@@ -76,13 +78,15 @@ def _kernel(
     seq = seq_ref[tile]
     first_pos = first_pos_ref[tile]
     num_tokens = num_tokens_ref[tile]
-    layer = layer_ref[0]
+    layer, window = layer_ref[0], window_ref[0]
     rows, head_dim = q_ref.shape
     num_blocks, block_size = k_hbm_ref.shape[2], k_hbm_ref.shape[3]
     chunk = pages_per_chunk * block_size
     kv_len = jnp.where(num_tokens > 0, first_pos + num_tokens, 0)
     kv_len = jnp.clip(kv_len, 0, pages_per_seq * block_size)
-    num_pages = online_softmax.ceil_div(kv_len, block_size)
+    kv_first = online_softmax.first_visible_key(first_pos, window)
+    first_page, num_pages = lax.div(kv_first, block_size), online_softmax.ceil_div(
+        kv_len, block_size)
 
     def page_copies(c, slot, j):
         """K and V copies of page j of chunk c into buffer slot."""
@@ -96,19 +100,21 @@ def _kernel(
         )
 
     def for_each_page(c, slot, action):
-        """Start or wait the copies of chunk c's pages that hold part of the sequence."""
-        pages = jnp.clip(num_pages - c * pages_per_chunk, 0, pages_per_chunk)
+        """Start or wait the copies of chunk c's pages that hold keys some row sees (pages
+        before the window are never copied)."""
+        low = jnp.clip(first_page - c * pages_per_chunk, 0, pages_per_chunk)
+        high = jnp.clip(num_pages - c * pages_per_chunk, 0, pages_per_chunk)
 
         def one_page(j, carry):
             for copy in page_copies(c, slot, j):
                 getattr(copy, action)()
             return carry
 
-        lax.fori_loop(0, pages, one_page, 0)
+        lax.fori_loop(low, high, one_page, 0)
 
     row_pos, row_valid = online_softmax.row_positions(first_pos, num_tokens, rows, group, block_q)
     q = q_ref[...]
-    first, last = online_softmax.split_chunk_range(kv_len, split, num_splits, chunk)
+    first, last = online_softmax.split_chunk_range(kv_first, kv_len, split, num_splits, chunk)
 
     def visit_chunk(c, state):
         slot = lax.rem(c - first, 2)
@@ -121,7 +127,8 @@ def _kernel(
         k = k_buf[slot].reshape(chunk, head_dim)
         v = v_buf[slot].reshape(chunk, head_dim)
         return online_softmax.attend_chunk(
-            state, q, k, v, c * chunk, kv_len, row_pos, row_valid, scale=scale, soft_cap=soft_cap
+            state, q, k, v, c * chunk, kv_first, kv_len, row_pos, row_valid, window,
+            scale=scale, soft_cap=soft_cap,
         )
 
     @pl.when(first < last)
@@ -137,6 +144,7 @@ def tile_attention(
     k_cache: jax.Array,
     v_cache: jax.Array,
     layer: jax.Array,
+    window: jax.Array,
     block_tables: jax.Array,
     tiles: QueryTiles,
     *,
@@ -154,6 +162,7 @@ def tile_attention(
     k/v_cache:    [L, Hkv, num_blocks, block_size, D], block_size a multiple of
                   sublane_count(dtype)
     layer:        int32 scalar, the layer read
+    window:       int32 scalar, its sliding window (online_softmax.NO_WINDOW: none)
     block_tables: int32 [B, max_blocks], max_blocks a multiple of pages_per_chunk
     tiles:        QueryTiles of NT tiles
     returns       [NT, Hkv, rows, D] in q_tiles.dtype.
@@ -175,7 +184,7 @@ def tile_attention(
     out_shape, out_specs = online_softmax.kernel_outputs(q_tiles, num_splits)
     page_buffer = pltpu.VMEM((2, pages_per_chunk, block_size, head_dim), k_cache.dtype)
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=5,
+        num_scalar_prefetch=6,
         grid=(num_tiles, num_kv_heads, num_splits),
         in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
         out_specs=out_specs,
@@ -196,6 +205,7 @@ def tile_attention(
         tiles.num_tokens,
         block_tables.reshape(-1),
         layer.reshape(1),
+        window.reshape(1),
         q_tiles,
         k_cache,
         v_cache,

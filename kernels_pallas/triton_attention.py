@@ -56,6 +56,7 @@ def _kernel(
     num_tokens_ref,
     block_tables_ref,
     layer_ref,
+    window_ref,
     q_ref,
     k_cache_ref,
     v_cache_ref,
@@ -72,6 +73,7 @@ def _kernel(
     seq_ref, first_pos_ref, num_tokens_ref: int32 [NT]  tile metadata (tiles.py)
     block_tables_ref:       int32 [B, max_blocks]
     layer_ref:              int32 [1]  the layer read
+    window_ref:             int32 [1]  its sliding window (online_softmax.NO_WINDOW: none)
     q_ref:                  [rows, D]  this tile's query rows for this KV head
     k_cache_ref, v_cache_ref: [L, Hkv, num_blocks, block_size, D]  whole caches
     out_refs: the [rows, D] output, or with key splits this split's
@@ -81,25 +83,30 @@ def _kernel(
     seq = seq_ref[tile]
     first_pos = first_pos_ref[tile]
     num_tokens = num_tokens_ref[tile]
-    layer = layer_ref[0]
+    layer, window = layer_ref[0], window_ref[0]
     rows, head_dim = q_ref.shape
     num_blocks, block_size = k_cache_ref.shape[2], k_cache_ref.shape[3]
     chunk = pages_per_chunk * block_size
     kv_len = jnp.where(num_tokens > 0, first_pos + num_tokens, 0)
     kv_len = jnp.clip(kv_len, 0, block_tables_ref.shape[1] * block_size)
+    kv_first = online_softmax.first_visible_key(first_pos, window)
+    first_page = lax.div(kv_first, block_size)
     row_pos, row_valid = online_softmax.row_positions(first_pos, num_tokens, rows, group, block_q)
     q = q_ref[...]
 
     def visit_chunk(c, state):
         page_ids = block_tables_ref[seq, pl.ds(c * pages_per_chunk, pages_per_chunk)]
-        page_ids = jnp.clip(page_ids, 0, num_blocks - 1)
+        # Pages before the window are read from the null block, never from their own.
+        pages = c * pages_per_chunk + lax.broadcasted_iota(jnp.int32, (pages_per_chunk,), 0)
+        page_ids = jnp.where(pages >= first_page, jnp.clip(page_ids, 0, num_blocks - 1), 0)
         k = k_cache_ref[layer, head, page_ids].reshape(chunk, head_dim)
         v = v_cache_ref[layer, head, page_ids].reshape(chunk, head_dim)
         return online_softmax.attend_chunk(
-            state, q, k, v, c * chunk, kv_len, row_pos, row_valid, scale=scale, soft_cap=soft_cap
+            state, q, k, v, c * chunk, kv_first, kv_len, row_pos, row_valid, window,
+            scale=scale, soft_cap=soft_cap,
         )
 
-    first, last = online_softmax.split_chunk_range(kv_len, split, num_splits, chunk)
+    first, last = online_softmax.split_chunk_range(kv_first, kv_len, split, num_splits, chunk)
     state = lax.fori_loop(first, last, visit_chunk, online_softmax.initial_state(rows, head_dim))
     online_softmax.store(out_refs, state)
 
@@ -109,6 +116,7 @@ def tile_attention(
     k_cache: jax.Array,
     v_cache: jax.Array,
     layer: jax.Array,
+    window: jax.Array,
     block_tables: jax.Array,
     tiles: QueryTiles,
     *,
@@ -125,6 +133,7 @@ def tile_attention(
     q_tiles:      [NT, Hkv, rows, D]  (layout: tiles.py)
     k/v_cache:    [L, Hkv, num_blocks, block_size, D]
     layer:        int32 scalar, the layer read
+    window:       int32 scalar, its sliding window (online_softmax.NO_WINDOW: none)
     block_tables: int32 [B, max_blocks], max_blocks a multiple of pages_per_chunk
     tiles:        QueryTiles of NT tiles
     returns       [NT, Hkv, rows, D] in q_tiles.dtype.
@@ -151,12 +160,12 @@ def tile_attention(
     out = pl.pallas_call(
         kernel,
         grid=(num_tiles, num_kv_heads, num_splits),
-        in_specs=[whole, whole, whole, whole, whole, q_spec, whole, whole],
+        in_specs=[whole, whole, whole, whole, whole, whole, q_spec, whole, whole],
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=num_stages),
         interpret=interpret,
         name="paged_attention_triton",
-    )(tiles.seq, tiles.first_pos, tiles.num_tokens, block_tables, layer.reshape(1), q_tiles,
-      k_cache, v_cache)
+    )(tiles.seq, tiles.first_pos, tiles.num_tokens, block_tables, layer.reshape(1),
+      window.reshape(1), q_tiles, k_cache, v_cache)
     return online_softmax.finish(out, num_splits, q_tiles.dtype)

@@ -10,9 +10,11 @@ A GPU or TPU kernel instance stops at its own tile's last page, but one XLA
 loop step over all tiles would run every tile, padding included, to the
 longest context in the batch. So the tiles are sorted longest first and cut
 into small groups, and the loop walks a work list of (group, key chunk)
-items: each group runs to the length of its own longest tile, and every
-tile's softmax state is carried through the loop in place. The work follows
-the pages in use, whatever the spread of lengths in the batch.
+items: each group runs from the first chunk any of its tiles' sliding windows
+reach to the length of its longest tile, and every tile's softmax state is
+carried through the loop in place. The work follows the pages in use, whatever
+the spread of lengths in the batch; pages before a tile's window are read from
+the null block, never from their own.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ def tile_attention(
     k_cache: jax.Array,
     v_cache: jax.Array,
     layer: jax.Array,
+    window: jax.Array,
     block_tables: jax.Array,
     tiles: QueryTiles,
     *,
@@ -52,6 +55,7 @@ def tile_attention(
     q_tiles:      [NT, Hkv, rows, D]  (layout: tiles.py)
     k/v_cache:    [L, Hkv, num_blocks, block_size, D]
     layer:        int32 scalar, the layer read
+    window:       int32 scalar, its sliding window (online_softmax.NO_WINDOW: none)
     block_tables: int32 [B, max_blocks], max_blocks a multiple of pages_per_chunk
     tiles:        QueryTiles of NT tiles
     returns       [NT, Hkv, rows, D] in q_tiles.dtype.
@@ -73,19 +77,27 @@ def tile_attention(
         return jnp.pad(x[order], [(0, num_groups * size - num_tiles)] + [(0, 0)] * (x.ndim - 1))
 
     first_pos, num_tokens, kv_len = sort(tiles.first_pos), sort(tiles.num_tokens), sort(tile_kv_len)
+    kv_first = online_softmax.first_visible_key(first_pos, window)
     row_pos, row_valid = jax.vmap(
         lambda first, count: online_softmax.row_positions(first, count, rows, group, block_q)
     )(first_pos, num_tokens)
-    tables, q_sorted = sort(block_tables[tiles.seq]), sort(q_tiles)
-    # A group's first tile is its longest.
-    group_chunks = online_softmax.ceil_div(kv_len[::size], chunk)
+    # Pages before a tile's window point at the null block.
+    tables = sort(block_tables[tiles.seq])
+    page_index = jnp.arange(tables.shape[1], dtype=jnp.int32)
+    tables = jnp.where(page_index >= (kv_first // k_cache.shape[3])[:, None], tables, 0)
+    q_sorted = sort(q_tiles)
+    # A group's first tile is its longest; its chunks start where its earliest window does.
+    in_groups = jnp.where(kv_len > 0, kv_first, kv_len.max()).reshape(num_groups, size)
+    group_first = in_groups.min(axis=1) // chunk
+    group_chunks = jnp.maximum(online_softmax.ceil_div(kv_len[::size], chunk) - group_first, 0)
     group_ends = jnp.cumsum(group_chunks)
 
     # Fold one chunk of keys into each tile of a group, for every KV head of the tile.
-    attend_one = functools.partial(online_softmax.attend_chunk, scale=scale, soft_cap=soft_cap)
+    attend_one = functools.partial(online_softmax.attend_chunk, window=window, scale=scale,
+                                   soft_cap=soft_cap)
     attend = jax.vmap(
-        jax.vmap(attend_one, in_axes=(0, 0, 0, 0, None, None, None, None)),
-        in_axes=(0, 0, 0, 0, None, 0, 0, 0),
+        jax.vmap(attend_one, in_axes=(0, 0, 0, 0, None, None, None, None, None)),
+        in_axes=(0, 0, 0, 0, None, 0, 0, 0, 0),
     )
 
     # Pages as rows of a 2-D view of every layer: XLA's CPU gather copies whole
@@ -100,7 +112,7 @@ def tile_attention(
 
     def body(item, state):
         group_id = jnp.searchsorted(group_ends, item, side="right").astype(jnp.int32)
-        index = item - (group_ends[group_id] - group_chunks[group_id])
+        index = group_first[group_id] + item - (group_ends[group_id] - group_chunks[group_id])
 
         def mine(x):
             return lax.dynamic_slice_in_dim(x, group_id * size, size)
@@ -113,7 +125,7 @@ def tile_attention(
             for rows_ in (k_rows, v_rows)
         )
         folded = attend(jax.tree.map(mine, state), mine(q_sorted), k, v, index * chunk,
-                        mine(kv_len), mine(row_pos), mine(row_valid))
+                        mine(kv_first), mine(kv_len), mine(row_pos), mine(row_valid))
         return jax.tree.map(
             lambda all_, new: lax.dynamic_update_slice_in_dim(all_, new, group_id * size, 0),
             state, folded,

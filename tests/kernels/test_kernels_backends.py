@@ -68,14 +68,17 @@ def test_tpu_decode_has_no_races_or_out_of_bounds_dma(dtype, block_size, splits)
     assert_close(out, expected, dtype)
 
 
-def test_tpu_ragged_has_no_races_or_out_of_bounds_dma():
+@pytest.mark.parametrize("sliding_window", [None, 11])
+def test_tpu_ragged_has_no_races_or_out_of_bounds_dma(sliding_window):
+    """With a window, the chunk before it is copied only from its first visible page."""
     rng = np.random.default_rng(22)
     batch = mixed_batch(8)
     pool = make_pool(rng, batch.context_lens, num_kv_heads=1, head_dim=128, block_size=8, dtype=F32)
     q = jnp.asarray(rng.standard_normal((batch.num_tokens, 2, 128)), F32)
     query_start_loc = jnp.asarray(batch.query_start_loc, jnp.int32)
     expected = kp.ragged_paged_attention_reference(
-        q, pool.k, pool.v, pool.block_tables, pool.context_lens, query_start_loc
+        q, pool.k, pool.v, pool.block_tables, pool.context_lens, query_start_loc,
+        sliding_window=sliding_window,
     )
     out = run_checked(
         kp.ragged_paged_attention,
@@ -87,6 +90,7 @@ def test_tpu_ragged_has_no_races_or_out_of_bounds_dma():
         query_start_loc,
         block_q=8,
         pages_per_chunk=2,
+        sliding_window=sliding_window,
     )
     assert_close(out, expected, F32)
 
@@ -194,23 +198,26 @@ def test_tpu_kernels_lower_for_tpu(
 @pytest.mark.parametrize("platform,implementation,marker", [
     ("cuda", "triton", "paged_attention_triton"), ("tpu", "tpu", "paged_attention_tpu")])
 def test_kernels_lower_with_a_stacked_cache_and_a_traced_layer(platform, implementation, marker):
+    """The layer and its sliding window traced, as a scanned model passes them."""
     cache = ((3, 2, 64, 16, 128), BF16)
     index_shapes = (((4, 9), jnp.int32), ((4,), jnp.int32))
-    layer = ((), jnp.int32)
+    scalar = ((), jnp.int32)
 
-    def decode(q, k_cache, v_cache, block_tables, context_lens, layer):
+    def decode(q, k_cache, v_cache, block_tables, context_lens, layer, window):
         return kp.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens,
-                                         layer=layer, implementation=implementation)
-
-    def ragged(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, layer):
-        return kp.ragged_paged_attention(q, k_cache, v_cache, block_tables, context_lens,
-                                         query_start_loc, layer=layer,
+                                         layer=layer, sliding_window=window, soft_cap=50.0,
                                          implementation=implementation)
 
+    def ragged(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, layer, window):
+        return kp.ragged_paged_attention(q, k_cache, v_cache, block_tables, context_lens,
+                                         query_start_loc, layer=layer, sliding_window=window,
+                                         soft_cap=50.0, implementation=implementation)
+
     texts = (
-        _lowered_text(decode, platform, ((4, 8, 128), BF16), cache, cache, *index_shapes, layer),
+        _lowered_text(decode, platform, ((4, 8, 128), BF16), cache, cache, *index_shapes,
+                      scalar, scalar),
         _lowered_text(ragged, platform, ((24, 8, 128), BF16), cache, cache, *index_shapes,
-                      ((5,), jnp.int32), layer),
+                      ((5,), jnp.int32), scalar, scalar),
     )
     for text in texts:
         assert marker in text
