@@ -6,7 +6,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# transformers' names of a layer's attention (`layer_types`).
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclass(frozen=True)
@@ -24,6 +26,9 @@ class LlamaConfig:
     """Architecture of a Llama-family decoder.
 
     qk_norm: Qwen3's RMSNorm of each query and key head over head_dim, before RoPE.
+    sliding_window: W: a token at position p of a sliding layer sees the keys
+    p - W < j <= p. layer_types: each layer's "full_attention" or "sliding_attention"
+    (transformers' names); None with a window makes every layer slide (Mistral).
 
     shard_groups: the fused `qkv_proj` and `gate_up_proj` columns come in this many
     equal groups, group g holding [its q heads | its k heads | its v heads] and
@@ -46,6 +51,8 @@ class LlamaConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     qk_norm: bool = False
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
     max_position_embeddings: int = 2048
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -63,17 +70,36 @@ class LlamaConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or null, got {self.sliding_window}")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers:
+                raise ValueError(f"layer_types has {len(self.layer_types)} entries for "
+                                 f"{self.num_layers} layers (num_hidden_layers)")
+            unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+            if unknown:
+                raise ValueError(f"layer_types {unknown} are not supported; expected {LAYER_TYPES}")
+            if "sliding_attention" in self.layer_types and self.sliding_window is None:
+                raise ValueError("layer_types has sliding_attention layers but sliding_window "
+                                 "is null")
         for name in ("num_heads", "num_kv_heads", "intermediate_size"):
             if getattr(self, name) % self.shard_groups:
                 raise ValueError(f"{name} ({getattr(self, name)}) must be a multiple of "
                                  f"shard_groups ({self.shard_groups})")
 
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window, None for a layer that sees every key."""
+        types = self.layer_types or ("sliding_attention",) * self.num_layers
+        return tuple(self.sliding_window if t == "sliding_attention" else None for t in types)
+
     @classmethod
     def from_hf_config(cls, hf_config: Mapping[str, Any] | Any) -> LlamaConfig:
         """Read a Hugging Face config (a config.json dict or a transformers config).
 
-        Accepts model_type "llama" (Llama 2/3, SmolLM2), "qwen2" (Qwen2/2.5) and "qwen3"
-        (dense Qwen3), with the RoPE settings in either transformers 4 (`rope_theta`,
+        Accepts model_type "llama" (Llama 2/3, SmolLM2), "mistral" (a sliding window
+        over every layer, or none), "qwen2" (Qwen2/2.5) and "qwen3" (dense Qwen3), with
+        the RoPE settings in either transformers 4 (`rope_theta`,
         `rope_scaling`) or transformers 5 (`rope_parameters`) form.
         """
         d = dict(hf_config) if isinstance(hf_config, Mapping) else hf_config.to_dict()
@@ -95,6 +121,7 @@ class LlamaConfig:
             # Qwen2 always has q/k/v biases; its configs carry no flag for them.
             attention_bias=d["model_type"] == "qwen2" or bool(d.get("attention_bias", False)),
             qk_norm=d["model_type"] == "qwen3",
+            sliding_window=d.get("sliding_window") if d["model_type"] == "mistral" else None,
             max_position_embeddings=d.get("max_position_embeddings", 2048),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=token_ids_tuple(d.get("eos_token_id")),
@@ -118,7 +145,7 @@ def _check_supported(d: Mapping[str, Any]) -> None:
         raise ValueError(f"hidden_act {d['hidden_act']!r} is not supported; expected 'silu'")
     if d.get("mlp_bias"):
         raise ValueError("mlp_bias=True is not supported")
-    if model_type in ("llama", "qwen3") and d.get("attention_bias"):
+    if model_type in ("llama", "mistral", "qwen3") and d.get("attention_bias"):
         # Their flag also adds an o_proj bias, which this model does not have.
         raise ValueError(f"attention_bias=True is not supported for model_type {model_type!r}")
     if d.get("use_sliding_window"):

@@ -1,8 +1,9 @@
 """A Llama-family decoder in Flax NNX that reads and writes a paged KV cache.
 
-One module covers Llama 2/3 (llama3 RoPE scaling), SmolLM2, Qwen2/2.5 (q/k/v
-biases) and Qwen3 (RMSNorm of each query and key head): RMSNorm, rotate-half RoPE,
-grouped-query attention, SwiGLU MLP, tied or untied embeddings. A step
+One module covers Llama 2/3 (llama3 RoPE scaling), SmolLM2, Mistral (a sliding
+window), Qwen2/2.5 (q/k/v biases) and Qwen3 (RMSNorm of each query and key head):
+RMSNorm, rotate-half RoPE, grouped-query attention with a window per layer, SwiGLU
+MLP, tied or untied embeddings. A step
 (`hidden_states`) takes a flat run of new tokens from several sequences (prefill
 chunks and decodes mixed), writes their K/V into the paged cache at
 `metadata.slot_mapping` and attends through the block tables; `compute_logits`
@@ -27,6 +28,7 @@ from jpaged._deprecation import moved_names
 from jpaged.core.attention_metadata import AttentionMetadata
 from jpaged.model.config import LlamaConfig
 from jpaged.model.rope import apply_rope, rope_inverse_frequencies, rotary_tables
+from kernels_pallas.online_softmax import NO_WINDOW
 from kernels_pallas.reference import ragged_paged_attention_reference, write_kv_reference
 
 # (k_cache, v_cache) of every layer, each [num_layers, num_kv_heads, num_blocks, block_size,
@@ -111,12 +113,14 @@ class Attention(nnx.Module):
         rope: tuple[jax.Array, jax.Array],
         kv_cache: KVCache,
         layer: jax.Array,
+        window: jax.Array,
         metadata: AttentionMetadata,
         attention_fn: AttentionFn,
         write_kv_fn: WriteKVFn,
     ) -> tuple[jax.Array, KVCache]:
         """x [T, hidden], rope (cos, sin) f32 [T, D/2], kv_cache 2 x [L, Hkv, N, bs, D],
-        layer int32 scalar (this layer's index into the cache)
+        layer int32 scalar (this layer's index into the cache), window int32 scalar (its
+        sliding window, kernels_pallas' NO_WINDOW for none)
         -> ([T, hidden], updated kv_cache)."""
         num_tokens, groups = x.shape[0], self.shard_groups
         q_heads, kv_heads = self.num_heads // groups, self.num_kv_heads // groups
@@ -132,7 +136,8 @@ class Attention(nnx.Module):
         k_cache, v_cache = write_kv_fn(*kv_cache, k, v, metadata.slot_mapping, layer)
         out = attention_fn(
             q, k_cache, v_cache, metadata.block_tables, metadata.context_lens,
-            metadata.query_start_loc, layer=layer, scale=self.head_dim**-0.5,
+            metadata.query_start_loc, layer=layer, sliding_window=window,
+            scale=self.head_dim**-0.5,
         )
         return self.o_proj(out.reshape(num_tokens, -1)), (k_cache, v_cache)
 
@@ -166,13 +171,15 @@ class DecoderLayer(nnx.Module):
         rope: tuple[jax.Array, jax.Array],
         kv_cache: KVCache,
         layer: jax.Array,
+        window: jax.Array,
         metadata: AttentionMetadata,
         attention_fn: AttentionFn,
         write_kv_fn: WriteKVFn,
     ) -> tuple[jax.Array, KVCache]:
         """x [T, hidden] -> ([T, hidden], updated kv_cache); see Attention for the rest."""
         attn_out, kv_cache = self.self_attn(
-            self.input_layernorm(x), rope, kv_cache, layer, metadata, attention_fn, write_kv_fn
+            self.input_layernorm(x), rope, kv_cache, layer, window, metadata, attention_fn,
+            write_kv_fn,
         )
         x = x + attn_out
         return x + self.mlp(self.post_attention_layernorm(x)), kv_cache
@@ -271,7 +278,7 @@ class LlamaForCausalLM(nnx.Module):
                    block_size, head_dim]
         metadata:  AttentionMetadata of this step (positions, slot_mapping, ...).
         attention_fn(q [T, Hq, D], k_cache, v_cache, block_tables, context_lens,
-                     query_start_loc, *, layer, scale) -> [T, Hq, D]
+                     query_start_loc, *, layer, sliding_window, scale) -> [T, Hq, D]
         write_kv_fn(k_cache, v_cache, k [T, Hkv, D], v, slot_mapping, layer)
                      -> (k_cache, v_cache)
         returns    (final-normed hidden states [T, hidden_size], updated kv_cache).
@@ -285,14 +292,17 @@ class LlamaForCausalLM(nnx.Module):
 
         def run_layer(carry, layer_and_params):
             x, kv_cache = carry
-            layer, params = layer_and_params
+            layer, window, params = layer_and_params
             bound = jax.tree.map(lambda k: k.at(layer), per_layer, is_leaf=_is_per_layer)
             decoder = nnx.merge(layer_graph, bound, params)
-            return decoder(x, rope, kv_cache, layer, metadata, attention_fn, write_kv_fn), None
+            return decoder(x, rope, kv_cache, layer, window, metadata, attention_fn,
+                           write_kv_fn), None
 
         layer_ids = jnp.arange(self.config.num_layers, dtype=jnp.int32)
+        windows = jnp.asarray([NO_WINDOW if w is None else w for w in self.config.layer_windows],
+                              jnp.int32)
         (x, kv_cache), _ = jax.lax.scan(
-            run_layer, (self.embed_tokens(input_ids), kv_cache), (layer_ids, stacked)
+            run_layer, (self.embed_tokens(input_ids), kv_cache), (layer_ids, windows, stacked)
         )
         return self.norm(x), kv_cache
 

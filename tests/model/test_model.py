@@ -84,6 +84,26 @@ def test_chunked_prefill_and_decode_match_transformers(tiny_model_dir, paged_cac
     assert checked > sum(len(s) - p for s, p in zip(streams, prompt_lens, strict=True))
 
 
+def test_mistral_sees_only_its_window(tiny_mistral_dir, paged_cache_book):
+    """The tiny Mistral's window (8) decides its logits past position 8: transformers
+    without the window gives others, and jpaged gives transformers' windowed ones."""
+    model, config, _ = load_model(tiny_mistral_dir)
+    assert config.layer_windows == (8,) * config.num_layers
+    prompt = random_tokens(np.random.default_rng(4), config.vocab_size, (30,))[0]
+    book = paged_cache_book(BLOCK_SIZE, num_blocks=16, max_blocks_per_seq=8)
+    input_ids, metadata = book.step([(0, prompt)], num_tokens=32, num_seqs=2)
+    logits, _ = model_step(*nnx.split(model), input_ids,
+                           init_kv_cache(config, book.num_blocks, BLOCK_SIZE), metadata)
+    unwindowed = transformers.AutoModelForCausalLM.from_pretrained(
+        tiny_mistral_dir, dtype=torch.float32, sliding_window=None)
+    with torch.no_grad():
+        full = unwindowed(torch.tensor([prompt])).logits[0, -1].numpy()
+    ours = np.asarray(logits[0])
+    np.testing.assert_allclose(ours, oracle_logits(tiny_mistral_dir, prompt)[-1], atol=1e-4,
+                               rtol=0)
+    assert np.abs(ours - full).max() > 1e-2
+
+
 def test_bfloat16_parameters_track_float32_oracle(tiny_llama_dir, paged_cache_book):
     model, config, _ = load_model(tiny_llama_dir, dtype=jnp.bfloat16)
     prompts = random_tokens(np.random.default_rng(2), config.vocab_size, (3, 17))
@@ -168,6 +188,9 @@ def test_rope_frequencies_match_transformers(rope):
     ({"attention_bias": True}, "attention_bias"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn'"),
     ({"num_key_value_heads": 3}, "multiple of num_kv_heads"),
+    ({"model_type": "mistral", "sliding_window": 0}, "sliding_window must be >= 1"),
+    ({"model_type": "qwen3", "attention_bias": True}, "attention_bias=True is not supported"),
+    ({"model_type": "qwen2", "use_sliding_window": True}, "use_sliding_window"),
 ])
 def test_config_rejects_unsupported_architectures(change, message):
     base = {"model_type": "llama", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,

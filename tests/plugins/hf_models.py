@@ -121,7 +121,22 @@ def tiny_qwen3_dir(tmp_path_factory) -> Path:
     return _save(model, tokenizer, tmp_path_factory.mktemp("tiny_qwen3"))
 
 
-@pytest.fixture(scope="session", params=["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir"])
+@pytest.fixture(scope="session")
+def tiny_mistral_dir(tmp_path_factory) -> Path:
+    """Mistral: Llama with a sliding window of 8 tokens over every layer, which the tests'
+    prompts and generations run past."""
+    transformers = oracle_transformers()
+    tokenizer = tiny_tokenizer()
+    config = transformers.MistralConfig(
+        vocab_size=len(tokenizer), **TINY_SHAPE, sliding_window=8, tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+    )
+    model = randomize(transformers.MistralForCausalLM(config), seed=3)
+    return _save(model, tokenizer, tmp_path_factory.mktemp("tiny_mistral"))
+
+
+@pytest.fixture(scope="session", params=["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir",
+                                         "tiny_mistral_dir"])
 def tiny_model_dir(request) -> Path:
     return request.getfixturevalue(request.param)
 
