@@ -77,13 +77,13 @@ def _decode_as_ragged(decode_fn):
     """
 
     def attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, *, layer,
-                  sliding_window, scale):
+                  sliding_window, scale, soft_cap):
         num_tokens, num_seqs = q.shape[0], context_lens.shape[0]
         rows = jnp.zeros((num_seqs, *q.shape[1:]), q.dtype).at[: min(num_tokens, num_seqs)].set(
             q[:num_seqs]
         )
         out = decode_fn(rows, k_cache, v_cache, block_tables, context_lens, layer=layer,
-                        sliding_window=sliding_window, scale=scale)
+                        sliding_window=sliding_window, scale=scale, soft_cap=soft_cap)
         return jnp.zeros_like(q).at[: min(num_tokens, num_seqs)].set(out[:num_tokens])
 
     return attention

@@ -6,7 +6,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2")
+# The MLP's activations by their transformers names: SiLU (SwiGLU) and tanh-approximated
+# GELU (Gemma's GeGLU).
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 # transformers' names of a layer's attention (`layer_types`).
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -29,6 +32,14 @@ class LlamaConfig:
     sliding_window: W: a token at position p of a sliding layer sees the keys
     p - W < j <= p. layer_types: each layer's "full_attention" or "sliding_attention"
     (transformers' names); None with a window makes every layer slide (Mistral).
+
+    Gemma's departures from Llama: hidden_act "gelu_pytorch_tanh" (GeGLU);
+    norm_unit_offset, RMSNorm weights w scale by 1 + w; sandwich_norms, a norm after
+    attention and around the MLP (post_attention_layernorm, pre_ and
+    post_feedforward_layernorm); scale_embeddings, embeddings times sqrt(hidden_size)
+    in the model's dtype; query_pre_attn_scalar, attention scores scaled by its
+    inverse square root (else head_dim's); attn_logit_softcapping and
+    final_logit_softcapping c, scores or logits x become c * tanh(x / c).
 
     shard_groups: the fused `qkv_proj` and `gate_up_proj` columns come in this many
     equal groups, group g holding [its q heads | its k heads | its v heads] and
@@ -53,6 +64,13 @@ class LlamaConfig:
     qk_norm: bool = False
     sliding_window: int | None = None
     layer_types: tuple[str, ...] | None = None
+    hidden_act: str = "silu"
+    norm_unit_offset: bool = False
+    sandwich_norms: bool = False
+    scale_embeddings: bool = False
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
     max_position_embeddings: int = 2048
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -70,6 +88,13 @@ class LlamaConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported; expected one "
+                             f"of {ACTIVATIONS}")
+        for name in ("query_pre_attn_scalar", "attn_logit_softcapping",
+                     "final_logit_softcapping"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 or null, got {getattr(self, name)}")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1 or null, got {self.sliding_window}")
         if self.layer_types is not None:
@@ -88,6 +113,11 @@ class LlamaConfig:
                                  f"shard_groups ({self.shard_groups})")
 
     @property
+    def attention_scale(self) -> float:
+        """What attention scores are multiplied by before the soft-cap and softmax."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
     def layer_windows(self) -> tuple[int | None, ...]:
         """Each layer's sliding window, None for a layer that sees every key."""
         types = self.layer_types or ("sliding_attention",) * self.num_layers
@@ -98,13 +128,15 @@ class LlamaConfig:
         """Read a Hugging Face config (a config.json dict or a transformers config).
 
         Accepts model_type "llama" (Llama 2/3, SmolLM2), "mistral" (a sliding window
-        over every layer, or none), "qwen2" (Qwen2/2.5) and "qwen3" (dense Qwen3), with
-        the RoPE settings in either transformers 4 (`rope_theta`,
-        `rope_scaling`) or transformers 5 (`rope_parameters`) form.
+        over every layer, or none), "qwen2" (Qwen2/2.5), "qwen3" (dense Qwen3) and
+        "gemma2" (see the class docstring), with the RoPE settings in either
+        transformers 4 (`rope_theta`, `rope_scaling`) or transformers 5
+        (`rope_parameters`) form.
         """
         d = dict(hf_config) if isinstance(hf_config, Mapping) else hf_config.to_dict()
         _check_supported(d)
         num_heads = d["num_attention_heads"]
+        gemma = d["model_type"] == "gemma2"
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
         return cls(
             vocab_size=d["vocab_size"],
@@ -121,7 +153,16 @@ class LlamaConfig:
             # Qwen2 always has q/k/v biases; its configs carry no flag for them.
             attention_bias=d["model_type"] == "qwen2" or bool(d.get("attention_bias", False)),
             qk_norm=d["model_type"] == "qwen3",
-            sliding_window=d.get("sliding_window") if d["model_type"] == "mistral" else None,
+            sliding_window=(d.get("sliding_window")
+                            if d["model_type"] in ("mistral", "gemma2") else None),
+            layer_types=_layer_types(d),
+            hidden_act=_activation(d),
+            norm_unit_offset=gemma,
+            sandwich_norms=gemma,
+            scale_embeddings=gemma,
+            query_pre_attn_scalar=d.get("query_pre_attn_scalar") if gemma else None,
+            attn_logit_softcapping=d.get("attn_logit_softcapping") if gemma else None,
+            final_logit_softcapping=d.get("final_logit_softcapping") if gemma else None,
             max_position_embeddings=d.get("max_position_embeddings", 2048),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=token_ids_tuple(d.get("eos_token_id")),
@@ -141,16 +182,34 @@ def _check_supported(d: Mapping[str, Any]) -> None:
         raise ValueError(
             f"model_type {model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}"
         )
-    if d.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"hidden_act {d['hidden_act']!r} is not supported; expected 'silu'")
+    field = "hidden_activation" if d.get("hidden_activation") else "hidden_act"
+    if _activation(d) not in ACTIVATIONS:
+        raise ValueError(f"{field} {_activation(d)!r} is not supported; expected one of "
+                         f"{ACTIVATIONS}")
     if d.get("mlp_bias"):
         raise ValueError("mlp_bias=True is not supported")
-    if model_type in ("llama", "mistral", "qwen3") and d.get("attention_bias"):
+    if model_type in ("llama", "mistral", "qwen3", "gemma2") and d.get("attention_bias"):
         # Their flag also adds an o_proj bias, which this model does not have.
         raise ValueError(f"attention_bias=True is not supported for model_type {model_type!r}")
     if d.get("use_sliding_window"):
         # Qwen2/Qwen3's window over the layers past max_window_layers.
         raise ValueError("use_sliding_window=True is not supported")
+
+
+def _activation(d: Mapping[str, Any]) -> str:
+    """The MLP's activation: Gemma names it hidden_activation, the others hidden_act."""
+    return d.get("hidden_activation") or d.get("hidden_act") or "silu"
+
+
+def _layer_types(d: Mapping[str, Any]) -> tuple[str, ...] | None:
+    """Each layer's attention kind. Gemma 2 checkpoints of transformers 4 carry no
+    layer_types: their layers alternate, sliding first."""
+    if d.get("layer_types") is not None:
+        return tuple(d["layer_types"])
+    if d["model_type"] == "gemma2":
+        return tuple("sliding_attention" if i % 2 == 0 else "full_attention"
+                     for i in range(d["num_hidden_layers"]))
+    return None
 
 
 def _rope_scaling(rope: Mapping[str, Any]) -> Llama3RopeScaling | None:

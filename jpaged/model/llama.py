@@ -35,19 +35,38 @@ from kernels_pallas.reference import ragged_paged_attention_reference, write_kv_
 # head_dim]: one array per kind, indexed by layer inside the step.
 KVCache = tuple[jax.Array, jax.Array]
 AttentionFn = Callable[..., jax.Array]
+# The MLP's activations (LlamaConfig.hidden_act).
+ACTIVATIONS = {"silu": jax.nn.silu,
+               "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
 WriteKVFn = Callable[..., KVCache]
 __getattr__ = moved_names(__name__, {"init_kv_caches": "jpaged.model.llama:init_kv_cache"})
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, dtype: jnp.dtype):
-        self.weight = nnx.Param(jnp.ones((dim,), dtype))
-        self.eps = eps
+    """unit_offset: Gemma's norm, which scales by 1 + weight, in f32 before the cast
+    back; else Llama's, weight times the normed input cast back."""
+
+    def __init__(self, dim: int, eps: float, dtype: jnp.dtype, unit_offset: bool = False):
+        self.weight = nnx.Param(jnp.zeros((dim,), dtype) if unit_offset
+                                else jnp.ones((dim,), dtype))
+        self.eps, self.unit_offset = eps, unit_offset
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x [..., dim] -> [..., dim] in x.dtype; the mean square is taken in f32."""
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
+        if self.unit_offset:
+            return (normed * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
         return self.weight[...] * normed.astype(x.dtype)
+
+
+def norm(config: LlamaConfig, dim: int, dtype: jnp.dtype) -> RMSNorm:
+    """The model's RMSNorm over `dim`."""
+    return RMSNorm(dim, config.rms_norm_eps, dtype, config.norm_unit_offset)
+
+
+def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
+    """cap * tanh(x / cap), Gemma's soft cap; x itself without a cap."""
+    return x if cap is None else cap * jnp.tanh(x / cap)
 
 
 @jax.tree_util.register_dataclass
@@ -104,8 +123,9 @@ class Attention(nnx.Module):
         qkv_width = (config.num_heads + 2 * config.num_kv_heads) * head_dim
         self.qkv_proj = Linear(hidden, qkv_width, dtype, rngs, bias)
         self.o_proj = Linear(config.num_heads * head_dim, hidden, dtype, rngs)
-        self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
-        self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
+        self.q_norm = norm(config, head_dim, dtype) if config.qk_norm else None
+        self.k_norm = norm(config, head_dim, dtype) if config.qk_norm else None
+        self.scale, self.soft_cap = config.attention_scale, config.attn_logit_softcapping
 
     def __call__(
         self,
@@ -136,8 +156,8 @@ class Attention(nnx.Module):
         k_cache, v_cache = write_kv_fn(*kv_cache, k, v, metadata.slot_mapping, layer)
         out = attention_fn(
             q, k_cache, v_cache, metadata.block_tables, metadata.context_lens,
-            metadata.query_start_loc, layer=layer, sliding_window=window,
-            scale=self.head_dim**-0.5,
+            metadata.query_start_loc, layer=layer, sliding_window=window, scale=self.scale,
+            soft_cap=self.soft_cap,
         )
         return self.o_proj(out.reshape(num_tokens, -1)), (k_cache, v_cache)
 
@@ -148,22 +168,32 @@ class MLP(nnx.Module):
         self.shard_groups = config.shard_groups
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, dtype, rngs)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, dtype, rngs)
+        self.activation = ACTIVATIONS[config.hidden_act]
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        """SwiGLU: x [T, hidden] -> [T, hidden]."""
+        """SwiGLU or GeGLU: x [T, hidden] -> [T, hidden]."""
         num_tokens = x.shape[0]
         # [T, groups, 2 * columns of a group]: split within each group (see LlamaConfig).
         gate_up = self.gate_up_proj(x).reshape(num_tokens, self.shard_groups, -1)
         gate, up = jnp.split(gate_up, 2, axis=-1)
-        return self.down_proj((jax.nn.silu(gate) * up).reshape(num_tokens, -1))
+        return self.down_proj((self.activation(gate) * up).reshape(num_tokens, -1))
 
 
 class DecoderLayer(nnx.Module):
+    """Llama's pre-norm layer: x + attn(norm(x)), then + mlp(post_attention_layernorm(x)).
+    With sandwich_norms (Gemma) post_attention_layernorm normalizes the attention's
+    output instead, and pre_ and post_feedforward_layernorm wrap the MLP."""
+
     def __init__(self, config: LlamaConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        hidden = config.hidden_size
+        self.input_layernorm = norm(config, hidden, dtype)
         self.self_attn = Attention(config, dtype, rngs)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_attention_layernorm = norm(config, hidden, dtype)
         self.mlp = MLP(config, dtype, rngs)
+        self.sandwich = config.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = norm(config, hidden, dtype)
+            self.post_feedforward_layernorm = norm(config, hidden, dtype)
 
     def __call__(
         self,
@@ -181,8 +211,12 @@ class DecoderLayer(nnx.Module):
             self.input_layernorm(x), rope, kv_cache, layer, window, metadata, attention_fn,
             write_kv_fn,
         )
-        x = x + attn_out
-        return x + self.mlp(self.post_attention_layernorm(x)), kv_cache
+        if not self.sandwich:
+            x = x + attn_out
+            return x + self.mlp(self.post_attention_layernorm(x)), kv_cache
+        x = x + self.post_attention_layernorm(attn_out)
+        mlp_out = self.mlp(self.pre_feedforward_layernorm(x))
+        return x + self.post_feedforward_layernorm(mlp_out), kv_cache
 
 
 def _stacked_layers(config: LlamaConfig, dtype: jnp.dtype, rngs: nnx.Rngs) -> DecoderLayer:
@@ -259,7 +293,7 @@ class LlamaForCausalLM(nnx.Module):
         self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, dtype=dtype,
                                       param_dtype=dtype, rngs=rngs)
         self.layers = _stacked_layers(config, dtype, rngs)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.norm = norm(config, config.hidden_size, dtype)
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, dtype, rngs)
 
@@ -278,7 +312,8 @@ class LlamaForCausalLM(nnx.Module):
                    block_size, head_dim]
         metadata:  AttentionMetadata of this step (positions, slot_mapping, ...).
         attention_fn(q [T, Hq, D], k_cache, v_cache, block_tables, context_lens,
-                     query_start_loc, *, layer, sliding_window, scale) -> [T, Hq, D]
+                     query_start_loc, *, layer, sliding_window, scale, soft_cap)
+                     -> [T, Hq, D]
         write_kv_fn(k_cache, v_cache, k [T, Hkv, D], v, slot_mapping, layer)
                      -> (k_cache, v_cache)
         returns    (final-normed hidden states [T, hidden_size], updated kv_cache).
@@ -301,9 +336,10 @@ class LlamaForCausalLM(nnx.Module):
         layer_ids = jnp.arange(self.config.num_layers, dtype=jnp.int32)
         windows = jnp.asarray([NO_WINDOW if w is None else w for w in self.config.layer_windows],
                               jnp.int32)
-        (x, kv_cache), _ = jax.lax.scan(
-            run_layer, (self.embed_tokens(input_ids), kv_cache), (layer_ids, windows, stacked)
-        )
+        x = self.embed_tokens(input_ids)
+        if self.config.scale_embeddings:
+            x = x * jnp.asarray(self.config.hidden_size**0.5, x.dtype)
+        (x, kv_cache), _ = jax.lax.scan(run_layer, (x, kv_cache), (layer_ids, windows, stacked))
         return self.norm(x), kv_cache
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
@@ -312,7 +348,7 @@ class LlamaForCausalLM(nnx.Module):
             logits = self.embed_tokens.attend(hidden)
         else:
             logits = self.lm_head(hidden)
-        return logits.astype(jnp.float32)
+        return soft_cap(logits.astype(jnp.float32), self.config.final_logit_softcapping)
 
 
 def init_kv_cache(

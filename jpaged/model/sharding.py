@@ -154,12 +154,12 @@ def shard_attention(attention_fn: Callable, mesh: Mesh) -> Callable:
     heads = P(None, MODEL_AXIS)
 
     def attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, *, layer,
-                  sliding_window, scale):
+                  sliding_window, scale, soft_cap):
         def local(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, layer,
                   sliding_window):
             return attention_fn(q, k_cache, v_cache, block_tables, context_lens,
                                 query_start_loc, layer=layer, sliding_window=sliding_window,
-                                scale=scale)
+                                scale=scale, soft_cap=soft_cap)
 
         in_specs = (heads, KV_CACHE_SPEC, KV_CACHE_SPEC, P(), P(), P(), P(), P())
         return shard_map(local, mesh, in_specs, heads)(

@@ -191,6 +191,12 @@ def test_rope_frequencies_match_transformers(rope):
     ({"model_type": "mistral", "sliding_window": 0}, "sliding_window must be >= 1"),
     ({"model_type": "qwen3", "attention_bias": True}, "attention_bias=True is not supported"),
     ({"model_type": "qwen2", "use_sliding_window": True}, "use_sliding_window"),
+    ({"model_type": "gemma2", "hidden_activation": "relu"}, "hidden_activation 'relu'"),
+    ({"model_type": "gemma2", "layer_types": ["full_attention"] * 3},
+     r"layer_types has 3 entries for 1 layers"),
+    ({"model_type": "gemma2", "layer_types": ["chunked_attention"], "sliding_window": 4},
+     r"layer_types \['chunked_attention'\] are not supported"),
+    ({"model_type": "gemma2", "sliding_window": 0}, "sliding_window must be >= 1"),
 ])
 def test_config_rejects_unsupported_architectures(change, message):
     base = {"model_type": "llama", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,

@@ -158,6 +158,19 @@ def config_that_is_not_json(sources: Sources, tmp_path: Path) -> Broken:
     return Broken(directory, config, "not valid JSON")
 
 
+def config_with_too_few_layer_types(sources: Sources, tmp_path: Path) -> Broken:
+    """A sliding-window config whose layer_types misses a layer."""
+    directory = shutil.copytree(sources.qwen2_dir, tmp_path / "model")
+    config_file = directory / "config.json"
+    config = json.loads(config_file.read_text())
+    config.update(model_type="gemma2", sliding_window=8,
+                  layer_types=["sliding_attention"] * (config["num_hidden_layers"] - 1))
+    config_file.write_text(json.dumps(config))
+    return Broken(directory, config_file,
+                  f"layer_types has {config['num_hidden_layers'] - 1} entries for "
+                  f"{config['num_hidden_layers']} layers")
+
+
 def missing_path(sources: Sources, tmp_path: Path) -> Broken:
     path = tmp_path / "nowhere" / "model.gguf"
     return Broken(path, path, "no such file or directory")
@@ -165,7 +178,8 @@ def missing_path(sources: Sources, tmp_path: Path) -> Broken:
 
 # The cases the CLI is also run on, one subprocess each.
 CLI_CASES = [truncated_gguf, gguf_without_rms_eps, gguf_without_token_embd, gguf_with_wrong_shape,
-             safetensors_with_wrong_shape, hf_directory_without_tokenizer]
+             safetensors_with_wrong_shape, hf_directory_without_tokenizer,
+             config_with_too_few_layer_types]
 ALL_CASES = [*CLI_CASES, gguf_without_layer_tensor, truncated_safetensors,
              hf_directory_without_config, config_that_is_not_json, missing_path]
 

@@ -135,8 +135,25 @@ def tiny_mistral_dir(tmp_path_factory) -> Path:
     return _save(model, tokenizer, tmp_path_factory.mktemp("tiny_mistral"))
 
 
+@pytest.fixture(scope="session")
+def tiny_gemma2_dir(tmp_path_factory) -> Path:
+    """Gemma 2: sliding (window 8) and global layers alternating, both soft-caps (low enough
+    to bite on random weights), GeGLU, (1 + w) norms around attention and the MLP, scaled
+    embeddings, query_pre_attn_scalar apart from head_dim."""
+    transformers = oracle_transformers()
+    tokenizer = tiny_tokenizer()
+    config = transformers.Gemma2Config(
+        vocab_size=len(tokenizer), **(TINY_SHAPE | {"num_hidden_layers": 4}), head_dim=16,
+        sliding_window=8, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
+        final_logit_softcapping=3.0, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=0,
+    )
+    model = randomize(transformers.Gemma2ForCausalLM(config), seed=4)
+    return _save(model, tokenizer, tmp_path_factory.mktemp("tiny_gemma2"))
+
+
 @pytest.fixture(scope="session", params=["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir",
-                                         "tiny_mistral_dir"])
+                                         "tiny_mistral_dir", "tiny_gemma2_dir"])
 def tiny_model_dir(request) -> Path:
     return request.getfixturevalue(request.param)
 
