@@ -6,7 +6,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
+GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
 # The MLP's activations by their transformers names: SiLU (SwiGLU) and tanh-approximated
 # GELU (Gemma's GeGLU).
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -25,6 +26,13 @@ class Llama3RopeScaling:
 
 
 @dataclass(frozen=True)
+class LinearRopeScaling:
+    """Positions divided by `factor` (rope_type "linear"; Gemma 3's global layers)."""
+
+    factor: float
+
+
+@dataclass(frozen=True)
 class LlamaConfig:
     """Architecture of a Llama-family decoder.
 
@@ -32,14 +40,17 @@ class LlamaConfig:
     sliding_window: W: a token at position p of a sliding layer sees the keys
     p - W < j <= p. layer_types: each layer's "full_attention" or "sliding_attention"
     (transformers' names); None with a window makes every layer slide (Mistral).
+    local_rope_theta: the RoPE base of sliding layers, which then take no rope_scaling
+    (Gemma 3's local RoPE); None: every layer has rope_theta and rope_scaling.
 
-    Gemma's departures from Llama: hidden_act "gelu_pytorch_tanh" (GeGLU);
-    norm_unit_offset, RMSNorm weights w scale by 1 + w; sandwich_norms, a norm after
-    attention and around the MLP (post_attention_layernorm, pre_ and
-    post_feedforward_layernorm); scale_embeddings, embeddings times sqrt(hidden_size)
-    in the model's dtype; query_pre_attn_scalar, attention scores scaled by its
-    inverse square root (else head_dim's); attn_logit_softcapping and
-    final_logit_softcapping c, scores or logits x become c * tanh(x / c).
+    Gemma's departures from Llama (Gemma 3 adds qk_norm and local_rope_theta):
+    hidden_act "gelu_pytorch_tanh" (GeGLU); norm_unit_offset, RMSNorm weights w scale
+    by 1 + w; sandwich_norms, a norm after attention and around the MLP
+    (post_attention_layernorm, pre_ and post_feedforward_layernorm); scale_embeddings,
+    embeddings times sqrt(hidden_size) in the model's dtype; query_pre_attn_scalar,
+    attention scores scaled by its inverse square root (else head_dim's);
+    attn_logit_softcapping and final_logit_softcapping c, scores or logits x become
+    c * tanh(x / c).
 
     shard_groups: the fused `qkv_proj` and `gate_up_proj` columns come in this many
     equal groups, group g holding [its q heads | its k heads | its v heads] and
@@ -57,7 +68,8 @@ class LlamaConfig:
     num_kv_heads: int
     head_dim: int
     rope_theta: float = 10000.0
-    rope_scaling: Llama3RopeScaling | None = None
+    rope_scaling: Llama3RopeScaling | LinearRopeScaling | None = None
+    local_rope_theta: float | None = None
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     attention_bias: bool = False
@@ -128,16 +140,16 @@ class LlamaConfig:
         """Read a Hugging Face config (a config.json dict or a transformers config).
 
         Accepts model_type "llama" (Llama 2/3, SmolLM2), "mistral" (a sliding window
-        over every layer, or none), "qwen2" (Qwen2/2.5), "qwen3" (dense Qwen3) and
-        "gemma2" (see the class docstring), with the RoPE settings in either
-        transformers 4 (`rope_theta`, `rope_scaling`) or transformers 5
-        (`rope_parameters`) form.
+        over every layer, or none), "qwen2" (Qwen2/2.5), "qwen3" (dense Qwen3), "gemma2"
+        and "gemma3_text" (see the class docstring), with the RoPE settings in either
+        transformers 4 (`rope_theta`, `rope_scaling`, Gemma 3's `rope_local_base_freq`)
+        or transformers 5 (`rope_parameters`, per layer type for Gemma 3) form.
         """
         d = dict(hf_config) if isinstance(hf_config, Mapping) else hf_config.to_dict()
         _check_supported(d)
         num_heads = d["num_attention_heads"]
-        gemma = d["model_type"] == "gemma2"
-        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        gemma = d["model_type"] in GEMMA_MODEL_TYPES
+        rope, local_rope = _rope_parameters(d)
         return cls(
             vocab_size=d["vocab_size"],
             hidden_size=d["hidden_size"],
@@ -148,13 +160,14 @@ class LlamaConfig:
             head_dim=d.get("head_dim") or d["hidden_size"] // num_heads,
             rope_theta=float(d.get("rope_theta") or rope.get("rope_theta") or 10000.0),
             rope_scaling=_rope_scaling(rope),
+            local_rope_theta=local_rope,
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             # Qwen2 always has q/k/v biases; its configs carry no flag for them.
             attention_bias=d["model_type"] == "qwen2" or bool(d.get("attention_bias", False)),
-            qk_norm=d["model_type"] == "qwen3",
+            qk_norm=d["model_type"] in ("qwen3", "gemma3_text"),
             sliding_window=(d.get("sliding_window")
-                            if d["model_type"] in ("mistral", "gemma2") else None),
+                            if d["model_type"] in ("mistral", *GEMMA_MODEL_TYPES) else None),
             layer_types=_layer_types(d),
             hidden_act=_activation(d),
             norm_unit_offset=gemma,
@@ -188,7 +201,8 @@ def _check_supported(d: Mapping[str, Any]) -> None:
                          f"{ACTIVATIONS}")
     if d.get("mlp_bias"):
         raise ValueError("mlp_bias=True is not supported")
-    if model_type in ("llama", "mistral", "qwen3", "gemma2") and d.get("attention_bias"):
+    if model_type in ("llama", "mistral", "qwen3", *GEMMA_MODEL_TYPES) and d.get(
+            "attention_bias"):
         # Their flag also adds an o_proj bias, which this model does not have.
         raise ValueError(f"attention_bias=True is not supported for model_type {model_type!r}")
     if d.get("use_sliding_window"):
@@ -206,19 +220,43 @@ def _layer_types(d: Mapping[str, Any]) -> tuple[str, ...] | None:
     layer_types: their layers alternate, sliding first."""
     if d.get("layer_types") is not None:
         return tuple(d["layer_types"])
+    layers = range(d["num_hidden_layers"])
     if d["model_type"] == "gemma2":
-        return tuple("sliding_attention" if i % 2 == 0 else "full_attention"
-                     for i in range(d["num_hidden_layers"]))
+        return tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in layers)
+    if d["model_type"] == "gemma3_text":  # five sliding layers, then a global one
+        pattern = d.get("sliding_window_pattern", 6)
+        return tuple("sliding_attention" if (i + 1) % pattern else "full_attention"
+                     for i in layers)
     return None
 
 
-def _rope_scaling(rope: Mapping[str, Any]) -> Llama3RopeScaling | None:
+def _rope_parameters(d: Mapping[str, Any]) -> tuple[Mapping[str, Any], float | None]:
+    """(the global layers' RoPE settings, the sliding layers' own base or None).
+
+    Gemma 3 has a RoPE per layer type: transformers 5 nests rope_parameters by layer type,
+    transformers 4 gives rope_local_base_freq beside rope_theta and rope_scaling."""
+    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    if d["model_type"] != "gemma3_text":
+        return rope, None
+    if "full_attention" in rope:
+        local = rope.get("sliding_attention") or {}
+        if local.get("rope_type", "default") != "default":
+            raise ValueError(f"rope_type {local['rope_type']!r} of sliding layers is not "
+                             "supported; expected 'default'")
+        return rope["full_attention"], float(local.get("rope_theta", 10000.0))
+    return rope, float(d.get("rope_local_base_freq", 10000.0))
+
+
+def _rope_scaling(rope: Mapping[str, Any]) -> Llama3RopeScaling | LinearRopeScaling | None:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type == "default":
         return None
+    if rope_type == "linear":
+        return LinearRopeScaling(float(rope["factor"]))
     if rope_type != "llama3":
         raise ValueError(
-            f"rope_type {rope_type!r} is not supported; expected 'default' or 'llama3'"
+            f"rope_type {rope_type!r} is not supported; expected 'default', 'linear' or "
+            "'llama3'"
         )
     return Llama3RopeScaling(
         factor=float(rope["factor"]),

@@ -27,7 +27,7 @@ from flax import nnx
 from jpaged._deprecation import moved_names
 from jpaged.core.attention_metadata import AttentionMetadata
 from jpaged.model.config import LlamaConfig
-from jpaged.model.rope import apply_rope, rope_inverse_frequencies, rotary_tables
+from jpaged.model.rope import apply_rope, layer_rope_frequencies, rotary_tables
 from kernels_pallas.online_softmax import NO_WINDOW
 from kernels_pallas.reference import ragged_paged_attention_reference, write_kv_reference
 
@@ -322,16 +322,17 @@ class LlamaForCausalLM(nnx.Module):
         layer writes and reads its own [layer] slice through the kernels' `layer`
         argument, so a donated cache is updated in place, never sliced or copied.
         """
-        rope = rotary_tables(metadata.positions, rope_inverse_frequencies(self.config))
+        inv_freqs, layer_ropes = layer_rope_frequencies(self.config)
+        cos, sin = rotary_tables(metadata.positions, inv_freqs)  # [K, T, D/2]
         layer_graph, per_layer, stacked = nnx.split(self.layers, _holds_per_layer_kernels, ...)
 
         def run_layer(carry, layer_and_params):
             x, kv_cache = carry
-            layer, window, params = layer_and_params
+            layer, window, rope_id, params = layer_and_params
             bound = jax.tree.map(lambda k: k.at(layer), per_layer, is_leaf=_is_per_layer)
             decoder = nnx.merge(layer_graph, bound, params)
-            return decoder(x, rope, kv_cache, layer, window, metadata, attention_fn,
-                           write_kv_fn), None
+            return decoder(x, (cos[rope_id], sin[rope_id]), kv_cache, layer, window, metadata,
+                           attention_fn, write_kv_fn), None
 
         layer_ids = jnp.arange(self.config.num_layers, dtype=jnp.int32)
         windows = jnp.asarray([NO_WINDOW if w is None else w for w in self.config.layer_windows],
@@ -339,7 +340,8 @@ class LlamaForCausalLM(nnx.Module):
         x = self.embed_tokens(input_ids)
         if self.config.scale_embeddings:
             x = x * jnp.asarray(self.config.hidden_size**0.5, x.dtype)
-        (x, kv_cache), _ = jax.lax.scan(run_layer, (x, kv_cache), (layer_ids, windows, stacked))
+        (x, kv_cache), _ = jax.lax.scan(
+            run_layer, (x, kv_cache), (layer_ids, windows, jnp.asarray(layer_ropes), stacked))
         return self.norm(x), kv_cache
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:

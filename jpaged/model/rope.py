@@ -1,4 +1,5 @@
-"""Rotary position embeddings: the frequencies (with Llama 3.1's scaling) and the rotation."""
+"""Rotary position embeddings: the frequencies (with Llama 3.1's or linear scaling, and
+Gemma 3's local RoPE of sliding layers) and the rotation."""
 
 from __future__ import annotations
 
@@ -8,7 +9,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jpaged.model.config import LlamaConfig
+from jpaged.model.config import LinearRopeScaling, LlamaConfig
+
+
+def _default_frequencies(theta: float, head_dim: int) -> np.ndarray:
+    exponents = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
+    return (1.0 / np.float32(theta) ** exponents).astype(np.float32)
+
+
+def layer_rope_frequencies(config: LlamaConfig) -> tuple[np.ndarray, np.ndarray]:
+    """(inverse frequencies f32 [K, head_dim // 2] of the model's K RoPEs, each layer's
+    RoPE int32 [num_layers]). K is 1 but for local_rope_theta: then sliding layers take
+    the second, plain RoPE of that base."""
+    layers = np.zeros(config.num_layers, np.int32)
+    if config.local_rope_theta is None:
+        return rope_inverse_frequencies(config)[None], layers
+    local = _default_frequencies(config.local_rope_theta, config.head_dim)
+    sliding = np.asarray([w is not None for w in config.layer_windows])
+    return np.stack([rope_inverse_frequencies(config), local]), np.where(sliding, 1, 0).astype(
+        np.int32)
 
 
 def rope_inverse_frequencies(config: LlamaConfig) -> np.ndarray:
@@ -16,13 +35,15 @@ def rope_inverse_frequencies(config: LlamaConfig) -> np.ndarray:
 
     With llama3 scaling, wavelengths longer than the original context divided by
     low_freq_factor are slowed down by `factor`, those shorter than it divided by
-    high_freq_factor are kept, and the band between interpolates smoothly.
+    high_freq_factor are kept, and the band between interpolates smoothly. Linear
+    scaling divides every frequency by its factor.
     """
-    exponents = np.arange(0, config.head_dim, 2, dtype=np.float32) / np.float32(config.head_dim)
-    inv_freq = 1.0 / np.float32(config.rope_theta) ** exponents
+    inv_freq = _default_frequencies(config.rope_theta, config.head_dim)
     scaling = config.rope_scaling
     if scaling is None:
-        return inv_freq.astype(np.float32)
+        return inv_freq
+    if isinstance(scaling, LinearRopeScaling):
+        return (inv_freq / np.float32(scaling.factor)).astype(np.float32)
     original = scaling.original_max_position_embeddings
     wavelen = 2 * math.pi / inv_freq
     smooth = (original / wavelen - scaling.low_freq_factor) / (
@@ -36,8 +57,8 @@ def rope_inverse_frequencies(config: LlamaConfig) -> np.ndarray:
 
 
 def rotary_tables(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
-    """positions int32 [T], inv_freq f32 [D/2] -> (cos, sin), each f32 [T, D/2]."""
-    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
+    """positions int32 [T], inv_freq f32 [..., D/2] -> (cos, sin), each f32 [..., T, D/2]."""
+    angles = (positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[..., None, :])
     return jnp.cos(angles), jnp.sin(angles)
 
 

@@ -167,6 +167,26 @@ def test_config_reads_transformers4_rope_fields():
     assert config.num_kv_heads == 2 and config.head_dim == 4
 
 
+def test_gemma3_configs_of_both_transformers_give_one_config():
+    """transformers 4 wrote Gemma 3's local RoPE as rope_local_base_freq beside a global
+    rope_scaling, and no layer_types (five sliding layers, then a global one); 5 nests
+    rope_parameters by layer type and lists layer_types."""
+    common = {"model_type": "gemma3_text", "vocab_size": 10, "hidden_size": 8,
+              "intermediate_size": 16, "num_hidden_layers": 7, "num_attention_heads": 2,
+              "sliding_window": 4, "query_pre_attn_scalar": 4}
+    legacy = LlamaConfig.from_hf_config(common | {
+        "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0}})
+    layer_types = ["sliding_attention"] * 5 + ["full_attention", "sliding_attention"]
+    current = LlamaConfig.from_hf_config(common | {"layer_types": layer_types, "rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}}})
+    assert legacy == current
+    assert current.layer_windows == (4,) * 5 + (None, 4)
+    assert (current.local_rope_theta, current.rope_theta) == (1e4, 1e6)
+    assert current.rope_scaling.factor == 8.0 and current.qk_norm
+
+
 @pytest.mark.parametrize("rope", [
     {"rope_type": "default", "rope_theta": 10000.0},
     {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,

@@ -152,8 +152,30 @@ def tiny_gemma2_dir(tmp_path_factory) -> Path:
     return _save(model, tokenizer, tmp_path_factory.mktemp("tiny_gemma2"))
 
 
+@pytest.fixture(scope="session")
+def tiny_gemma3_dir(tmp_path_factory) -> Path:
+    """Gemma 3 (text): Gemma 2's layer plus (1 + w) q/k norms, a local RoPE base on the
+    sliding layers (window 8) and linear RoPE scaling on the global ones. Four layers:
+    layer_types given, or every layer would slide."""
+    transformers = oracle_transformers()
+    tokenizer = tiny_tokenizer()
+    config = transformers.Gemma3TextConfig(
+        vocab_size=len(tokenizer), **(TINY_SHAPE | {"num_hidden_layers": 4}), head_dim=16,
+        sliding_window=8, query_pre_attn_scalar=16,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                     "sliding_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 500.0},
+                         "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                            "rope_theta": 1e5}},
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=0,
+    )
+    model = randomize(transformers.Gemma3ForCausalLM(config), seed=5)
+    return _save(model, tokenizer, tmp_path_factory.mktemp("tiny_gemma3"))
+
+
 @pytest.fixture(scope="session", params=["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir",
-                                         "tiny_mistral_dir", "tiny_gemma2_dir"])
+                                         "tiny_mistral_dir", "tiny_gemma2_dir",
+                                         "tiny_gemma3_dir"])
 def tiny_model_dir(request) -> Path:
     return request.getfixturevalue(request.param)
 
