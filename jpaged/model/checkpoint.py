@@ -103,14 +103,15 @@ def build_model(config: LlamaConfig, tensors: LazyTensors, dtype: Any) -> LlamaF
     tensors of every layer on a leading [num_layers] axis."""
     abstract = nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
+    fused = FUSED_CHECKPOINT_PROBE in tensors.stored
     for path, variable in nnx.to_flat_state(state):
         for part_path, shape in _per_layer(config, path, variable.get_value().shape):
-            for name, part_shape in hf_tensor_shapes(config, part_path, shape).items():
+            for name, part_shape in hf_tensor_shapes(config, part_path, shape, fused).items():
                 tensors.check(name, part_shape)
 
     def load(path: tuple, variable: nnx.Variable) -> nnx.Variable:
         parts = _per_layer(config, path, variable.get_value().shape)
-        values = [_hf_parameter(tensors, part_path) for part_path, _ in parts]
+        values = [_hf_parameter(tensors, part_path, fused) for part_path, _ in parts]
         value = np.stack(values) if path[0] == "layers" else values[0]
         return variable.replace(jnp.asarray(value, dtype))
 
@@ -128,9 +129,9 @@ def _per_layer(
     return [(("layers", i, *path[1:]), shape[1:]) for i in range(config.num_layers)]
 
 
-def _hf_parameter(tensors: LazyTensors, path: tuple) -> np.ndarray:
+def _hf_parameter(tensors: LazyTensors, path: tuple, fused: bool) -> np.ndarray:
     """One layer's (or a global) parameter in jpaged's layout from its Hugging Face tensors."""
-    parts = [tensors[name] for name in hf_tensor_names(path)]
+    parts = [tensors[name] for name in hf_tensor_names(path, fused)]
     value = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
     # Hugging Face [out, in] -> nnx.Linear [in, out]
     return value.T if path[-1] == "kernel" else value
@@ -141,28 +142,34 @@ FUSED_PROJECTIONS = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
     "gate_up_proj": ("gate_proj", "up_proj"),
 }
+# A tensor only checkpoints with fused projections have.
+FUSED_CHECKPOINT_PROBE = "model.layers.0.self_attn.qkv_proj.weight"
 
 
 def hf_tensor_shapes(
-    config: LlamaConfig, path: tuple, shape: tuple[int, ...]
+    config: LlamaConfig, path: tuple, shape: tuple[int, ...], fused: bool = False
 ) -> dict[str, tuple[int, ...]]:
     """Hugging Face name -> shape of the tensors that make the parameter at `path`, whose
-    own shape is `shape`; a fused projection stacks its parts' rows."""
+    own shape is `shape`; a fused projection stacks its parts' rows (unless `fused`: the
+    checkpoint holds it whole)."""
     # Hugging Face stores Linear weights [out, in]; nnx.Linear kernels are [in, out].
     hf_shape = shape[::-1] if path[-1] == "kernel" else shape
     q_rows, kv_rows = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     rows = {"qkv_proj": (q_rows, kv_rows, kv_rows),
             "gate_up_proj": (config.intermediate_size,) * 2}.get(path[-2], hf_shape[:1])
-    names = hf_tensor_names(path)
+    names = hf_tensor_names(path, fused)
+    if len(names) == 1:
+        rows = hf_shape[:1]
     return {name: (r, *hf_shape[1:]) for name, r in zip(names, rows, strict=True)}
 
 
-def hf_tensor_names(path: tuple) -> list[str]:
+def hf_tensor_names(path: tuple, fused: bool = False) -> list[str]:
     """The Hugging Face names of a parameter's tensors, in concatenation order, e.g.
     ('layers', 0, 'mlp', 'gate_up_proj', 'kernel')
-    -> ['model.layers.0.mlp.gate_proj.weight', 'model.layers.0.mlp.up_proj.weight']."""
+    -> ['model.layers.0.mlp.gate_proj.weight', 'model.layers.0.mlp.up_proj.weight'],
+    or ['model.layers.0.mlp.gate_up_proj.weight'] for a `fused` checkpoint."""
     *module, projection, leaf = path
     prefix = "" if path[0] == "lm_head" else "model."
     suffix = ".bias" if leaf == "bias" else ".weight"
-    parts = FUSED_PROJECTIONS.get(projection, (projection,))
+    parts = (projection,) if fused else FUSED_PROJECTIONS.get(projection, (projection,))
     return [prefix + ".".join(map(str, (*module, part))) + suffix for part in parts]

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")
 GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
+# The families whose sliding_window applies (Qwen2/3 carry one that use_sliding_window
+# switches on, which is refused).
+WINDOWED_MODEL_TYPES = ("mistral", "phi3", *GEMMA_MODEL_TYPES)
 # The MLP's activations by their transformers names: SiLU (SwiGLU) and tanh-approximated
 # GELU (Gemma's GeGLU).
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -33,6 +37,18 @@ class LinearRopeScaling:
 
 
 @dataclass(frozen=True)
+class LongRopeScaling:
+    """Phi-3's LongRoPE: frequency i divided by short_factor[i], or by long_factor[i] for a
+    sequence longer than original_max_position_embeddings; cos and sin times
+    attention_factor."""
+
+    short_factor: tuple[float, ...]
+    long_factor: tuple[float, ...]
+    original_max_position_embeddings: int
+    attention_factor: float
+
+
+@dataclass(frozen=True)
 class LlamaConfig:
     """Architecture of a Llama-family decoder.
 
@@ -42,6 +58,8 @@ class LlamaConfig:
     (transformers' names); None with a window makes every layer slide (Mistral).
     local_rope_theta: the RoPE base of sliding layers, which then take no rope_scaling
     (Gemma 3's local RoPE); None: every layer has rope_theta and rope_scaling.
+    partial_rotary_factor: RoPE turns the first rotary_dim = head_dim * factor
+    dimensions of each head and passes the rest (Phi-3, Phi-4-mini).
 
     Gemma's departures from Llama (Gemma 3 adds qk_norm and local_rope_theta):
     hidden_act "gelu_pytorch_tanh" (GeGLU); norm_unit_offset, RMSNorm weights w scale
@@ -68,8 +86,9 @@ class LlamaConfig:
     num_kv_heads: int
     head_dim: int
     rope_theta: float = 10000.0
-    rope_scaling: Llama3RopeScaling | LinearRopeScaling | None = None
+    rope_scaling: Llama3RopeScaling | LinearRopeScaling | LongRopeScaling | None = None
     local_rope_theta: float | None = None
+    partial_rotary_factor: float = 1.0
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     attention_bias: bool = False
@@ -100,6 +119,14 @@ class LlamaConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2:
+            raise ValueError(f"partial_rotary_factor {self.partial_rotary_factor} must be in "
+                             f"(0, 1] and give an even rotary_dim, got {self.rotary_dim}")
+        if isinstance(self.rope_scaling, LongRopeScaling):
+            for name in ("short_factor", "long_factor"):
+                if len(getattr(self.rope_scaling, name)) != self.rotary_dim // 2:
+                    raise ValueError(f"rope {name} has {len(getattr(self.rope_scaling, name))} "
+                                     f"entries, rotary_dim // 2 = {self.rotary_dim // 2} needed")
         if self.hidden_act not in ACTIVATIONS:
             raise ValueError(f"hidden_act {self.hidden_act!r} is not supported; expected one "
                              f"of {ACTIVATIONS}")
@@ -123,6 +150,11 @@ class LlamaConfig:
             if getattr(self, name) % self.shard_groups:
                 raise ValueError(f"{name} ({getattr(self, name)}) must be a multiple of "
                                  f"shard_groups ({self.shard_groups})")
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dimensions of a head RoPE turns."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def attention_scale(self) -> float:
@@ -159,15 +191,17 @@ class LlamaConfig:
             num_kv_heads=d.get("num_key_value_heads") or num_heads,
             head_dim=d.get("head_dim") or d["hidden_size"] // num_heads,
             rope_theta=float(d.get("rope_theta") or rope.get("rope_theta") or 10000.0),
-            rope_scaling=_rope_scaling(rope),
+            rope_scaling=_rope_scaling(rope, d),
             local_rope_theta=local_rope,
+            partial_rotary_factor=float(rope.get("partial_rotary_factor")
+                                        or d.get("partial_rotary_factor") or 1.0),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             # Qwen2 always has q/k/v biases; its configs carry no flag for them.
             attention_bias=d["model_type"] == "qwen2" or bool(d.get("attention_bias", False)),
             qk_norm=d["model_type"] in ("qwen3", "gemma3_text"),
             sliding_window=(d.get("sliding_window")
-                            if d["model_type"] in ("mistral", *GEMMA_MODEL_TYPES) else None),
+                            if d["model_type"] in WINDOWED_MODEL_TYPES else None),
             layer_types=_layer_types(d),
             hidden_act=_activation(d),
             norm_unit_offset=gemma,
@@ -201,7 +235,7 @@ def _check_supported(d: Mapping[str, Any]) -> None:
                          f"{ACTIVATIONS}")
     if d.get("mlp_bias"):
         raise ValueError("mlp_bias=True is not supported")
-    if model_type in ("llama", "mistral", "qwen3", *GEMMA_MODEL_TYPES) and d.get(
+    if model_type in ("llama", "mistral", "qwen3", "phi3", *GEMMA_MODEL_TYPES) and d.get(
             "attention_bias"):
         # Their flag also adds an o_proj bias, which this model does not have.
         raise ValueError(f"attention_bias=True is not supported for model_type {model_type!r}")
@@ -213,6 +247,22 @@ def _check_supported(d: Mapping[str, Any]) -> None:
 def _activation(d: Mapping[str, Any]) -> str:
     """The MLP's activation: Gemma names it hidden_activation, the others hidden_act."""
     return d.get("hidden_activation") or d.get("hidden_act") or "silu"
+
+
+def _long_rope(rope: Mapping[str, Any], d: Mapping[str, Any]) -> LongRopeScaling:
+    """Phi-3's LongRoPE, with transformers' defaults: factor max_position_embeddings /
+    original_max_position_embeddings, attention_factor sqrt(1 + ln(factor) / ln(original))
+    (1 for a factor <= 1)."""
+    original = int(rope.get("original_max_position_embeddings")
+                   or d["original_max_position_embeddings"])
+    factor = rope.get("factor") or d.get("max_position_embeddings", original) / original
+    attention_factor = rope.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = (1.0 if factor <= 1.0
+                            else math.sqrt(1 + math.log(factor) / math.log(original)))
+    return LongRopeScaling(tuple(map(float, rope["short_factor"])),
+                           tuple(map(float, rope["long_factor"])), original,
+                           float(attention_factor))
 
 
 def _layer_types(d: Mapping[str, Any]) -> tuple[str, ...] | None:
@@ -247,16 +297,19 @@ def _rope_parameters(d: Mapping[str, Any]) -> tuple[Mapping[str, Any], float | N
     return rope, float(d.get("rope_local_base_freq", 10000.0))
 
 
-def _rope_scaling(rope: Mapping[str, Any]) -> Llama3RopeScaling | LinearRopeScaling | None:
+def _rope_scaling(rope: Mapping[str, Any], d: Mapping[str, Any]
+                  ) -> Llama3RopeScaling | LinearRopeScaling | LongRopeScaling | None:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type == "default":
         return None
     if rope_type == "linear":
         return LinearRopeScaling(float(rope["factor"]))
+    if rope_type == "longrope":
+        return _long_rope(rope, d)
     if rope_type != "llama3":
         raise ValueError(
-            f"rope_type {rope_type!r} is not supported; expected 'default', 'linear' or "
-            "'llama3'"
+            f"rope_type {rope_type!r} is not supported; expected 'default', 'linear', "
+            "'llama3' or 'longrope'"
         )
     return Llama3RopeScaling(
         factor=float(rope["factor"]),

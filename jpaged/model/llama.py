@@ -27,7 +27,7 @@ from flax import nnx
 from jpaged._deprecation import moved_names
 from jpaged.core.attention_metadata import AttentionMetadata
 from jpaged.model.config import LlamaConfig
-from jpaged.model.rope import apply_rope, layer_rope_frequencies, rotary_tables
+from jpaged.model.rope import apply_rope, layer_ropes, rope_tables
 from kernels_pallas.online_softmax import NO_WINDOW
 from kernels_pallas.reference import ragged_paged_attention_reference, write_kv_reference
 
@@ -138,7 +138,8 @@ class Attention(nnx.Module):
         attention_fn: AttentionFn,
         write_kv_fn: WriteKVFn,
     ) -> tuple[jax.Array, KVCache]:
-        """x [T, hidden], rope (cos, sin) f32 [T, D/2], kv_cache 2 x [L, Hkv, N, bs, D],
+        """x [T, hidden], rope (cos, sin) f32 [T, R/2] (R = rotary_dim), kv_cache
+        2 x [L, Hkv, N, bs, D],
         layer int32 scalar (this layer's index into the cache), window int32 scalar (its
         sliding window, kernels_pallas' NO_WINDOW for none)
         -> ([T, hidden], updated kv_cache)."""
@@ -322,8 +323,7 @@ class LlamaForCausalLM(nnx.Module):
         layer writes and reads its own [layer] slice through the kernels' `layer`
         argument, so a donated cache is updated in place, never sliced or copied.
         """
-        inv_freqs, layer_ropes = layer_rope_frequencies(self.config)
-        cos, sin = rotary_tables(metadata.positions, inv_freqs)  # [K, T, D/2]
+        cos, sin = rope_tables(self.config, metadata)  # [K, T, rotary_dim / 2]
         layer_graph, per_layer, stacked = nnx.split(self.layers, _holds_per_layer_kernels, ...)
 
         def run_layer(carry, layer_and_params):
@@ -341,7 +341,8 @@ class LlamaForCausalLM(nnx.Module):
         if self.config.scale_embeddings:
             x = x * jnp.asarray(self.config.hidden_size**0.5, x.dtype)
         (x, kv_cache), _ = jax.lax.scan(
-            run_layer, (x, kv_cache), (layer_ids, windows, jnp.asarray(layer_ropes), stacked))
+            run_layer, (x, kv_cache),
+            (layer_ids, windows, jnp.asarray(layer_ropes(self.config)), stacked))
         return self.norm(x), kv_cache
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:

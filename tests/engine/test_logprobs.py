@@ -1,7 +1,8 @@
 """Log-probabilities of generated and prompt tokens against transformers' logits.
 
-The oracle is the float32 log-softmax of the PyTorch model's logits over the
-whole sequence (prompt and output) in one forward pass.
+The oracle is the float32 log-softmax of the PyTorch model's logits as generate() gets
+them: the prompt in one forward pass, then one output token at a time (a LongRoPE
+model's factors follow each pass's largest position).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from jpaged.core.step_shapes import BucketSizes
 from jpaged.entrypoints.llm import LLM
 from jpaged.model.loader import load_model
 from jpaged.sampling_params import SamplingParams
+from tests.plugins.hf_models import fed_logits
 
 TOP = 5
 
@@ -25,11 +27,10 @@ def tiny(tiny_model_dir):
     return load_model(tiny_model_dir), oracle
 
 
-def _oracle_log_probs(oracle, tokens: list[int]) -> np.ndarray:
-    """[len(tokens), vocab]: row i holds log p(token i + 1 | tokens[: i + 1])."""
-    with torch.no_grad():
-        logits = oracle(torch.tensor([tokens])).logits[0].float()
-    return torch.log_softmax(logits, dim=-1).numpy()
+def _oracle_log_probs(oracle, prompt: list[int], output: list[int]) -> np.ndarray:
+    """[len(prompt + output), vocab]: row i holds log p(token i + 1 | tokens[: i + 1])."""
+    logits = fed_logits(oracle, prompt + output, [len(prompt)] + [1] * len(output))
+    return torch.log_softmax(torch.from_numpy(logits), dim=-1).numpy()
 
 
 def _check_entry(entry, token, row: np.ndarray, k: int):
@@ -43,6 +44,7 @@ def _check_entry(entry, token, row: np.ndarray, k: int):
     assert {logprob.rank for logprob in entry.values()} >= set(range(1, k + 1))
 
 
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
 @pytest.mark.parametrize("temperature", [0.0, 1.3])
 def test_output_and_prompt_logprobs_match_transformers(tiny, temperature):
     (model, config, tokenizer), oracle = tiny
@@ -58,7 +60,7 @@ def test_output_and_prompt_logprobs_match_transformers(tiny, temperature):
                             prompt_logprobs=TOP, ignore_eos=True, seed=1)
     for prompt, output in zip(prompts, llm.generate(prompts, params), strict=True):
         completion = output.outputs[0]
-        rows = _oracle_log_probs(oracle, prompt + completion.token_ids)
+        rows = _oracle_log_probs(oracle, prompt, completion.token_ids)
         # Logprobs are the model's, before temperature: the raw log-softmax.
         for i, (token, entry) in enumerate(zip(completion.token_ids, completion.logprobs,
                                                strict=True)):

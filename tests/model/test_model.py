@@ -1,8 +1,8 @@
 """The Llama-family model against transformers' PyTorch model (the oracle).
 
-Tiny random Llama (llama3 RoPE scaling, untied, sharded checkpoint) and Qwen2
-(q/k/v biases, tied) models, saved by transformers, run through jpaged's paged
-cache with scattered block tables, ragged batches, chunked prefill and decode.
+Tiny random models of every family (tests/plugins/hf_models.py), saved by transformers,
+run through jpaged's paged cache with scattered block tables, ragged batches, chunked
+prefill and decode.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from jpaged.model.config import LlamaConfig
 from jpaged.model.llama import init_kv_cache
 from jpaged.model.loader import load_model
 from jpaged.model.rope import rope_inverse_frequencies
+from tests.plugins.hf_models import fed_logits
 from tests.plugins.paged_pool import model_step
 
 BLOCK_SIZE = 4
@@ -51,6 +52,7 @@ def test_ragged_prefill_matches_transformers(tiny_model_dir, paged_cache_book):
     np.testing.assert_allclose(np.asarray(logits[: len(prompts)]), expected, atol=1e-4, rtol=0)
 
 
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
 def test_chunked_prefill_and_decode_match_transformers(tiny_model_dir, paged_cache_book):
     """Sequences arrive at different steps; long prompts are split into chunks under a token
     budget and share steps with other sequences' decodes. Every returned row must equal the
@@ -58,11 +60,11 @@ def test_chunked_prefill_and_decode_match_transformers(tiny_model_dir, paged_cac
     model, config, _ = load_model(tiny_model_dir)
     streams = random_tokens(np.random.default_rng(1), config.vocab_size, (41, 15, 9))
     prompt_lens, arrival_step, budget = (30, 11, 6), (0, 0, 2), 12
-    expected = [oracle_logits(tiny_model_dir, s) for s in streams]
     book = paged_cache_book(BLOCK_SIZE, num_blocks=24, max_blocks_per_seq=12, seed=3)
     kv_cache = init_kv_cache(config, book.num_blocks, BLOCK_SIZE)
     graphdef, state = nnx.split(model)
-    fed, step, checked = [0, 0, 0], 0, 0
+    fed, step, rows = [0, 0, 0], 0, []  # rows: (sequence, position, logits)
+    chunk_lens = [[], [], []]
     while any(f < len(s) for f, s in zip(fed, streams, strict=True)):
         chunks, room = [], budget
         for i, stream in enumerate(streams):
@@ -70,18 +72,20 @@ def test_chunked_prefill_and_decode_match_transformers(tiny_model_dir, paged_cac
                 continue
             take = min(prompt_lens[i] - fed[i], room) if fed[i] < prompt_lens[i] else 1
             chunks.append((i, stream[fed[i] : fed[i] + take]))
+            chunk_lens[i].append(take)
             fed[i] += take
             room -= take
         input_ids, metadata = book.step(chunks, num_tokens=budget, num_seqs=4)
         logits, kv_cache = model_step(graphdef, state, input_ids, kv_cache, metadata)
-        for row, (i, _) in enumerate(chunks):
-            np.testing.assert_allclose(
-                np.asarray(logits[row]), expected[i][fed[i] - 1], atol=1e-4, rtol=0,
-                err_msg=f"sequence {i} at position {fed[i] - 1}, step {step}",
-            )
-            checked += 1
+        rows += [(i, fed[i] - 1, np.asarray(logits[row])) for row, (i, _) in enumerate(chunks)]
         step += 1
-    assert checked > sum(len(s) - p for s, p in zip(streams, prompt_lens, strict=True))
+    oracle = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir,
+                                                               dtype=torch.float32)
+    expected = [fed_logits(oracle, s, lens) for s, lens in zip(streams, chunk_lens, strict=True)]
+    for i, position, got in rows:
+        np.testing.assert_allclose(got, expected[i][position], atol=1e-4, rtol=0,
+                                   err_msg=f"sequence {i} at position {position}")
+    assert len(rows) > sum(len(s) - p for s, p in zip(streams, prompt_lens, strict=True))
 
 
 def test_mistral_sees_only_its_window(tiny_mistral_dir, paged_cache_book):

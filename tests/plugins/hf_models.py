@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import pytest
 
 if TYPE_CHECKING:
@@ -173,9 +174,30 @@ def tiny_gemma3_dir(tmp_path_factory) -> Path:
     return _save(model, tokenizer, tmp_path_factory.mktemp("tiny_gemma3"))
 
 
+@pytest.fixture(scope="session")
+def tiny_phi3_dir(tmp_path_factory) -> Path:
+    """Phi-3: fused qkv_proj and gate_up_proj in the checkpoint, RoPE over 3/4 of each head
+    (Phi-4-mini's partial_rotary_factor), LongRoPE switching at 32 tokens (so sequences
+    cross it mid-generation), a window of 12 over every layer."""
+    transformers = oracle_transformers()
+    tokenizer = tiny_tokenizer()
+    rotary_pairs = 6  # head_dim 16 * 0.75 / 2
+    rng = np.random.default_rng(6)
+    config = transformers.Phi3Config(
+        vocab_size=len(tokenizer), **TINY_SHAPE, sliding_window=12, pad_token_id=0,
+        original_max_position_embeddings=32, partial_rotary_factor=0.75,
+        rope_scaling={"rope_type": "longrope",
+                      "short_factor": (1 + rng.random(rotary_pairs)).tolist(),
+                      "long_factor": (2 + 4 * rng.random(rotary_pairs)).tolist()},
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+    )
+    model = randomize(transformers.Phi3ForCausalLM(config), seed=6)
+    return _save(model, tokenizer, tmp_path_factory.mktemp("tiny_phi3"))
+
+
 @pytest.fixture(scope="session", params=["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir",
                                          "tiny_mistral_dir", "tiny_gemma2_dir",
-                                         "tiny_gemma3_dir"])
+                                         "tiny_gemma3_dir", "tiny_phi3_dir"])
 def tiny_model_dir(request) -> Path:
     return request.getfixturevalue(request.param)
 
@@ -195,6 +217,23 @@ def greedy_continuations(model_dir: Path, prompts: list[list[int]], num_tokens: 
                                  pad_token_id=0)
         outputs.append(out[0, len(prompt):].tolist())
     return outputs
+
+
+def fed_logits(model, token_ids: list[int], chunk_lens: list[int]) -> np.ndarray:
+    """f32 [len(token_ids), vocab]: a transformers model's logits when it is fed the tokens
+    chunk by chunk through its KV cache, as an engine feeds them. For most models the
+    chunks change nothing; a LongRoPE model's factors follow each forward call's largest
+    position, so its oracle is fed as the engine is."""
+    torch, transformers = oracle_torch(), oracle_transformers()
+    cache, start, logits = transformers.DynamicCache(config=model.config), 0, []
+    with torch.no_grad():
+        for length in chunk_lens:
+            positions = torch.arange(start, start + length)[None]
+            out = model(torch.tensor([token_ids[start:start + length]]), position_ids=positions,
+                        past_key_values=cache, use_cache=True)
+            logits.append(out.logits[0].float().numpy())
+            start += length
+    return np.concatenate(logits)
 
 
 def transformers_answer(model_dir: Path, prompt: str, max_tokens: int) -> str:
