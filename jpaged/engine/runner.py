@@ -77,7 +77,7 @@ def _decode_as_ragged(decode_fn):
     """
 
     def attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, *, layer,
-                  sliding_window, scale, soft_cap):
+                  scale, sliding_window=None, soft_cap=None):
         num_tokens, num_seqs = q.shape[0], context_lens.shape[0]
         rows = jnp.zeros((num_seqs, *q.shape[1:]), q.dtype).at[: min(num_tokens, num_seqs)].set(
             q[:num_seqs]

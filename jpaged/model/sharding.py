@@ -38,6 +38,7 @@ from jax.sharding import PartitionSpec as P
 
 from jpaged.model.config import LlamaConfig
 from jpaged.model.llama import LlamaForCausalLM
+from kernels_pallas.online_softmax import NO_WINDOW
 
 MODEL_AXIS = "model"
 
@@ -154,17 +155,18 @@ def shard_attention(attention_fn: Callable, mesh: Mesh) -> Callable:
     heads = P(None, MODEL_AXIS)
 
     def attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, *, layer,
-                  sliding_window, scale, soft_cap):
+                  scale, sliding_window=None, soft_cap=None):
         def local(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, layer,
                   sliding_window):
             return attention_fn(q, k_cache, v_cache, block_tables, context_lens,
                                 query_start_loc, layer=layer, sliding_window=sliding_window,
                                 scale=scale, soft_cap=soft_cap)
 
+        window = NO_WINDOW if sliding_window is None else sliding_window
         in_specs = (heads, KV_CACHE_SPEC, KV_CACHE_SPEC, P(), P(), P(), P(), P())
         return shard_map(local, mesh, in_specs, heads)(
             q, k_cache, v_cache, block_tables, context_lens, query_start_loc, layer,
-            sliding_window)
+            jnp.int32(window))
 
     return attention
 
