@@ -1,11 +1,12 @@
 """A Llama-family decoder in Flax NNX that reads and writes a paged KV cache.
 
 One module covers Llama 2/3 (llama3 RoPE scaling), SmolLM2, Mistral (a sliding
-window), Qwen2/2.5 (q/k/v biases) and Qwen3 (RMSNorm of each query and key head):
-RMSNorm, rotate-half RoPE, grouped-query attention with a window per layer, SwiGLU
-MLP, tied or untied embeddings. A step
-(`hidden_states`) takes a flat run of new tokens from several sequences (prefill
-chunks and decodes mixed), writes their K/V into the paged cache at
+window), Qwen2/2.5 (q/k/v biases), Qwen3 (RMSNorm of each query and key head),
+Gemma 2 and 3 (GeGLU, sandwich norms, soft-caps, local and global layers) and Phi-3
+(partial rotary, LongRoPE): RMSNorm, rotate-half RoPE, grouped-query attention with
+a window per layer, gated MLP, tied or untied embeddings (LlamaConfig says which).
+A step (`hidden_states`) takes a flat run of new tokens from several sequences
+(prefill chunks and decodes mixed), writes their K/V into the paged cache at
 `metadata.slot_mapping` and attends through the block tables; `compute_logits`
 then gives the logits of the rows the sampler draws from.
 
@@ -35,10 +36,10 @@ from kernels_pallas.reference import ragged_paged_attention_reference, write_kv_
 # head_dim]: one array per kind, indexed by layer inside the step.
 KVCache = tuple[jax.Array, jax.Array]
 AttentionFn = Callable[..., jax.Array]
+WriteKVFn = Callable[..., KVCache]
 # The MLP's activations (LlamaConfig.hidden_act).
 ACTIVATIONS = {"silu": jax.nn.silu,
                "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
-WriteKVFn = Callable[..., KVCache]
 __getattr__ = moved_names(__name__, {"init_kv_caches": "jpaged.model.llama:init_kv_cache"})
 
 class RMSNorm(nnx.Module):
@@ -139,9 +140,8 @@ class Attention(nnx.Module):
         write_kv_fn: WriteKVFn,
     ) -> tuple[jax.Array, KVCache]:
         """x [T, hidden], rope (cos, sin) f32 [T, R/2] (R = rotary_dim), kv_cache
-        2 x [L, Hkv, N, bs, D],
-        layer int32 scalar (this layer's index into the cache), window int32 scalar (its
-        sliding window, kernels_pallas' NO_WINDOW for none)
+        2 x [L, Hkv, N, bs, D], layer int32 scalar (this layer's index into the cache),
+        window int32 scalar (its sliding window, kernels_pallas' NO_WINDOW for none)
         -> ([T, hidden], updated kv_cache)."""
         num_tokens, groups = x.shape[0], self.shard_groups
         q_heads, kv_heads = self.num_heads // groups, self.num_kv_heads // groups
