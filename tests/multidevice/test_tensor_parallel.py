@@ -103,9 +103,11 @@ def kv_bytes(hf_config, num_kv_heads: int) -> int:
 
 
 @pytest.fixture(scope="module")
-def loaded_models(tiny_llama_dir, tiny_qwen2_dir, tiny_mistral_dir, tiny_phi3_dir):
+def loaded_models(tiny_llama_dir, tiny_qwen2_dir, tiny_mistral_dir, tiny_phi3_dir,
+                  tiny_gemma3_dir):
     return {"llama": load_model(tiny_llama_dir), "qwen2": load_model(tiny_qwen2_dir),
-            "mistral": load_model(tiny_mistral_dir), "phi3": load_model(tiny_phi3_dir)}
+            "mistral": load_model(tiny_mistral_dir), "phi3": load_model(tiny_phi3_dir),
+            "gemma3": load_model(tiny_gemma3_dir)}
 
 
 @pytest.fixture(scope="module")
@@ -127,13 +129,14 @@ def one_device_outputs(loaded_models):
 @pytest.mark.parametrize("backend",
                          ["reference", "xla", kernels_pallas.pallas_implementation(False)])
 @pytest.mark.parametrize("size,name", [(2, "llama"), (4, "llama"), (2, "qwen2"), (4, "qwen2"),
-                                       (2, "mistral"), (2, "phi3")])
+                                       (2, "mistral"), (2, "phi3"), (4, "gemma3")])
 def test_tensor_parallel_greedy_matches_one_device(
     size, name, backend, loaded_models, one_device_outputs, request
 ):
     """4 query heads, 2 KV heads: TP 2 splits the KV heads, TP 4 replicates each on two
     devices; Mistral's window of 8 is crossed by every prompt; Phi-3's fused checkpoint
-    projections are regrouped per device. Also: the cache's bytes per
+    projections are regrouped per device; Gemma 3's local and global layers run with
+    their KV heads replicated. Also: the cache's bytes per
     device, and the collectives of the compiled decode step (and mixed step, at TP 2): two
     all-reduces per layer, nothing else."""
     interpret = kernel_interpret(backend) if backend in ("tpu", "triton") else False
