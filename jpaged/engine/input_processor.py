@@ -144,16 +144,12 @@ class InputProcessor:
         if token_ids is None:
             _check_encodable("prompt", text)
             return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        vocab_size = self.limits.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab_size]
-        if bad:
-            raise InvalidParameter(
-                "prompt", f"token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+        self._check_vocabulary("prompt", token_ids)
         return token_ids
 
     def _check_vocabulary(self, name: str, token_ids) -> None:
         vocab_size = self.limits.vocab_size
-        bad = [t for t in token_ids if t >= vocab_size]
+        bad = [t for t in token_ids if not 0 <= t < vocab_size]
         if bad:
             raise InvalidParameter(
                 name, f"{name} has token ids {bad[:5]} outside the vocabulary [0, {vocab_size})")

@@ -148,7 +148,21 @@ class ChatMessage(OpenAIBaseModel):
         return {"role": self.role, "content": self.text}
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatTemplateFields(OpenAIBaseModel):
+    """vLLM's chat template fields, of chat requests and of /tokenize."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def template_options(self) -> dict[str, Any]:
+        """The keyword arguments of the engine's apply_chat_template."""
+        return dict(add_generation_prompt=self.add_generation_prompt,
+                    continue_final_message=self.continue_final_message,
+                    chat_template_kwargs=self.chat_template_kwargs)
+
+
+class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     """POST /v1/chat/completions. max_completion_tokens wins over max_tokens; neither
     means up to max_model_len. logprobs=True reports each output token's
     log-probability and its top_logprobs alternatives.
@@ -166,9 +180,6 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: Annotated[Integer, Field(ge=0, le=20)] | None = None
     echo: bool = False
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None  # accepted and not used: tools are refused
 
     @property

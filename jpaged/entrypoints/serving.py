@@ -323,9 +323,7 @@ class OpenAIServing:
         self.check_model(body.model)
         params = chat_sampling_params(body, self.max_logprobs)
         messages = [message.as_template_message() for message in body.messages]
-        options = dict(add_generation_prompt=body.add_generation_prompt,
-                       continue_final_message=body.continue_final_message,
-                       chat_template_kwargs=body.chat_template_kwargs)
+        options = body.template_options()
         token_ids = await self.on_engine(
             lambda engine: engine.apply_chat_template(messages, **options), "messages")
         max_tokens, param = chat_max_tokens(body)

@@ -14,18 +14,23 @@ Like vLLM's, these paths are outside /v1, so an API key does not guard them.
 from __future__ import annotations
 
 from importlib.metadata import version
-from typing import Annotated, Any
+from typing import Annotated
 
 from pydantic import Field
 
 from jpaged.engine.async_engine import Engine
 from jpaged.entrypoints.errors import ApiError
-from jpaged.entrypoints.protocol import ChatMessage, Integer, OpenAIBaseModel
+from jpaged.entrypoints.protocol import (
+    ChatMessage,
+    ChatTemplateFields,
+    Integer,
+    OpenAIBaseModel,
+)
 from jpaged.entrypoints.serving import OpenAIServing
 from jpaged.model.tokenizer import SPECIAL_TOKEN_NAMES
 
 
-class TokenizeRequest(OpenAIBaseModel):
+class TokenizeRequest(ChatTemplateFields):
     """A text `prompt`, or chat `messages` with the chat completions' template fields.
     add_special_tokens: BOS/EOS as the model adds them to a prompt (default: yes for a
     prompt, no for messages, whose template writes its own, as in vLLM)."""
@@ -34,9 +39,6 @@ class TokenizeRequest(OpenAIBaseModel):
     prompt: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     add_special_tokens: bool | None = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
 
@@ -61,10 +63,8 @@ class TokenizerEndpoints:
                 lambda engine: engine.tokenize(body.prompt, special), "prompt")
         else:
             messages = [message.as_template_message() for message in body.messages]
-            options = dict(add_generation_prompt=body.add_generation_prompt,
-                           continue_final_message=body.continue_final_message,
-                           chat_template_kwargs=body.chat_template_kwargs,
-                           add_special_tokens=bool(body.add_special_tokens))
+            options = body.template_options() | {
+                "add_special_tokens": bool(body.add_special_tokens)}
             tokens = await self.serving.on_engine(
                 lambda engine: engine.apply_chat_template(messages, **options), "messages")
         token_strs = None
