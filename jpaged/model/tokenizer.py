@@ -6,9 +6,10 @@ transformers does. It comes from
 - a Hugging Face directory: tokenizer.json, with special tokens and the chat
   template from tokenizer_config.json, special_tokens_map.json, chat_template.jinja
   or chat_template.json;
-- a GGUF file's `tokenizer.ggml.*` metadata: llama.cpp's "gpt2" tokenizer model,
-  a byte-level BPE (tokens spelled in GPT-2's byte alphabet, merges, token types),
-  rebuilt the way transformers rebuilds it.
+- a GGUF file's `tokenizer.ggml.*` metadata, rebuilt the way transformers rebuilds it:
+  llama.cpp's "gpt2" tokenizer model, a byte-level BPE (tokens spelled in GPT-2's byte
+  alphabet, merges, token types); or Gemma's SentencePiece BPE (tokenizer model "llama"
+  in a "gemma3" file: "▁" for spaces, byte fallback, no merges stored).
 
 Its methods keep transformers' names and meanings: `encode`, `decode`,
 `apply_chat_template`, `convert_tokens_to_ids`, `convert_ids_to_tokens`, `len()`,
@@ -27,7 +28,7 @@ from typing import Any
 from jinja2.exceptions import TemplateError
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers.models import BPE
 
@@ -44,6 +45,10 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# GGUF architectures whose "llama" (SentencePiece) vocabulary is Gemma's.
+GEMMA_GGUF_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
+# SentencePiece's word-boundary mark, which stands for a space in its vocabularies.
+SPACE_MARK = "\u2581"
 GGUF_PRE_TOKENIZER_SPLITS = {
     "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT,
     "smaug-bpe": _LLAMA3_SPLIT, "dbrx": _LLAMA3_SPLIT,
@@ -104,22 +109,30 @@ class Tokenizer:
     def from_gguf_metadata(cls, metadata: Mapping[str, Any]) -> Tokenizer:
         """The tokenizer a GGUF's metadata describes (key -> value, as gguf reads them)."""
         model = metadata.get("tokenizer.ggml.model")
-        if model != "gpt2":
-            raise TokenizerError(
-                f"GGUF tokenizer model {model!r} is not supported; jpaged reads 'gpt2' "
-                "(byte-level BPE) tokenizers: load the model's Hugging Face directory instead"
-            )
+        arch = metadata.get("general.architecture")
         tokens = list(metadata["tokenizer.ggml.tokens"])
         token_types = list(metadata.get("tokenizer.ggml.token_type") or [])
-        backend = _byte_level_bpe(tokens, metadata.get("tokenizer.ggml.merges") or [],
-                                  metadata.get("tokenizer.ggml.pre"))
-        _add_marked_tokens(backend, tokens, token_types)
+        if model == "gpt2":
+            backend = _byte_level_bpe(tokens, metadata.get("tokenizer.ggml.merges") or [],
+                                      metadata.get("tokenizer.ggml.pre"))
+            add_bos_default = False
+        elif model == "llama" and arch in GEMMA_GGUF_ARCHITECTURES:
+            backend = _gemma_sentencepiece_bpe(tokens)
+            add_bos_default = True  # llama.cpp's default for SentencePiece vocabularies
+        else:
+            raise TokenizerError(
+                f"GGUF tokenizer model {model!r} (architecture {arch!r}) is not supported; "
+                "jpaged reads 'gpt2' (byte-level BPE) tokenizers and Gemma's 'llama' "
+                "(SentencePiece) ones: load the model's Hugging Face directory instead"
+            )
+        _add_marked_tokens(backend, tokens, token_types, byte_level=model == "gpt2")
         ids = {"bos_token": "bos_token_id", "eos_token": "eos_token_id",
                "unk_token": "unknown_token_id", "pad_token": "padding_token_id"}
         special = {name: tokens[metadata[f"tokenizer.ggml.{key}"]] for name, key in ids.items()
                    if f"tokenizer.ggml.{key}" in metadata}
+        add_bos = metadata.get("tokenizer.ggml.add_bos_token", add_bos_default)
         return cls(backend, special, chat_template=metadata.get("tokenizer.chat_template"),
-                   add_bos_token=bool(metadata.get("tokenizer.ggml.add_bos_token", False)),
+                   add_bos_token=bool(add_bos),
                    add_eos_token=bool(metadata.get("tokenizer.ggml.add_eos_token", False)))
 
     def __len__(self) -> int:
@@ -236,18 +249,47 @@ def _byte_level_bpe(tokens: list[str], merges: Sequence[str], pre: str | None
     return backend
 
 
-def _add_marked_tokens(backend: BackendTokenizer, tokens: list[str], token_types: list[int]
-                       ) -> None:
+def _gemma_sentencepiece_bpe(tokens: list[str]) -> BackendTokenizer:
+    """Gemma's SentencePiece BPE from its GGUF vocabulary: spaces become SPACE_MARK before
+    BPE, unknown characters fall back to their <0xNN> byte tokens, and the decoder undoes
+    both.
+
+    llama.cpp spells the tokens made only of spaces with real spaces; they are respelled
+    with SPACE_MARK, as the text they match is. The file stores no merges: every split of a
+    token into two vocabulary tokens is a merge, ranked by the token's position in the
+    file (earlier first: Gemma's scores do not follow its merge order, its positions do),
+    and among the splits of one token the longer left part first, as transformers orders
+    them.
+    """
+    spelled = [SPACE_MARK * len(t) if t and not t.strip(" ") else t for t in tokens]
+    vocab = {token: i for i, token in enumerate(spelled)}
+    merges = [
+        (token[:cut], token[cut:])
+        for token in sorted(vocab, key=vocab.__getitem__)
+        for cut in range(len(token) - 1, 0, -1)
+        if token[:cut] in vocab and token[cut:] in vocab
+    ]
+    backend = BackendTokenizer(BPE(vocab=vocab, merges=merges, dropout=None, unk_token="<unk>",
+                                   fuse_unk=True, byte_fallback=True))
+    backend.normalizer = normalizers.Replace(" ", SPACE_MARK)
+    backend.decoder = decoders.Sequence([decoders.Replace(SPACE_MARK, " "),
+                                         decoders.ByteFallback(), decoders.Fuse()])
+    return backend
+
+
+def _add_marked_tokens(backend: BackendTokenizer, tokens: list[str], token_types: list[int],
+                       byte_level: bool) -> None:
     """Keep control tokens (special) and user-defined ones (plain) whole in the text.
 
-    A control token spelled outside the byte alphabet is a mislabelled byte sequence in
-    llama.cpp's files; adding it would grow the vocabulary past the model's, so it is left.
+    In a byte-level vocabulary a control token spelled outside the byte alphabet is a
+    mislabelled byte sequence in llama.cpp's files; adding it would grow the vocabulary
+    past the model's, so it is left.
     """
     alphabet = set(byte_alphabet().values())
     vocab = backend.get_vocab()
     typed = list(zip(tokens, token_types, strict=False))
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, kind in typed
-                                if kind == CONTROL and set(t) <= alphabet])
+                                if kind == CONTROL and (not byte_level or set(t) <= alphabet)])
     backend.add_tokens([AddedToken(t, special=False, normalized=False) for t, kind in typed
                         if kind == USER_DEFINED and t in vocab])
 

