@@ -118,8 +118,8 @@ class ContiguousArena:
             self._hole_starts.insert(i, start)
             self._hole_lens.insert(i, size)
 
-    def cache_computed_blocks(self, seq: Sequence) -> None:
-        """Contiguous slabs have no prefix cache: nothing to register."""
+    def mark_computed(self, seq: Sequence) -> None:
+        """Contiguous slabs have no prefix cache and free nothing early: nothing to do."""
 
     def end_step(self) -> BlockOps:
         """Slabs never move: no copies, no swaps."""

@@ -73,6 +73,9 @@ def _parser() -> argparse.ArgumentParser:
                          help="KV allocation: paged, or an Orca baseline reserving each "
                          "request's max_model_len, prompt + pow2(output) or true length "
                          "(orca-pow2 and orca-oracle need --ignore-eos)")
+        sub.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                         help="keep every KV block of a model whose layers all slide, "
+                         "instead of freeing those that leave a sequence's window")
         sub.add_argument("--max-num-seqs", type=int, default=None,
                          help="sequences one step runs at most (default: the engine's)")
         sub.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -102,6 +105,7 @@ def _llm(args: argparse.Namespace) -> LLM:
     return LLM(args.model, dtype=args.dtype, block_size=args.block_size, num_blocks=args.num_blocks,
                kv_cache_memory=memory, max_model_len=args.max_model_len,
                attention_backend=args.attention_backend, allocation=args.allocation,
+               disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
                tensor_parallel_size=args.tensor_parallel_size,
                data_parallel_size=args.data_parallel_size, **(_batch_limit(args) | limits))
 

@@ -18,6 +18,9 @@ class CacheConfig:
     its parent's blocks, copy-on-write, or copies all of them before its first
     write. False is the no-sharing baseline of the paper's memory comparison;
     the prefix cache shares blocks across requests either way.
+    sliding_window: W when every layer of the model sees only its last W keys:
+    the blocks that fall out of a sequence's window go back to the pool. None
+    keeps every block.
     """
 
     block_size: int = 16
@@ -26,6 +29,7 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     watermark: float = 0.01
     share_blocks: bool = True
+    sliding_window: int | None = None
 
     def __post_init__(self):
         if self.block_size < 1:
@@ -38,6 +42,8 @@ class CacheConfig:
             raise ValueError(f"num_host_blocks must be >= 0, got {self.num_host_blocks}")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {self.sliding_window}")
 
 
 @dataclass(frozen=True)

@@ -216,8 +216,8 @@ class Scheduler:
                            ) -> SchedulerStats:
         """Apply what the step computed and drew; the queues it leaves.
 
-        Every scheduled sequence has its new tokens computed (and its full blocks
-        offered to the prefix cache). Each drawing group then takes its tokens
+        Every scheduled sequence has its new tokens computed (its full blocks
+        offered to the prefix cache, the blocks its window left given back). Each drawing group then takes its tokens
         (`SampledTokens`): a prompt with n > 1 forks its samples first, which
         share its blocks; a beam search takes its `BeamChoice`; a group with a
         non-finite draw ends with FINISHED_ERROR. A sequence ends (its blocks
@@ -225,10 +225,10 @@ class Scheduler:
         max_tokens and at max_model_len.
         """
         scheduled = plan.scheduled
-        cache_computed_blocks = self.block_manager.cache_computed_blocks
+        mark_computed = self.block_manager.mark_computed
         for seq, num_new_tokens in scheduled:
             seq.num_computed_tokens += num_new_tokens
-            cache_computed_blocks(seq)
+            mark_computed(seq)
         tokens = sampled.tokens.tolist()
         all_finite = bool(sampled.finite.all())
         first, ended = 0, False

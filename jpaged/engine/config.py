@@ -30,6 +30,9 @@ class EngineConfig:
     and so the beam-search candidates per beam. share_blocks=False makes forked
     samples and beams copy all their parent's blocks before their first write
     instead of sharing them: the no-sharing baseline.
+    disable_hybrid_kv_cache_manager (vLLM's name): keep every KV block of a
+    model whose layers all slide, instead of freeing the blocks that leave a
+    sequence's window: the baseline for measuring what freeing saves.
 
     allocation: "paged" allocates blocks as tokens arrive (BlockManager).
     "orca-max", "orca-pow2" and "orca-oracle" are the paper's Orca baselines on
@@ -79,6 +82,7 @@ class EngineConfig:
     seed: int = 0
     max_logprobs: int = 20
     share_blocks: bool = True
+    disable_hybrid_kv_cache_manager: bool = False
     allocation: Allocation = "paged"
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1

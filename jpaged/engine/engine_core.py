@@ -80,13 +80,20 @@ class CoreOutput:
     error: BaseException | None = None
 
 
-def make_kv_manager(config: EngineConfig, num_blocks: int, max_model_len: int) -> KVManager:
-    """Paged blocks, or Orca's reservations on them (`allocation`)."""
+def make_kv_manager(config: EngineConfig, num_blocks: int, max_model_len: int,
+                    layer_windows: tuple[int | None, ...]) -> KVManager:
+    """Paged blocks, or Orca's reservations on them (`allocation`). Paged blocks of a
+    model whose layers all slide by one window leave as the window passes them, unless
+    `disable_hybrid_kv_cache_manager`; Orca reserves, and keeps, every block."""
+    windows = set(layer_windows)
+    frees_window = (config.allocation == "paged" and not config.disable_hybrid_kv_cache_manager
+                    and len(windows) == 1 and None not in windows)
     cache_config = CacheConfig(
         block_size=config.block_size, num_blocks=num_blocks,
         num_host_blocks=config.num_host_blocks,
         enable_prefix_caching=config.enable_prefix_caching and config.allocation == "paged",
         share_blocks=config.share_blocks,
+        sliding_window=layer_windows[0] if frees_window else None,
     )
     if config.allocation == "paged":
         return BlockManager(cache_config)
@@ -140,13 +147,15 @@ class EngineCore:
                              manager.logical_blocks_used)
 
     def _block_usage(self, plan: SchedulerOutput) -> list[tuple[str, int, int]]:
-        """(request id, logical blocks, distinct blocks) of each running request."""
+        """(request id, logical blocks, distinct blocks) of each running request; entries
+        released from a sliding window (the null block) count in neither."""
         table, usage = self.kv_manager.block_table, []
         for group in plan.running:
             tables = [table(seq).array for seq in group.seqs
                       if seq.status is SequenceStatus.RUNNING]
-            logical = sum(len(t) for t in tables)
-            physical = logical if len(tables) == 1 else len(np.unique(np.concatenate(tables)))
+            logical = sum(int(np.count_nonzero(t)) for t in tables)
+            physical = (logical if len(tables) == 1
+                        else int(np.count_nonzero(np.unique(np.concatenate(tables)))))
             usage.append((group.request_id, logical, physical))
         return usage
 

@@ -81,7 +81,8 @@ class LLMEngine:
                                            None if mesh is None else mesh.devices.flat[0])
         logger.info("%s", self.kv_cache_info)
         num_blocks = self.kv_cache_info.num_blocks
-        kv_manager = make_kv_manager(config, num_blocks, self.max_model_len)
+        kv_manager = make_kv_manager(config, num_blocks, self.max_model_len,
+                                     self.model_config.layer_windows)
         scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,

@@ -19,6 +19,12 @@ A prefix hit needs a cached block whose key (parent entry, salt, tokens) equals
 the sequence's, block after block from the first: the hash only finds the
 candidate, so a collision is a miss and the chain of hits stops there. Blocks
 the allocator hands out lose their cache entries (`PrefixCache.evict`).
+
+With a sliding window of W tokens on every layer (`CacheConfig.sliding_window`), a
+query at position p reads keys p - W + 1 .. p only: the blocks wholly before the next
+computed token's window go back to the pool as the sequence is scheduled, last first,
+and their table entries point at the null block. Those released entries are always a
+table's leading ones; the kernels never read them (pages before a window are skipped).
 """
 
 from __future__ import annotations
@@ -64,6 +70,8 @@ class _SeqBlocks:
                   blocks, which lie before the sequence's next write.
     owes_copies:  forked without `share_blocks`: the next append copies every
                   shared entry, written or not.
+    num_released: leading table entries out of the window, given back to the pool and
+                  pointing at the null block (0 without a window).
     """
 
     cache_salt: str | None
@@ -74,6 +82,7 @@ class _SeqBlocks:
     num_shared: int = 0
     on_host: bool = False
     owes_copies: bool = False
+    num_released: int = 0
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -97,6 +106,7 @@ class BlockManager:
         self.num_host_blocks = cache_config.num_host_blocks
         self.enable_prefix_caching = cache_config.enable_prefix_caching
         self.share_blocks = cache_config.share_blocks
+        self.sliding_window = cache_config.sliding_window
         self.watermark_blocks = int(cache_config.watermark * self.num_device_blocks)
         self.prefix_cache_stats = PrefixCacheStats()
         self.state: AllocatorState = allocator.create(cache_config.num_blocks,
@@ -172,15 +182,25 @@ class BlockManager:
         Every device and host block's reference count equals the number of the
         running (device) and swapped (host) sequences' tables holding it, so a
         block is free exactly when none does; the free counts agree; the null
-        block is in no table; the logical block count is the tables' total.
+        block is in no table but as its released leading entries, which are all
+        the entries before the window of the sequence's next token; the logical
+        block count is the tables' total, released entries excepted.
         """
         device = [self.block_table(seq).array for seq in running]
         host = [self.host_block_table(seq).array for seq in swapped]
         problems = holder_problems("device", self.state.device, device, first=1)
         problems += holder_problems("host", self.state.host, host, first=0)
-        if any((table == 0).any() for table in device):
-            problems.append("the null block is in a table")
-        logical = sum(len(table) for table in device)
+        for seq, table in zip(running, device, strict=True):
+            released = self._seqs[seq.seq_id].num_released
+            if (table[:released] != 0).any() or (table[released:] == 0).any():
+                problems.append(f"sequence {seq.seq_id}: the null block outside its "
+                                f"{released} released entries")
+            out_of_window = min(self._window_start_block(seq.num_computed_tokens), len(table))
+            if released != out_of_window:
+                problems.append(f"sequence {seq.seq_id}: {released} entries released, "
+                                f"{out_of_window} out of its window")
+        logical = sum(len(table) for table in device) - sum(
+            self._seqs[seq.seq_id].num_released for seq in running)
         if self.logical_blocks_used != logical:
             problems.append(f"logical blocks {self.logical_blocks_used}, tables hold {logical}")
         if problems:
@@ -224,13 +244,25 @@ class BlockManager:
             cache_ids.append(parent)
         return blocks, cache_ids
 
+    def _window_start_block(self, position: int) -> int:
+        """Leading table entries that a query at `position`, and every later one, no
+        longer reads: the blocks wholly before key position - W + 1 (none without a
+        window)."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, position - self.sliding_window + 1) // self.block_size
+
     def _admission_cost(self, seqs: list[Sequence], hits: list[list[int]]) -> int:
-        """Free blocks that admitting `seqs` with these prefix hits consumes."""
-        num_blocks = sum(_cdiv(len(seq), self.block_size) for seq in seqs)
-        num_hits = sum(len(seq_hits) for seq_hits in hits)
+        """Free blocks that admitting `seqs` with these prefix hits consumes; a hit
+        before the window of the first token to compute is not taken."""
+        num_blocks, taken = 0, []
+        for seq, seq_hits in zip(seqs, hits, strict=True):
+            released = self._window_start_block(len(seq_hits) * self.block_size)
+            num_blocks += _cdiv(len(seq), self.block_size) - released
+            taken += seq_hits[released:]
         refcounts = self.state.device.refcounts
-        free_hits = {b for seq_hits in hits for b in seq_hits if refcounts[b] == 0}
-        return num_blocks - num_hits + len(free_hits)
+        free_hits = {block for block in taken if refcounts[block] == 0}
+        return num_blocks - len(taken) + len(free_hits)
 
     def check_fits(self, group: SequenceGroup) -> None:
         """Raise ValueError if the group's prompt needs more blocks than the pool holds
@@ -263,7 +295,11 @@ class BlockManager:
 
         Prefix-cache hits become the leading blocks and set
         `seq.num_computed_tokens` (never covering the last token); the other
-        sequences of a recomputed group get blocks of their own.
+        sequences of a recomputed group get blocks of their own. With a sliding
+        window a table starts with its hits alone (those before the window as
+        released entries): `append_slots` adds blocks chunk by chunk, so a long
+        prompt never holds blocks its window has left. Admission still asks room
+        for all of them.
         """
         seqs = group.seqs_with(SequenceStatus.WAITING)
         for seq in seqs:
@@ -277,16 +313,24 @@ class BlockManager:
                 f"group {group.request_id} needs {cost} free blocks, "
                 f"only {self.num_free_blocks} are free"
             )
-        for seq_hits, _ in hits:
-            for block in seq_hits:
+        # Every hit is taken before any block is allocated: a free cached hit must not
+        # be handed out as another sequence's new block.
+        num_released = [self._window_start_block(len(seq_hits) * self.block_size)
+                        for seq_hits, _ in hits]
+        for (seq_hits, _), released in zip(hits, num_released, strict=True):
+            for block in seq_hits[released:]:
                 self.state = allocator.take(self.state, block)
-        for seq, (seq_hits, cache_ids) in zip(seqs, hits, strict=True):
-            new_blocks = self._allocate(_cdiv(len(seq), self.block_size) - len(seq_hits))
+        for seq, (seq_hits, cache_ids), released in zip(seqs, hits, num_released, strict=True):
+            num_new = (0 if self.sliding_window is not None
+                       else _cdiv(len(seq), self.block_size) - len(seq_hits))
+            new_blocks = self._allocate(num_new)
             record = self._record(seq, group.cache_salt)
-            record.table = BlockTable(seq_hits + new_blocks.tolist())
+            record.table = BlockTable([0] * released + seq_hits[released:]
+                                      + new_blocks.tolist())
             record.cache_ids = cache_ids
             record.num_shared = len(seq_hits)
-            self._logical_blocks += len(record.table)
+            record.num_released = released
+            self._logical_blocks += len(record.table) - released
             seq.num_computed_tokens = len(seq_hits) * self.block_size
             if group.use_prefix_cache:
                 self._count_query(seq, len(seq_hits))
@@ -344,6 +388,20 @@ class BlockManager:
                 num_copies += num_writers if holders > num_writers else num_writers - 1
         return num_copies
 
+    def _release_out_of_window(self, record: _SeqBlocks, position: int) -> None:
+        """Give back the table's blocks wholly before the window of a query at
+        `position`, last first; their entries point at the null block."""
+        num_released = min(self._window_start_block(position), len(record.table))
+        if num_released <= record.num_released:
+            return
+        table = record.table
+        blocks = table.array[record.num_released:num_released].copy()
+        self.state = allocator.free(self.state, blocks[::-1])
+        for i in range(record.num_released, num_released):
+            table.replace(i, 0)
+        self._logical_blocks -= len(blocks)
+        record.num_released = num_released
+
     def has_decode_slot(self, seq: Sequence) -> bool:
         """Whether the slot of seq's next token exists and is private: no block work needed."""
         record = self._seqs[seq.seq_id]
@@ -400,7 +458,7 @@ class BlockManager:
             raise ValueError(f"child sequence {child.seq_id} already has a block table")
         source = self._seqs[parent.seq_id]
         table = self.block_table(parent)
-        self.state = allocator.share(self.state, table.array)
+        self.state = allocator.share(self.state, table.array[source.num_released:])
         source.num_shared = len(table)
         self._seqs[child.seq_id] = _SeqBlocks(
             source.cache_salt,
@@ -410,8 +468,9 @@ class BlockManager:
             list(source.cache_ids),
             num_shared=len(table),
             owes_copies=not self.share_blocks,
+            num_released=source.num_released,
         )
-        self._logical_blocks += len(table)
+        self._logical_blocks += len(table) - source.num_released
 
     def free(self, seq: Sequence) -> None:
         """Forget `seq`: drop its table (device or host) and its memoised hashes.
@@ -422,31 +481,43 @@ class BlockManager:
         record = self._seqs.pop(seq.seq_id, None)
         if record is None:
             return
-        release = allocator.free_host if record.on_host else allocator.free
-        self.state = release(self.state, record.table.array[::-1])
-        if not record.on_host:
-            self._logical_blocks -= len(record.table)
+        if record.on_host:
+            self.state = allocator.free_host(self.state, record.table.array[::-1])
+            return
+        held = record.table.array[record.num_released:]
+        self.state = allocator.free(self.state, held[::-1])
+        self._logical_blocks -= len(held)
 
-    def cache_computed_blocks(self, seq: Sequence) -> None:
+    def mark_computed(self, seq: Sequence) -> None:
+        """seq's tokens up to its num_computed_tokens now hold K/V: register its full
+        blocks in the prefix cache, and give back the blocks that no later token's
+        window reads."""
+        record = self._seqs[seq.seq_id]
+        if record.on_host:
+            raise ValueError(f"sequence {seq.seq_id} is swapped out: its blocks hold no K/V")
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(seq, record)
+        if self.sliding_window is not None:
+            self._release_out_of_window(record, seq.num_computed_tokens)
+
+    def _cache_full_blocks(self, seq: Sequence, record: _SeqBlocks) -> None:
         """Register seq's blocks that are now full and computed in the prefix cache.
 
         A block whose hash another block already holds stays private: the
         first copy serves later hits. If that block holds other tokens (a hash
         collision), no hit could get past it, so registration stops there and
         tries again next time (the other block may have been evicted by then).
+        A block released from the window before it was registered ends the chain.
         """
-        if not self.enable_prefix_caching:
-            return
-        record = self._seqs[seq.seq_id]
         num_full = seq.num_computed_tokens // self.block_size
         cache_ids = record.cache_ids
         if num_full <= len(cache_ids):
             return
-        if record.on_host:
-            raise ValueError(f"sequence {seq.seq_id} is swapped out: its blocks hold no K/V")
         num_full = min(num_full, len(record.table))
         self._memoise_blocks(seq, record, num_full)
         for i in range(len(cache_ids), num_full):
+            if i < record.num_released:
+                return
             parent = cache_ids[-1] if cache_ids else NO_PARENT
             cache_id = self.prefix_cache.register(
                 record.table.block(i), record.block_hashes[i],
@@ -459,13 +530,16 @@ class BlockManager:
     # Swapping ----------------------------------------------------------------------
 
     def _tables(self, seqs: list[Sequence], on_host: bool) -> list[list[int]]:
-        """The tables of `seqs`, which must all be on the host (or all on the device)."""
+        """The blocks the tables of `seqs` hold, which must all be on the host (or all on
+        the device): a device table's released entries are not blocks, and a host table
+        has none."""
         records = [self._seqs[seq.seq_id] for seq in seqs]
         for seq, record in zip(seqs, records, strict=True):
             if record.on_host != on_host:
                 where = "on the device" if on_host else "swapped out"
                 raise ValueError(f"sequence {seq.seq_id} is {where} already")
-        return [record.table.tolist() for record in records]
+        return [record.table.tolist()[0 if on_host else record.num_released:]
+                for record in records]
 
     def _distinct_blocks(self, seqs: list[Sequence], on_host: bool) -> set[int]:
         return {block for table in self._tables(seqs, on_host) for block in table}
@@ -488,7 +562,7 @@ class BlockManager:
         self.state, host_tables = allocator.swap_out(self.state, self._tables(seqs, False))
         for seq, host_table in zip(seqs, host_tables, strict=True):
             record = self._seqs[seq.seq_id]
-            self._logical_blocks -= len(record.table)
+            self._logical_blocks -= len(host_table)
             record.table, record.on_host = BlockTable(host_table), True
 
     def can_swap_in(self, group: SequenceGroup) -> AllocStatus:
@@ -503,7 +577,7 @@ class BlockManager:
     def swap_in(self, group: SequenceGroup) -> None:
         """Move the SWAPPED sequences' tables back to fresh device blocks.
 
-        The fresh blocks carry no prefix hash; the next `cache_computed_blocks`
+        The fresh blocks carry no prefix hash; the next `mark_computed`
         registers them again where no other block holds their hash.
         """
         seqs = group.seqs_with(SequenceStatus.SWAPPED)
@@ -511,6 +585,8 @@ class BlockManager:
         for seq, table in zip(seqs, tables, strict=True):
             self.prefix_cache.evict(np.asarray(table, np.int64))
             record = self._seqs[seq.seq_id]
-            record.table, record.on_host, record.cache_ids = BlockTable(table), False, []
-            record.num_shared = len(table)
+            released = record.num_released
+            record.table = BlockTable([0] * released + list(table))
+            record.on_host, record.cache_ids = False, []
+            record.num_shared = len(record.table)
             self._logical_blocks += len(table)

@@ -187,8 +187,8 @@ class ReservingBlockManager:
     def swap_in(self, group: SequenceGroup) -> None:
         raise ValueError("Orca's reservations have no swap space")
 
-    def cache_computed_blocks(self, seq: Sequence) -> None:
-        """No prefix cache: nothing to register."""
+    def mark_computed(self, seq: Sequence) -> None:
+        """No prefix cache, and every reserved block is kept: nothing to do."""
 
     def reset_prefix_cache(self) -> None:
         """No prefix cache: nothing to forget."""

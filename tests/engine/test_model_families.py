@@ -116,3 +116,40 @@ def test_a_gemma_shaped_model_compiles_nothing_after_warmup(tiny_gemma3_dir):
     outputs = llm.generate(prompts, params)
     assert num_compilations() - before == 0
     assert all(o.finished for o in outputs)
+
+
+@pytest.mark.parametrize("family_dir", ["tiny_mistral_dir", "tiny_phi3_dir"])
+def test_freeing_window_blocks_keeps_outputs_and_poisoned_free_blocks_are_never_read(
+        family_dir, request):
+    """Every layer slides: blocks that leave a sequence's window go back to the pool.
+    Between steps every free block and the null block are filled with NaN, so a read
+    of a freed (or reused) block would poison the outputs; they must equal those of an engine that
+    keeps every block and transformers', with fewer blocks held."""
+    import jax.numpy as jnp
+
+    directory = request.getfixturevalue(family_dir)
+    loaded = load_model(directory)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, loaded[1].vocab_size, n).tolist() for n in (3, 14, 21)]
+    expected = greedy_continuations(directory, prompts, MAX_TOKENS)
+
+    def run(**kwargs):
+        engine = _llm(loaded, enable_prefix_caching=False, **kwargs).engine
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), prompt, GREEDY)
+        outputs, most_held = {}, 0
+        while engine.has_unfinished_requests():
+            # The null block too: released table entries point there.
+            free = np.flatnonzero(engine.block_manager.state.device.refcounts == 0)
+            engine.runner.kv_cache = tuple(layer.at[:, :, free].set(jnp.nan)
+                                           for layer in engine.runner.kv_cache)
+            for output in engine.step():
+                outputs[output.request_id] = output.outputs[0].token_ids
+            most_held = max(most_held, engine.block_manager.physical_blocks_used)
+            engine.check_invariants()
+        return [outputs[str(i)] for i in range(len(prompts))], most_held
+
+    freeing, held_freeing = run()
+    keeping, held_keeping = run(disable_hybrid_kv_cache_manager=True)
+    assert freeing == keeping == expected
+    assert held_freeing < held_keeping

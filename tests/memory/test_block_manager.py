@@ -42,12 +42,15 @@ class BlockManagerMachine(RuleBasedStateMachine):
         caching=st.booleans(),
         watermark=st.sampled_from([0.0, 0.1]),
         share_blocks=st.booleans(),
+        window=st.sampled_from([None, None, 1, 3, 7]),
     )
-    def setup(self, block_size, num_blocks, num_host_blocks, caching, watermark, share_blocks):
+    def setup(self, block_size, num_blocks, num_host_blocks, caching, watermark, share_blocks,
+              window):
         config = CacheConfig(
-            block_size, num_blocks, num_host_blocks, caching, watermark, share_blocks
+            block_size, num_blocks, num_host_blocks, caching, watermark, share_blocks, window
         )
         self.bm = BlockManager(config)
+        self.window = window
         self.share_blocks = share_blocks
         self.bs, self.num_blocks, self.num_host_blocks = block_size, num_blocks, num_host_blocks
         self.groups: list[SequenceGroup] = []
@@ -62,6 +65,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     def kv(self, group, seq, position):
         return group.cache_salt, tuple(seq.token_slice(0, position + 1))
+
+    def num_released(self, seq):
+        """Leading blocks that no query from seq's next token on reads: those wholly
+        before key position num_computed_tokens - W + 1."""
+        if self.window is None:
+            return 0
+        return max(0, seq.num_computed_tokens - self.window + 1) // self.bs
 
     def live(self, status):
         return [(g, s) for g in self.groups for s in g.seqs if s.status is status]
@@ -120,7 +130,15 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.pending = [(s, n) for s, n in self.pending if s is not seq]
 
     def device_tables(self):
-        return [self.bm.block_table(s).tolist() for _, s in self.live(RUNNING)]
+        """The blocks of the running sequences' tables, released entries left out (each
+        checked to be the null block, and to be the only null entries)."""
+        tables = []
+        for _, seq in self.live(RUNNING):
+            table, released = self.bm.block_table(seq).tolist(), self.num_released(seq)
+            assert table[:released] == [0] * released, (seq.seq_id, table, released)
+            assert 0 not in table[released:], "the null block is handed out"
+            tables.append(table[released:])
+        return tables
 
     def host_tables(self):
         return [self.bm.host_block_table(s).tolist() for _, s in self.live(SWAPPED)]
@@ -163,7 +181,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
             return
         self.bm.allocate(group)
         for seq in group.seqs_with(WAITING):
-            assert len(self.bm.block_table(seq)) == cdiv(len(seq), self.bs)
+            if self.window is None:
+                assert len(self.bm.block_table(seq)) == cdiv(len(seq), self.bs)
+            else:  # a windowed table starts with its prefix hits; chunks add the rest
+                assert len(self.bm.block_table(seq)) * self.bs == seq.num_computed_tokens
             assert seq.num_computed_tokens % self.bs == 0
             assert seq.num_computed_tokens <= len(seq) - 1
             if not self.bm.enable_prefix_caching:
@@ -245,7 +266,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def swap_out(self, data):
         group = data.draw(st.sampled_from(self.groups_with(RUNNING)))
         seqs = group.seqs_with(RUNNING)
-        distinct = {block for seq in seqs for block in self.bm.block_table(seq)}
+        distinct = {block for seq in seqs for block in self.bm.block_table(seq)} - {0}
         fits = len(distinct) <= self.bm.num_free_host_blocks
         # The step's swap-in or copies write those blocks, after its swap-outs.
         clash = not distinct.isdisjoint(self.written_now)
@@ -298,7 +319,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             seq.num_computed_tokens += n
             if seq.num_computed_tokens == len(seq):
                 seq.append_token(data.draw(st.integers(0, 2)))
-            self.bm.cache_computed_blocks(seq)
+            self.bm.mark_computed(seq)
         self.pending.clear()
         self.written_now.clear()
         self.check_kv_contents()
@@ -334,8 +355,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
         ):
             for group, seq in self.live(status):
                 table = table_of(seq)
-                for position in range(seq.num_computed_tokens):
-                    slot = table[position // self.bs] * self.bs + position % self.bs
+                # A host table holds the blocks only, without the released entries.
+                released = self.num_released(seq)
+                offset = released if status is SWAPPED else 0
+                for position in range(released * self.bs, seq.num_computed_tokens):
+                    block = table[position // self.bs - offset]
+                    slot = block * self.bs + position % self.bs
                     assert kv.get(slot) == self.kv(group, seq, position), (seq.seq_id, position)
 
     def check_committed_state(self):
@@ -369,7 +394,6 @@ class BlockManagerMachine(RuleBasedStateMachine):
             return
         tables = self.device_tables()
         entries = sum(tables, [])
-        assert 0 not in entries, "the null block is handed out"
         counts = np.bincount(entries, minlength=self.num_blocks)
         for block in range(self.num_blocks):
             assert self.bm.refcount(block) == counts[block]
@@ -626,7 +650,7 @@ def test_calls_that_need_the_other_side_of_a_swap_raise():
     for call in (
         lambda: manager.block_table(seq),
         lambda: manager.append_slots(seq, 3),
-        lambda: manager.cache_computed_blocks(seq),
+        lambda: manager.mark_computed(seq),
         lambda: manager.fork(seq, Sequence(1, list(range(6)))),
         lambda: manager.swap_out(group),
     ):
@@ -640,3 +664,34 @@ def test_calls_that_need_the_other_side_of_a_swap_raise():
     manager.free(seq)
     manager.end_step()
     assert manager.num_free_blocks == 8 and manager.num_free_host_blocks == 8
+
+
+@pytest.mark.parametrize("chunk", [256, 4096])
+def test_a_windowed_sequence_holds_only_its_window_as_it_grows(chunk):
+    """A 4,096-token sequence with a 512-token window (Gemma 3's) over 16-token blocks:
+    while a step computes C tokens, the table holds at most ceil((W - 1 + C) / 16) + 1
+    blocks, each block it left is free in the pool, and its leading entries are the null
+    block exactly as far as the window has passed."""
+    window, block_size, length = 512, 16, 4096
+    manager = BlockManager(CacheConfig(block_size=block_size, num_blocks=300, watermark=0.0,
+                                       sliding_window=window, enable_prefix_caching=False))
+    group = SequenceGroup("a", [Sequence(0, list(range(600)))])
+    manager.allocate(group)
+    seq = group.seqs[0]
+    seq.status = RUNNING
+    while len(seq) <= length:
+        num_new = min(chunk, seq.num_uncomputed_tokens)
+        manager.append_slots(seq, num_new)
+        table = manager.block_table(seq).tolist()
+        held = [block for block in table if block != 0]
+        assert len(held) <= cdiv(window - 1 + num_new, block_size) + 1
+        assert manager.num_free_blocks == 299 - len(held)
+        manager.end_step()
+        seq.num_computed_tokens += num_new
+        if seq.num_computed_tokens == len(seq):
+            seq.append_token(7)
+        manager.mark_computed(seq)
+        first_key = max(0, seq.num_computed_tokens - window + 1)
+        released = manager.block_table(seq).tolist()[: first_key // block_size]
+        assert released == [0] * (first_key // block_size)
+        manager.check_invariants([seq], [])

@@ -80,7 +80,7 @@ def run_prompt(manager, seq_id, prompt, salt=None):
     manager.append_slots(seq, len(seq) - hit_tokens)
     manager.end_step()
     seq.num_computed_tokens = len(seq)
-    manager.cache_computed_blocks(seq)
+    manager.mark_computed(seq)
     return seq, hit_tokens
 
 

@@ -35,9 +35,11 @@ class CachingBlockManagerMachine(BlockManagerMachine):
         num_host_blocks=st.integers(0, 12),
         watermark=st.sampled_from([0.0, 0.1]),
         share_blocks=st.booleans(),
+        window=st.sampled_from([None, 3]),
     )
-    def setup(self, block_size, num_blocks, num_host_blocks, watermark, share_blocks):
-        super().setup(block_size, num_blocks, num_host_blocks, True, watermark, share_blocks)
+    def setup(self, block_size, num_blocks, num_host_blocks, watermark, share_blocks, window):
+        super().setup(block_size, num_blocks, num_host_blocks, True, watermark, share_blocks,
+                      window)
 
 
 @pytest.mark.parametrize("hash_fixture", ["colliding_hash", "depth_hash"])
@@ -55,7 +57,7 @@ def compute(manager: BlockManager, seq: Sequence, num_tokens: int) -> None:
     manager.append_slots(seq, num_tokens)
     manager.end_step()
     seq.num_computed_tokens += num_tokens
-    manager.cache_computed_blocks(seq)
+    manager.mark_computed(seq)
 
 
 def admit(manager: BlockManager, seq_id: int, prompt: list[int]) -> Sequence:
