@@ -217,12 +217,12 @@ class Scheduler:
         """Apply what the step computed and drew; the queues it leaves.
 
         Every scheduled sequence has its new tokens computed (its full blocks
-        offered to the prefix cache, the blocks its window left given back). Each drawing group then takes its tokens
-        (`SampledTokens`): a prompt with n > 1 forks its samples first, which
-        share its blocks; a beam search takes its `BeamChoice`; a group with a
-        non-finite draw ends with FINISHED_ERROR. A sequence ends (its blocks
-        freed at once) at a stop token or EOS once it has min_tokens, at
-        max_tokens and at max_model_len.
+        offered to the prefix cache, the blocks its window left given back). Each
+        drawing group then takes its tokens (`SampledTokens`): a prompt with n > 1
+        forks its samples first, which share its blocks; a beam search takes its
+        `BeamChoice`; a group with a non-finite draw ends with FINISHED_ERROR. A
+        sequence ends (its blocks freed at once) at a stop token or EOS once it has
+        min_tokens, at max_tokens and at max_model_len.
         """
         scheduled = plan.scheduled
         mark_computed = self.block_manager.mark_computed
