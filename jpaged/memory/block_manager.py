@@ -21,10 +21,11 @@ candidate, so a collision is a miss and the chain of hits stops there. Blocks
 the allocator hands out lose their cache entries (`PrefixCache.evict`).
 
 With a sliding window of W tokens on every layer (`CacheConfig.sliding_window`), a
-query at position p reads keys p - W + 1 .. p only: the blocks wholly before the next
-computed token's window go back to the pool as the sequence is scheduled, last first,
-and their table entries point at the null block. Those released entries are always a
-table's leading ones; the kernels never read them (pages before a window are skipped).
+query at position p reads keys p - W + 1 .. p only: after each step that computes a
+sequence's tokens (`mark_computed`), the blocks wholly before its next token's window
+go back to the pool, last first, and their table entries point at the null block.
+Those released entries are always a table's leading ones; the kernels never read them
+(pages before a window are skipped).
 """
 
 from __future__ import annotations
