@@ -75,9 +75,11 @@ def test_each_prompt_alone_matches(family):
 def test_preemption_without_prefix_caching_keeps_greedy_outputs(family, mode):
     loaded, prompts, expected = family
     # 9 usable blocks of 4 tokens, 8 for one 32-token sequence: six sequences of up to
-    # 31 tokens cannot all stay.
+    # 31 tokens cannot all stay, as long as every block is kept (freeing the window's
+    # blocks, they all fit this pool).
     llm = _llm(loaded, num_blocks=10, max_model_len=32, preemption_mode=mode,
-               num_host_blocks=64 if mode == "swap" else 0, enable_prefix_caching=False)
+               num_host_blocks=64 if mode == "swap" else 0, enable_prefix_caching=False,
+               disable_hybrid_kv_cache_manager=True)
     assert _tokens(llm.generate(prompts, GREEDY)) == expected
     assert llm.engine.stats.num_preemptions > 0
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_device_blocks
