@@ -62,9 +62,9 @@ def decode_inputs(batch: int, context: int) -> tuple[np.ndarray, AttentionMetada
     tables = 1 + np.arange(batch * blocks, dtype=np.int32).reshape(batch, blocks)
     last = context - 1
     metadata = AttentionMetadata(
-        slot_mapping=tables[:, last // BLOCK_SIZE] * BLOCK_SIZE + last % BLOCK_SIZE,
+        slot_mapping=(tables[:, last // BLOCK_SIZE] * BLOCK_SIZE + last % BLOCK_SIZE)[None],
         positions=np.full(batch, last, np.int32),
-        block_tables=tables,
+        block_tables=tables[None],
         context_lens=np.full(batch, context, np.int32),
         query_start_loc=np.arange(batch + 1, dtype=np.int32),
         logits_indices=np.arange(batch, dtype=np.int32),
@@ -77,9 +77,9 @@ def prefill_inputs() -> tuple[np.ndarray, AttentionMetadata]:
     blocks = PREFILL_TOKENS // BLOCK_SIZE
     positions = np.arange(PREFILL_TOKENS, dtype=np.int32)
     metadata = AttentionMetadata(
-        slot_mapping=BLOCK_SIZE + positions,
+        slot_mapping=(BLOCK_SIZE + positions)[None],
         positions=positions,
-        block_tables=1 + np.arange(blocks, dtype=np.int32)[None],
+        block_tables=1 + np.arange(blocks, dtype=np.int32)[None, None],
         context_lens=np.array([PREFILL_TOKENS], np.int32),
         query_start_loc=np.array([0, PREFILL_TOKENS], np.int32),
         logits_indices=np.array([PREFILL_TOKENS - 1], np.int32),

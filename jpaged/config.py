@@ -21,6 +21,9 @@ class CacheConfig:
     sliding_window: W when every layer of the model sees only its last W keys:
     the blocks that fall out of a sequence's window go back to the pool. None
     keeps every block.
+    max_num_batched_tokens: the most tokens of a sequence one step computes (the
+    scheduler's budget): a windowed sequence holds at most
+    cdiv(sliding_window - 1 + it, block_size) + 1 blocks at once, what admission asks.
     """
 
     block_size: int = 16
@@ -30,6 +33,7 @@ class CacheConfig:
     watermark: float = 0.01
     share_blocks: bool = True
     sliding_window: int | None = None
+    max_num_batched_tokens: int = 2048
 
     def __post_init__(self):
         if self.block_size < 1:

@@ -23,14 +23,17 @@ import numpy as np
 
 
 class AttentionMetadata(NamedTuple):
-    """Index arrays of one step (B = padded sequences, T = padded tokens).
+    """Index arrays of one step (G = KV cache groups, B = padded sequences, T = padded
+    tokens).
 
     Numpy arrays on the host; inside a jitted step the same fields hold jax arrays.
+    Each layer reads its group's row g of slot_mapping and block_tables
+    (jpaged.memory.kv_cache_groups); a model without groups has G = 1.
 
-    slot_mapping:    int32 [T]  flat cache slot of each new token
+    slot_mapping:    int32 [G, T]  flat cache slot of each new token in each group
                      (physical_block * block_size + offset).
     positions:       int32 [T]  position of each new token in its sequence.
-    block_tables:    int32 [B, max_blocks_per_seq]  logical -> physical block.
+    block_tables:    int32 [G, B, max_blocks_per_seq]  logical -> physical block.
     context_lens:    int32 [B]  tokens in the cache for each sequence after this
                      step's writes (cached prefix + new tokens).
     query_start_loc: int32 [B + 1]  sequence i owns new tokens

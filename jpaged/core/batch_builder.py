@@ -31,8 +31,10 @@ DEFAULT_BUCKETS = BucketSizes()
 
 class BlockTables(Protocol):
     block_size: int
+    num_groups: int
 
-    def block_table(self, seq: Sequence) -> BlockTable: ...
+    def block_tables(self, seq: Sequence) -> tuple[BlockTable, ...]:
+        """seq's table in each KV cache group."""
 
 
 @dataclass(frozen=True)
@@ -87,10 +89,11 @@ def build_model_input(
     )
     padded_blocks = bucket(int(num_blocks.max(initial=0)), buckets.min_blocks_per_seq)
 
-    tables = np.zeros((padded_seqs, padded_blocks), np.int32)
-    block_table = block_tables.block_table
+    tables = np.zeros((block_tables.num_groups, padded_seqs, padded_blocks), np.int32)
+    seq_tables = block_tables.block_tables
     for row, (seq, n) in enumerate(zip(seqs, num_blocks.tolist(), strict=True)):
-        tables[row, :n] = block_table(seq).prefix(n)
+        for group, table in enumerate(seq_tables(seq)):
+            tables[group, row, :n] = table.prefix(n)
 
     query_start_loc = np.full(padded_seqs + 1, num_tokens, np.int32)
     query_start_loc[0] = 0
@@ -101,9 +104,11 @@ def build_model_input(
     positions = np.zeros(padded_tokens, np.int32)
     positions[:num_tokens] = real_positions
     # Padding tokens write to slots 0..block_size-1: the null block.
-    slot_mapping = np.arange(padded_tokens, dtype=np.int32) % block_size
-    slot_mapping[:num_tokens] = (
-        tables[owner, real_positions // block_size] * block_size + real_positions % block_size
+    slot_mapping = np.tile(np.arange(padded_tokens, dtype=np.int32) % block_size,
+                           (block_tables.num_groups, 1))
+    slot_mapping[:, :num_tokens] = (
+        tables[:, owner, real_positions // block_size] * block_size
+        + real_positions % block_size
     )
 
     input_ids = np.zeros(padded_tokens, np.int32)

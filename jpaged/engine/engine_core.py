@@ -33,6 +33,8 @@ from jpaged.engine.config import EngineConfig
 from jpaged.engine.runner import ModelRunner
 from jpaged.engine.stats import KVBlockCounts
 from jpaged.memory.block_manager import BlockManager
+from jpaged.memory.hybrid_block_manager import HybridBlockManager
+from jpaged.memory.kv_cache_groups import KVCacheGroups
 from jpaged.memory.reserving_block_manager import ReservingBlockManager
 from jpaged.model.sampler import SamplerOutput, SamplingRow, sampling_tensors
 from jpaged.sampling_params import GREEDY_TEMPERATURE
@@ -40,7 +42,7 @@ from jpaged.sequence import Sequence, SequenceGroup, SequenceStatus
 
 logger = logging.getLogger("jpaged")
 
-KVManager = BlockManager | ReservingBlockManager
+KVManager = BlockManager | HybridBlockManager | ReservingBlockManager
 
 
 @dataclass(frozen=True)
@@ -80,24 +82,40 @@ class CoreOutput:
     error: BaseException | None = None
 
 
+def kv_cache_groups(config: EngineConfig, layer_windows: tuple[int | None, ...]
+                    ) -> KVCacheGroups:
+    """How the model's layers share the pool: groups whose sliding windows free blocks,
+    or, with `disable_hybrid_kv_cache_manager`, one group that keeps every block.
+
+    Raises ValueError for an Orca allocation of a model with a sliding window unless
+    every block is kept: a reservation holds a sequence's blocks until it ends.
+    """
+    keep_every_block = config.disable_hybrid_kv_cache_manager
+    if config.allocation != "paged" and not keep_every_block and any(
+            window is not None for window in layer_windows):
+        raise ValueError(
+            f"allocation={config.allocation!r} reserves every block of a sequence, so it "
+            "cannot free a sliding window's blocks: set disable_hybrid_kv_cache_manager=True "
+            "to run this sliding-window model with every block kept")
+    return KVCacheGroups.of(layer_windows, free_windows=not keep_every_block)
+
+
 def make_kv_manager(config: EngineConfig, num_blocks: int, max_model_len: int,
-                    layer_windows: tuple[int | None, ...]) -> KVManager:
-    """Paged blocks, or Orca's reservations on them (`allocation`). Paged blocks of a
-    model whose layers all slide by one window leave as the window passes them, unless
-    `disable_hybrid_kv_cache_manager`; Orca reserves, and keeps, every block."""
-    windows = set(layer_windows)
-    frees_window = (config.allocation == "paged" and not config.disable_hybrid_kv_cache_manager
-                    and len(windows) == 1 and None not in windows)
+                    groups: KVCacheGroups) -> KVManager:
+    """Paged blocks over the KV cache groups (a HybridBlockManager for several), or
+    Orca's reservations on them (`allocation`, one group)."""
     cache_config = CacheConfig(
         block_size=config.block_size, num_blocks=num_blocks,
         num_host_blocks=config.num_host_blocks,
         enable_prefix_caching=config.enable_prefix_caching and config.allocation == "paged",
-        share_blocks=config.share_blocks,
-        sliding_window=layer_windows[0] if frees_window else None,
+        share_blocks=config.share_blocks, sliding_window=groups.windows[0],
+        max_num_batched_tokens=config.max_num_batched_tokens,
     )
-    if config.allocation == "paged":
+    if config.allocation != "paged":
+        return ReservingBlockManager(cache_config, config.allocation, max_model_len)
+    if groups.num_groups == 1:
         return BlockManager(cache_config)
-    return ReservingBlockManager(cache_config, config.allocation, max_model_len)
+    return HybridBlockManager(cache_config, groups)
 
 
 class EngineCore:
@@ -149,10 +167,10 @@ class EngineCore:
     def _block_usage(self, plan: SchedulerOutput) -> list[tuple[str, int, int]]:
         """(request id, logical blocks, distinct blocks) of each running request; entries
         released from a sliding window (the null block) count in neither."""
-        table, usage = self.kv_manager.block_table, []
+        block_tables, usage = self.kv_manager.block_tables, []
         for group in plan.running:
-            tables = [table(seq).array for seq in group.seqs
-                      if seq.status is SequenceStatus.RUNNING]
+            tables = [table.array for seq in group.seqs
+                      if seq.status is SequenceStatus.RUNNING for table in block_tables(seq)]
             logical = sum(int(np.count_nonzero(t)) for t in tables)
             physical = (logical if len(tables) == 1
                         else int(np.count_nonzero(np.unique(np.concatenate(tables)))))

@@ -8,34 +8,45 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jpaged.core.step_shapes import blocks_per_seq
 from jpaged.engine import machine
 from jpaged.engine.config import EngineConfig
 from jpaged.engine.machine import ACCELERATOR_DEFAULTS, CPU_DEFAULTS
+from jpaged.memory.kv_cache_groups import KVCacheGroups
 from jpaged.model.sharding import bytes_per_device
 
 
 @dataclass(frozen=True)
 class KVCacheInfo:
-    """The KV pool's size, as reported at start-up (per device, with tensor parallelism)."""
+    """The KV pool's size, as reported at start-up (per device, with tensor parallelism).
+
+    bytes_per_token: K and V of one token in every layer. groups: how the layers share
+    the blocks; a block holds block_size tokens of the layers_per_block layers of one
+    group (all layers without groups).
+    """
 
     num_blocks: int
     block_size: int
     bytes_per_token: int
+    groups: KVCacheGroups
 
     @property
-    def num_tokens(self) -> int:
-        return (self.num_blocks - 1) * self.block_size
+    def block_bytes(self) -> int:
+        layers = len(self.groups.layer_groups)
+        return self.bytes_per_token * self.groups.layers_per_block // layers * self.block_size
 
     @property
     def num_bytes(self) -> int:
-        return self.num_blocks * self.block_size * self.bytes_per_token
+        return self.num_blocks * self.block_bytes
 
     def __str__(self) -> str:
+        groups, layout = self.groups, ""
+        if groups.num_groups > 1:
+            windows = ", ".join("global" if w is None else f"window {w}" for w in groups.windows)
+            layout = (f"; {groups.num_groups} groups of {groups.layers_per_block} layers: "
+                      f"{windows}")
         return (
-            f"KV cache: {self.num_blocks - 1} blocks x {self.block_size} tokens = "
-            f"{self.num_tokens} tokens, {self.num_bytes / 2**20:.1f} MiB "
-            f"({self.bytes_per_token} bytes per token)"
+            f"KV cache: {self.num_blocks - 1} blocks x {self.block_size} tokens, "
+            f"{self.num_bytes / 2**20:.1f} MiB ({self.bytes_per_token} bytes per token{layout})"
         )
 
 
@@ -71,21 +82,22 @@ def kv_cache_budget(config: EngineConfig, memory: MemoryFigures, sequence_bytes:
 
 
 def kv_cache_num_blocks(
-    config: EngineConfig, max_model_len: int, token_bytes: int,
-    memory: MemoryFigures | None,
+    config: EngineConfig, max_model_len: int, block_bytes: int,
+    memory: MemoryFigures | None, groups: KVCacheGroups,
 ) -> int:
     """Blocks in the device pool (the null block included): `num_blocks` if given, else
-    the budget of `kv_cache_budget` in whole blocks, never more than max_num_seqs
-    full-length sequences can use (plus the null block).
+    the budget of `kv_cache_budget` in whole blocks of `block_bytes`, never more than
+    max_num_seqs full-length sequences can use (plus the null block). A sequence's
+    blocks are those all its KV cache groups hold at once (`KVCacheGroups.seq_blocks`).
 
     config must have its machine defaults (`with_machine_defaults`); memory may be
     None only when num_blocks is given.
     """
-    seq_blocks = blocks_per_seq(max_model_len, config.block_size)
+    seq_blocks = groups.seq_blocks(max_model_len, config.block_size,
+                                   config.max_num_batched_tokens)
     if config.num_blocks is not None:
         num_blocks = config.num_blocks
     else:
-        block_bytes = token_bytes * config.block_size
         budget = kv_cache_budget(config, memory, seq_blocks * block_bytes)
         useful = config.max_num_seqs * seq_blocks + 1
         num_blocks = min(budget // block_bytes, useful)
@@ -111,11 +123,13 @@ def weight_bytes(model) -> int:
 
 
 def size_kv_cache(config: EngineConfig, model_config, model, max_model_len: int,
-                  device: jax.Device | None) -> KVCacheInfo:
+                  device: jax.Device | None, groups: KVCacheGroups) -> KVCacheInfo:
     """The pool of an engine whose model is loaded (on `device`, by default the default
-    device): `kv_cache_num_blocks` on the memory the machine reports."""
+    device), laid out for `groups`: `kv_cache_num_blocks` on the memory the machine
+    reports."""
     token_bytes = bytes_per_token(model_config, jnp.dtype(config.dtype))
+    info = KVCacheInfo(0, config.block_size, token_bytes, groups)
     memory = None if config.num_blocks is not None else MemoryFigures(
         machine.free_device_memory(device), weight_bytes(model), machine.on_accelerator())
-    num_blocks = kv_cache_num_blocks(config, max_model_len, token_bytes, memory)
-    return KVCacheInfo(num_blocks, config.block_size, token_bytes)
+    num_blocks = kv_cache_num_blocks(config, max_model_len, info.block_bytes, memory, groups)
+    return KVCacheInfo(num_blocks, config.block_size, token_bytes, groups)

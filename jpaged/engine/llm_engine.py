@@ -28,7 +28,7 @@ from jpaged.core.scheduler import Scheduler
 from jpaged.engine import compilation, machine
 from jpaged.engine.beam_search import BeamSearch
 from jpaged.engine.config import EngineConfig
-from jpaged.engine.engine_core import EngineCore, KVManager, make_kv_manager
+from jpaged.engine.engine_core import EngineCore, KVManager, kv_cache_groups, make_kv_manager
 from jpaged.engine.input_processor import EngineRequest, InputProcessor, RequestLimits
 from jpaged.engine.kv_cache_sizing import size_kv_cache
 from jpaged.engine.output_processor import OutputProcessor
@@ -77,12 +77,12 @@ class LLMEngine:
             compilation.use_persistent_compilation_cache()
         model_max = self.model_config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or min(model_max, 2048), model_max)
+        groups = kv_cache_groups(config, self.model_config.layer_windows)
         self.kv_cache_info = size_kv_cache(config, self.model_config, model, self.max_model_len,
-                                           None if mesh is None else mesh.devices.flat[0])
+                                           None if mesh is None else mesh.devices.flat[0], groups)
         logger.info("%s", self.kv_cache_info)
         num_blocks = self.kv_cache_info.num_blocks
-        kv_manager = make_kv_manager(config, num_blocks, self.max_model_len,
-                                     self.model_config.layer_windows)
+        kv_manager = make_kv_manager(config, num_blocks, self.max_model_len, groups)
         scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -91,7 +91,8 @@ class LLMEngine:
             preemption_mode=config.preemption_mode,
         ), kv_manager)
         runner, shapes = start_runner(config, model, self.model_config, num_blocks=num_blocks,
-                                      max_model_len=self.max_model_len, mesh=mesh)
+                                      max_model_len=self.max_model_len, mesh=mesh,
+                                      groups=groups)
         vocab_size = self.model_config.vocab_size
         self.core = EngineCore(scheduler, kv_manager, runner, shapes, vocab_size=vocab_size,
                                max_logprobs=config.max_logprobs)

@@ -43,6 +43,7 @@ from jpaged.core.step_shapes import (
 )
 from jpaged.engine.config import EngineConfig
 from jpaged.memory.allocator import BlockOps
+from jpaged.memory.kv_cache_groups import KVCacheGroups
 from jpaged.model.llama import (
     KVCache,
     LlamaConfig,
@@ -110,12 +111,12 @@ def attention_functions(backend: AttentionBackend, interpret: bool = False,
 
 
 def _step(graphdef, params_def, param_leaves, input_ids, kv_cache, metadata, *, attention_fn,
-          write_kv_fn):
+          write_kv_fn, groups):
     """One model step as a pure function: (each sequence's last hidden state [B, hidden],
     hidden [T, hidden], kv_cache)."""
     model = nnx.merge(graphdef, jax.tree.unflatten(params_def, param_leaves))
     hidden, kv_cache = model.hidden_states(
-        input_ids, kv_cache, metadata, attention_fn, write_kv_fn
+        input_ids, kv_cache, metadata, attention_fn, write_kv_fn, groups
     )
     return hidden[metadata.logits_indices], hidden, kv_cache
 
@@ -167,6 +168,8 @@ class ModelRunner:
 
     mesh: run tensor-parallel on this one-axis ("model") mesh; `model` and `config`
     must then be laid out for it (`jpaged.model.sharding.shard_model`).
+    groups: the KV cache groups the cache is laid out for (None: one group of all
+    layers, every block kept).
     """
 
     def __init__(
@@ -181,8 +184,10 @@ class ModelRunner:
         attention_backend: AttentionBackend | None = None,
         interpret: bool = False,
         mesh: Mesh | None = None,
+        groups: KVCacheGroups | None = None,
     ):
         self.config = config
+        self.groups = groups or KVCacheGroups.of(config.layer_windows, free_windows=False)
         self.mesh = mesh
         self.block_size = block_size
         self.attention_backend = attention_backend or device_attention_backend()
@@ -195,15 +200,15 @@ class ModelRunner:
         # flattening NNX state and hashing a static graph cost milliseconds per call.
         self._param_leaves, params_def = jax.tree.flatten(self.params)
         self._new_kv_cache = functools.partial(init_kv_cache, config, num_blocks, block_size,
-                                                kv_dtype)
+                                                kv_dtype, self.groups.layers_per_block)
         if mesh is not None:
             # Created in place on every device: no whole cache on one device first.
             cache_sharding = kv_cache_sharding(mesh)
             self._new_kv_cache = jax.jit(self._new_kv_cache,
                                           out_shardings=(cache_sharding, cache_sharding))
         self.kv_cache = self._new_kv_cache()
-        host_shape = (config.num_layers, config.num_kv_heads, num_host_blocks, block_size,
-                      config.head_dim)
+        host_shape = (self.groups.layers_per_block, config.num_kv_heads, num_host_blocks,
+                      block_size, config.head_dim)
         self.host_kv = (np.zeros(host_shape, kv_dtype), np.zeros(host_shape, kv_dtype))
         ragged, decode = attention_functions(self.attention_backend, interpret, mesh)
         write_kv_fn = kernels_pallas.write_kv
@@ -212,7 +217,7 @@ class ModelRunner:
 
         def step(attention_fn):
             fn = functools.partial(_step, self.graphdef, params_def, attention_fn=attention_fn,
-                                   write_kv_fn=write_kv_fn)
+                                   write_kv_fn=write_kv_fn, groups=self.groups)
             return jax.jit(fn, donate_argnums=2)
 
         self._mixed_step = step(ragged)
@@ -319,10 +324,12 @@ class ModelRunner:
         self, num_tokens: int, num_seqs: int, num_blocks: int
     ) -> tuple[np.ndarray, AttentionMetadata]:
         """(input_ids, metadata) of a step of empty sequences whose tokens write the null block."""
+        num_groups = self.groups.num_groups
         metadata = AttentionMetadata(
-            slot_mapping=np.arange(num_tokens, dtype=np.int32) % self.block_size,
+            slot_mapping=np.tile(np.arange(num_tokens, dtype=np.int32) % self.block_size,
+                                 (num_groups, 1)),
             positions=np.zeros(num_tokens, np.int32),
-            block_tables=np.zeros((num_seqs, num_blocks), np.int32),
+            block_tables=np.zeros((num_groups, num_seqs, num_blocks), np.int32),
             context_lens=np.zeros(num_seqs, np.int32),
             query_start_loc=np.zeros(num_seqs + 1, np.int32),
             logits_indices=np.zeros(num_seqs, np.int32),
@@ -351,8 +358,8 @@ class ModelRunner:
 
 
 def start_runner(config: EngineConfig, model: LlamaForCausalLM, model_config: LlamaConfig, *,
-                 num_blocks: int, max_model_len: int, mesh: Mesh | None
-                 ) -> tuple[ModelRunner, StepShapes]:
+                 num_blocks: int, max_model_len: int, mesh: Mesh | None,
+                 groups: KVCacheGroups) -> tuple[ModelRunner, StepShapes]:
     """The runner on the configured backend or else the device's own, and its step shapes.
 
     A Pallas kernel must accept the cache layout and compile on this device
@@ -363,7 +370,8 @@ def start_runner(config: EngineConfig, model: LlamaForCausalLM, model_config: Ll
     requested = config.attention_backend
     backend = requested or device_attention_backend()
     try:
-        return _runner_on(backend, config, model, model_config, num_blocks, max_model_len, mesh)
+        return _runner_on(backend, config, model, model_config, num_blocks, max_model_len, mesh,
+                          groups)
     except Exception as error:
         if requested is not None:
             if isinstance(error, ValueError):
@@ -376,11 +384,12 @@ def start_runner(config: EngineConfig, model: LlamaForCausalLM, model_config: Ll
     # Out of the except block, so the failed runner and its KV cache are freed first.
     logger.warning("the default %r attention kernel cannot run on this %s device (%s); "
                    "using the 'xla' implementation", backend, jax.default_backend(), reason)
-    return _runner_on("xla", config, model, model_config, num_blocks, max_model_len, mesh)
+    return _runner_on("xla", config, model, model_config, num_blocks, max_model_len, mesh,
+                      groups)
 
 
 def _runner_on(backend: AttentionBackend, config: EngineConfig, model, model_config, num_blocks,
-               max_model_len, mesh) -> tuple[ModelRunner, StepShapes]:
+               max_model_len, mesh, groups) -> tuple[ModelRunner, StepShapes]:
     dtype = jnp.dtype(config.dtype)
     pallas = backend in ("tpu", "triton")
     if pallas:
@@ -389,7 +398,7 @@ def _runner_on(backend: AttentionBackend, config: EngineConfig, model, model_con
     runner = ModelRunner(
         model, model_config, num_blocks=num_blocks, block_size=config.block_size,
         num_host_blocks=config.num_host_blocks, kv_dtype=dtype, attention_backend=backend,
-        interpret=config.interpret, mesh=mesh,
+        interpret=config.interpret, mesh=mesh, groups=groups,
     )
     max_blocks = blocks_per_seq(max_model_len, config.block_size)
     buckets = config.buckets or default_buckets(backend, max_blocks, config.max_num_seqs)

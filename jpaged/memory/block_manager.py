@@ -40,10 +40,9 @@ from jpaged.memory import allocator
 from jpaged.memory.allocator import AllocatorState, BlockOps
 from jpaged.memory.block_table import BlockTable
 from jpaged.memory.invariants import holder_problems
+from jpaged.memory.kv_cache_groups import window_blocks
 from jpaged.memory.kv_cache_manager import AllocStatus
 from jpaged.memory.prefix_cache import (
-    NO_HASH,
-    NO_PARENT,
     PrefixCache,
     PrefixCacheStats,
     hash_block,
@@ -52,6 +51,8 @@ from jpaged.memory.prefix_cache import (
 from jpaged.sequence import Sequence, SequenceGroup, SequenceStatus
 
 _RUNNING = SequenceStatus.RUNNING  # an enum attribute lookup costs as much as the check
+Hits = tuple[list[int], list[int]]
+"""A sequence's prefix-cache hit: the cached blocks of its prefix and their cache ids."""
 
 
 @dataclass
@@ -98,23 +99,64 @@ def _copied_range(record: _SeqBlocks, first: int, end: int) -> tuple[int, int]:
     return first, min(end, record.num_shared)
 
 
-class BlockManager:
-    """Block tables, prefix cache and swap space of one KV cache."""
+@dataclass
+class SharedPool:
+    """The allocator state and prefix cache of one pool, which the block managers of
+    several KV cache groups share (jpaged.memory.hybrid_block_manager)."""
 
-    def __init__(self, cache_config: CacheConfig):
+    state: AllocatorState
+    prefix_cache: PrefixCache
+
+    @classmethod
+    def create(cls, cache_config: CacheConfig) -> SharedPool:
+        return cls(allocator.create(cache_config.num_blocks, cache_config.num_host_blocks),
+                   PrefixCache(cache_config.num_blocks))
+
+
+class BlockManager:
+    """Block tables, prefix cache and swap space of one KV cache, or of one KV cache
+    group of it.
+
+    pool: the state shared with the other groups' managers (a pool of its own if None).
+    group: this group's index; its prefix-cache entries are keyed apart from other
+    groups' (chains rooted at hash `group` and parent id `-group`; group 0 is the
+    plain cache's).
+    anchor: the manager of group 0, whose chain of cache ids keys this group's
+    entries: block i's parent is the anchor's entry of block i - 1. The anchor's chain
+    vouches for the whole prefix, so a windowed group's hit needs only the blocks in
+    the window (`anchored_hits`), found right to left.
+    """
+
+    def __init__(self, cache_config: CacheConfig, *, pool: SharedPool | None = None,
+                 group: int = 0, anchor: BlockManager | None = None):
         self.block_size = cache_config.block_size
         self.num_device_blocks = cache_config.num_blocks - 1
         self.num_host_blocks = cache_config.num_host_blocks
         self.enable_prefix_caching = cache_config.enable_prefix_caching
         self.share_blocks = cache_config.share_blocks
         self.sliding_window = cache_config.sliding_window
+        self.chunk_tokens = cache_config.max_num_batched_tokens
         self.watermark_blocks = int(cache_config.watermark * self.num_device_blocks)
         self.prefix_cache_stats = PrefixCacheStats()
-        self.state: AllocatorState = allocator.create(cache_config.num_blocks,
-                                                      cache_config.num_host_blocks)
-        self.prefix_cache = PrefixCache(cache_config.num_blocks)
+        self.pool = pool or SharedPool.create(cache_config)
+        self._root_hash, self._root_parent = group, -group
+        self.anchor = anchor
         self._seqs: dict[int, _SeqBlocks] = {}
         self._logical_blocks = 0
+
+    num_groups = 1
+
+    @property
+    def state(self) -> AllocatorState:
+        return self.pool.state
+
+    @state.setter
+    def state(self, state: AllocatorState) -> None:
+        self.pool.state = state
+
+    @property
+    def prefix_cache(self) -> PrefixCache:
+        return self.pool.prefix_cache
 
     @property
     def num_free_blocks(self) -> int:
@@ -142,6 +184,15 @@ class BlockManager:
         """Sum of device block-table lengths: what the tables would hold without sharing."""
         return self._logical_blocks
 
+    @property
+    def group_blocks_used(self) -> tuple[int]:
+        """The logical blocks of each KV cache group: one."""
+        return (self._logical_blocks,)
+
+    def block_tables(self, seq: Sequence) -> tuple[BlockTable]:
+        """The device block table of `seq` in each KV cache group: one table."""
+        return (self.block_table(seq),)
+
     def block_table(self, seq: Sequence) -> BlockTable:
         """The device block table of `seq` (read-only to callers)."""
         record = self._seqs[seq.seq_id]
@@ -165,17 +216,21 @@ class BlockManager:
         """Forget every cached block: the device KV they held is gone (the engine
         reallocated its cache). Every device block must be free; swapped
         sequences keep their host blocks. Pending device ops are dropped."""
+        self.check_no_device_tables()
+        committed, _ = allocator.commit(self.state)
+        num_blocks = self.num_device_blocks + 1
+        self.state = allocator.create(num_blocks, 0)._replace(host=committed.host,
+                                                              ops=committed.ops)
+        self.pool.prefix_cache = PrefixCache(num_blocks, self.prefix_cache.next_cache_id)
+
+    def check_no_device_tables(self) -> None:
+        """RuntimeError if a sequence holds device blocks (the prefix cache cannot reset)."""
         on_device = [seq_id for seq_id, record in self._seqs.items()
                      if len(record.table) and not record.on_host]
         if on_device:
             raise RuntimeError(
                 f"the prefix cache can only be reset with every device block free; "
                 f"sequences {on_device[:5]} hold device blocks")
-        committed, _ = allocator.commit(self.state)
-        num_blocks = self.num_device_blocks + 1
-        self.state = allocator.create(num_blocks, 0)._replace(host=committed.host,
-                                                              ops=committed.ops)
-        self.prefix_cache = PrefixCache(num_blocks, self.prefix_cache.next_cache_id)
 
     def check_invariants(self, running: list[Sequence], swapped: list[Sequence]) -> None:
         """Check the blocks against the live sequences; RuntimeError on a violation.
@@ -191,6 +246,15 @@ class BlockManager:
         host = [self.host_block_table(seq).array for seq in swapped]
         problems = holder_problems("device", self.state.device, device, first=1)
         problems += holder_problems("host", self.state.host, host, first=0)
+        problems += self.table_problems(running)
+        if problems:
+            raise RuntimeError("KV block invariants violated: " + "; ".join(problems[:5]))
+
+    def table_problems(self, running: list[Sequence]) -> list[str]:
+        """Where the running sequences' tables break the null-block and window rules, or
+        their length disagrees with the logical block count (see check_invariants)."""
+        problems = []
+        device = [self.block_table(seq).array for seq in running]
         for seq, table in zip(running, device, strict=True):
             released = self._seqs[seq.seq_id].num_released
             if (table[:released] != 0).any() or (table[released:] == 0).any():
@@ -204,8 +268,7 @@ class BlockManager:
             self._seqs[seq.seq_id].num_released for seq in running)
         if self.logical_blocks_used != logical:
             problems.append(f"logical blocks {self.logical_blocks_used}, tables hold {logical}")
-        if problems:
-            raise RuntimeError("KV block invariants violated: " + "; ".join(problems[:5]))
+        return problems
 
     # Admission -----------------------------------------------------------------
 
@@ -219,14 +282,18 @@ class BlockManager:
         """Extend the memoised hash chain and block tokens to at least `num_blocks` blocks."""
         hashes, size = record.block_hashes, self.block_size
         for i in range(len(hashes), num_blocks):
-            parent = hashes[-1] if hashes else NO_HASH
+            parent = hashes[-1] if hashes else self._root_hash
             tokens = pack_tokens(seq.token_slice(i * size, (i + 1) * size))
             hashes.append(hash_block(parent, tokens, record.cache_salt))
             record.block_tokens.append(tokens)
 
-    def _prefix_hits(self, seq: Sequence, group: SequenceGroup) -> tuple[list[int], list[int]]:
-        """The cached blocks holding seq's longest cached prefix, never its last token (none
-        for a group that must compute every token), and their cache ids."""
+    def prefix_hits(self, seqs: list[Sequence], group: SequenceGroup) -> list[Hits]:
+        """For each of `seqs`: the cached blocks holding its longest cached prefix, never
+        its last token (none for a group that must compute every token), and their
+        cache ids."""
+        return [self._prefix_hits(seq, group) for seq in seqs]
+
+    def _prefix_hits(self, seq: Sequence, group: SequenceGroup) -> Hits:
         if not self.enable_prefix_caching or not group.use_prefix_cache:
             return [], []
         record = self._record(seq, group.cache_salt)
@@ -234,7 +301,7 @@ class BlockManager:
         self._memoise_blocks(seq, record, num_eligible)
         blocks: list[int] = []
         cache_ids: list[int] = []
-        lookup, parent, salt = self.prefix_cache.lookup, NO_PARENT, record.cache_salt
+        lookup, parent, salt = self.prefix_cache.lookup, self._root_parent, record.cache_salt
         chain = zip(record.block_hashes[:num_eligible], record.block_tokens, strict=False)
         for block_hash, tokens in chain:
             entry = lookup(block_hash, parent, salt, tokens)
@@ -245,6 +312,43 @@ class BlockManager:
             cache_ids.append(parent)
         return blocks, cache_ids
 
+    def anchored_hits(self, seq: Sequence, group: SequenceGroup, anchor_ids: list[int],
+                      num_blocks: int) -> Hits:
+        """The longest hit of at most `num_blocks` blocks whose blocks this group holds in
+        the cache, keyed by the anchor's cache ids `anchor_ids` (its hit's): every block
+        for a global group, left to right; for a windowed one only those in the window of
+        the hit's end, searched right to left. Entries before that window are 0 (never
+        taken)."""
+        record = self._record(seq, group.cache_salt)
+        self._memoise_blocks(seq, record, num_blocks)
+        salt, lookup = record.cache_salt, self.prefix_cache.lookup
+
+        def entry(i: int):
+            parent = anchor_ids[i - 1] if i else self._root_parent
+            return lookup(record.block_hashes[i], parent, salt, record.block_tokens[i])
+
+        end = num_blocks
+        if self.sliding_window is None:
+            found = []
+            for i in range(end):
+                hit = entry(i)
+                if hit is None:
+                    break
+                found.append(hit)
+            return [e[0] for e in found], [e[1] for e in found]
+        found: dict[int, tuple] = {}
+        i = end - 1
+        while i >= self._window_start_block(end * self.block_size):
+            hit = entry(i)
+            if hit is None:
+                end, i = i, i - 1  # no hit reaches past a missing window block
+                continue
+            found[i] = hit
+            i -= 1
+        start = self._window_start_block(end * self.block_size)
+        return ([0] * start + [found[i][0] for i in range(start, end)],
+                [0] * start + [found[i][1] for i in range(start, end)])
+
     def _window_start_block(self, position: int) -> int:
         """Leading table entries that a query at `position`, and every later one, no
         longer reads: the blocks wholly before key position - W + 1 (none without a
@@ -253,13 +357,25 @@ class BlockManager:
             return 0
         return max(0, position - self.sliding_window + 1) // self.block_size
 
-    def _admission_cost(self, seqs: list[Sequence], hits: list[list[int]]) -> int:
-        """Free blocks that admitting `seqs` with these prefix hits consumes; a hit
+    def seq_blocks(self, num_tokens: int) -> int:
+        """The most blocks a sequence of `num_tokens` holds at once: all of them, or with
+        a window those of the window before a chunk and the chunk."""
+        return window_blocks(num_tokens, self.block_size, self.sliding_window,
+                             self.chunk_tokens)
+
+    def admission_blocks(self, seqs: list[Sequence]) -> int:
+        """Blocks the tables of `seqs` may hold at once, whatever the prefix cache holds."""
+        return sum(self.seq_blocks(len(seq)) for seq in seqs)
+
+    def admission_cost(self, seqs: list[Sequence], hits: list[Hits]) -> int:
+        """Free blocks that admitting `seqs` with these prefix hits may consume; a hit
         before the window of the first token to compute is not taken."""
         num_blocks, taken = 0, []
-        for seq, seq_hits in zip(seqs, hits, strict=True):
-            released = self._window_start_block(len(seq_hits) * self.block_size)
-            num_blocks += _cdiv(len(seq), self.block_size) - released
+        for seq, (seq_hits, _) in zip(seqs, hits, strict=True):
+            num_hit_tokens = len(seq_hits) * self.block_size
+            released = self._window_start_block(num_hit_tokens)
+            num_blocks += min(_cdiv(len(seq), self.block_size) - released,
+                              len(seq_hits) - released + self.seq_blocks(len(seq) - num_hit_tokens))
             taken += seq_hits[released:]
         refcounts = self.state.device.refcounts
         free_hits = {block for block in taken if refcounts[block] == 0}
@@ -268,26 +384,33 @@ class BlockManager:
     def check_fits(self, group: SequenceGroup) -> None:
         """Raise ValueError if the group's prompt needs more blocks than the pool holds
         beside the watermark."""
-        num_prompt = group.seqs[0].num_prompt_tokens
-        if _cdiv(num_prompt, self.block_size) > self.num_device_blocks - self.watermark_blocks:
+        self.check_prompt_fits(group, self.seq_blocks(group.seqs[0].num_prompt_tokens))
+
+    def check_prompt_fits(self, group: SequenceGroup, num_blocks: int) -> None:
+        """Raise ValueError if a prompt that needs `num_blocks` blocks cannot be admitted."""
+        if num_blocks > self.num_device_blocks - self.watermark_blocks:
             raise ValueError(
-                f"prompt of request {group.request_id!r} ({num_prompt} tokens) needs more "
-                "KV blocks than the whole pool holds"
+                f"prompt of request {group.request_id!r} ({group.seqs[0].num_prompt_tokens} "
+                "tokens) needs more KV blocks than the whole pool holds"
             )
 
     def can_allocate(self, group: SequenceGroup) -> AllocStatus:
         """Whether the group's WAITING sequences fit now, later, or never.
 
         Counts blocks for all of each sequence's tokens (prompt, plus outputs of
-        a recomputed group), minus prefix hits, and keeps `watermark_blocks`
-        free so running sequences can still grow.
+        a recomputed group; with a window those it holds at once), minus prefix
+        hits, and keeps `watermark_blocks` free so running sequences can still grow.
         """
         seqs = group.seqs_with(SequenceStatus.WAITING)
-        required = sum(_cdiv(len(seq), self.block_size) for seq in seqs)
-        if required > self.num_device_blocks - self.watermark_blocks:
+        return self.admission_status(self.admission_blocks(seqs), lambda: self.admission_cost(
+            seqs, self.prefix_hits(seqs, group)))
+
+    def admission_status(self, num_blocks: int, cost) -> AllocStatus:
+        """NEVER if `num_blocks` exceed the pool beside the watermark; else OK if
+        `cost()` free blocks leave the watermark free, LATER if not."""
+        if num_blocks > self.num_device_blocks - self.watermark_blocks:
             return AllocStatus.NEVER
-        hits = [self._prefix_hits(seq, group)[0] for seq in seqs]
-        if self.num_free_blocks - self._admission_cost(seqs, hits) >= self.watermark_blocks:
+        if self.num_free_blocks - cost() >= self.watermark_blocks:
             return AllocStatus.OK
         return AllocStatus.LATER
 
@@ -299,29 +422,40 @@ class BlockManager:
         sequences of a recomputed group get blocks of their own. With a sliding
         window a table starts with its hits alone (those before the window as
         released entries): `append_slots` adds blocks chunk by chunk, so a long
-        prompt never holds blocks its window has left. Admission still asks room
-        for all of them.
+        prompt never holds blocks its window has left.
         """
         seqs = group.seqs_with(SequenceStatus.WAITING)
-        for seq in seqs:
-            record = self._seqs.get(seq.seq_id)
-            if record is not None and record.table:
-                raise ValueError(f"sequence {seq.seq_id} already has a block table")
-        hits = [self._prefix_hits(seq, group) for seq in seqs]
-        cost = self._admission_cost(seqs, [seq_hits for seq_hits, _ in hits])
+        self.check_unallocated(seqs)
+        hits = self.prefix_hits(seqs, group)
+        cost = self.admission_cost(seqs, hits)
         if cost > self.num_free_blocks:
             raise ValueError(
                 f"group {group.request_id} needs {cost} free blocks, "
                 f"only {self.num_free_blocks} are free"
             )
-        # Every hit is taken before any block is allocated: a free cached hit must not
-        # be handed out as another sequence's new block.
-        num_released = [self._window_start_block(len(seq_hits) * self.block_size)
-                        for seq_hits, _ in hits]
-        for (seq_hits, _), released in zip(hits, num_released, strict=True):
+        self.take_hits(hits)
+        self.allocate_tables(group, seqs, hits)
+
+    def check_unallocated(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            record = self._seqs.get(seq.seq_id)
+            if record is not None and record.table:
+                raise ValueError(f"sequence {seq.seq_id} already has a block table")
+
+    def take_hits(self, hits: list[Hits]) -> None:
+        """Hold the hit blocks within the window. Every hit must be taken before any
+        block is allocated: a free cached hit must not be handed out as another
+        sequence's new block."""
+        for seq_hits, _ in hits:
+            released = self._window_start_block(len(seq_hits) * self.block_size)
             for block in seq_hits[released:]:
                 self.state = allocator.take(self.state, block)
-        for seq, (seq_hits, cache_ids), released in zip(seqs, hits, num_released, strict=True):
+
+    def allocate_tables(self, group: SequenceGroup, seqs: list[Sequence], hits: list[Hits]
+                        ) -> None:
+        """The tables of `seqs`, from their hits (already taken) and new blocks."""
+        for seq, (seq_hits, cache_ids) in zip(seqs, hits, strict=True):
+            released = self._window_start_block(len(seq_hits) * self.block_size)
             num_new = (0 if self.sliding_window is not None
                        else _cdiv(len(seq), self.block_size) - len(seq_hits))
             new_blocks = self._allocate(num_new)
@@ -354,12 +488,14 @@ class BlockManager:
     # Growth and sharing ----------------------------------------------------------
 
     def can_append_slots(self, group: SequenceGroup, num_new_tokens: int) -> bool:
-        """Whether every RUNNING sequence of the group can take `num_new_tokens` more tokens.
+        """Whether every RUNNING sequence of the group can take `num_new_tokens` more tokens."""
+        return self.append_cost(group, num_new_tokens) <= self.num_free_blocks
 
-        Counts the blocks past each table's end plus the copy-on-write blocks:
-        a shared block written by w of its r holders needs w copies, or w - 1
-        when they are all its holders (the last writer keeps it).
-        """
+    def append_cost(self, group: SequenceGroup, num_new_tokens: int) -> int:
+        """Free blocks that `num_new_tokens` more tokens of the group's RUNNING sequences
+        take: the blocks past each table's end plus the copy-on-write blocks (a shared
+        block written by w of its r holders needs w copies, or w - 1 when they are all
+        its holders: the last writer keeps it)."""
         needed = 0
         shared_writes: list[int] = []
         for seq in group.seqs:
@@ -377,7 +513,7 @@ class BlockManager:
                 shared_writes += record.table[first:last]
         if shared_writes:
             needed += self._num_copies(shared_writes)
-        return needed <= self.num_free_blocks
+        return needed
 
     def _num_copies(self, written_blocks: list[int]) -> int:
         """Copy-on-write blocks that one write per entry of `written_blocks` takes."""
@@ -501,6 +637,10 @@ class BlockManager:
         if self.sliding_window is not None:
             self._release_out_of_window(record, seq.num_computed_tokens)
 
+    def cache_ids(self, seq: Sequence) -> list[int]:
+        """The cache ids of seq's leading blocks' entries (0 where it holds none)."""
+        return self._seqs[seq.seq_id].cache_ids
+
     def _cache_full_blocks(self, seq: Sequence, record: _SeqBlocks) -> None:
         """Register seq's blocks that are now full and computed in the prefix cache.
 
@@ -508,7 +648,9 @@ class BlockManager:
         first copy serves later hits. If that block holds other tokens (a hash
         collision), no hit could get past it, so registration stops there and
         tries again next time (the other block may have been evicted by then).
-        A block released from the window before it was registered ends the chain.
+        A block released from the window before it was registered ends a chain of
+        its own; an anchored group's entries hang on the anchor's chain instead, so it
+        goes on past its released blocks.
         """
         num_full = seq.num_computed_tokens // self.block_size
         cache_ids = record.cache_ids
@@ -516,10 +658,16 @@ class BlockManager:
             return
         num_full = min(num_full, len(record.table))
         self._memoise_blocks(seq, record, num_full)
+        parents = cache_ids if self.anchor is None else self.anchor.cache_ids(seq)
         for i in range(len(cache_ids), num_full):
             if i < record.num_released:
-                return
-            parent = cache_ids[-1] if cache_ids else NO_PARENT
+                if self.anchor is None:
+                    return
+                cache_ids.append(0)  # never held here: no entry, and none needed
+                continue
+            if i and (len(parents) < i or parents[i - 1] == 0):
+                return  # the anchor has not registered block i - 1
+            parent = parents[i - 1] if i else self._root_parent
             cache_id = self.prefix_cache.register(
                 record.table.block(i), record.block_hashes[i],
                 parent, record.cache_salt, record.block_tokens[i],
@@ -551,11 +699,17 @@ class BlockManager:
         Their distinct blocks must fit the host pool, and none may be written
         by this step's swap-in or copies (the device swaps out before those).
         """
+        num_blocks = self.swap_out_blocks(group)
+        return num_blocks is not None and num_blocks <= self.num_free_host_blocks
+
+    def swap_out_blocks(self, group: SequenceGroup) -> int | None:
+        """Host blocks that swapping the group's RUNNING sequences out takes; None if
+        this step writes one of their blocks."""
         blocks = self._distinct_blocks(group.seqs_with(SequenceStatus.RUNNING), on_host=False)
         written = self.state.ops.written
         if any(written[block] for block in blocks):
-            return False
-        return len(blocks) <= self.num_free_host_blocks
+            return None
+        return len(blocks)
 
     def swap_out(self, group: SequenceGroup) -> None:
         """Move the RUNNING sequences' tables to host blocks (shared blocks move once)."""
@@ -568,12 +722,12 @@ class BlockManager:
 
     def can_swap_in(self, group: SequenceGroup) -> AllocStatus:
         """Whether the SWAPPED sequences' distinct blocks fit on the device, with the watermark."""
-        required = len(self._distinct_blocks(group.seqs_with(SequenceStatus.SWAPPED), True))
-        if required > self.num_device_blocks - self.watermark_blocks:
-            return AllocStatus.NEVER
-        if self.num_free_blocks - required >= self.watermark_blocks:
-            return AllocStatus.OK
-        return AllocStatus.LATER
+        required = self.swap_in_blocks(group)
+        return self.admission_status(required, lambda: required)
+
+    def swap_in_blocks(self, group: SequenceGroup) -> int:
+        """Device blocks that swapping the group's SWAPPED sequences in takes."""
+        return len(self._distinct_blocks(group.seqs_with(SequenceStatus.SWAPPED), True))
 
     def swap_in(self, group: SequenceGroup) -> None:
         """Move the SWAPPED sequences' tables back to fresh device blocks.

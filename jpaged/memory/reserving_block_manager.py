@@ -86,8 +86,17 @@ class ReservingBlockManager:
         reservations = {id(r): r for r in self._reservations.values()}
         return [block for r in reservations.values() for block in r.spare]
 
+    num_groups = 1
+
+    @property
+    def group_blocks_used(self) -> tuple[int]:
+        return (self._logical_blocks,)
+
     def block_table(self, seq: Sequence) -> BlockTable:
         return self._tables[seq.seq_id]
+
+    def block_tables(self, seq: Sequence) -> tuple[BlockTable]:
+        return (self._tables[seq.seq_id],)
 
     def reserved_len(self, group: SequenceGroup) -> int:
         """Token slots each sequence of `group` reserves."""

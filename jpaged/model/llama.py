@@ -27,6 +27,7 @@ from flax import nnx
 
 from jpaged._deprecation import moved_names
 from jpaged.core.attention_metadata import AttentionMetadata
+from jpaged.memory.kv_cache_groups import KVCacheGroups
 from jpaged.model.config import LlamaConfig
 from jpaged.model.rope import apply_rope, layer_ropes, rope_tables
 from kernels_pallas.online_softmax import NO_WINDOW
@@ -140,9 +141,10 @@ class Attention(nnx.Module):
         write_kv_fn: WriteKVFn,
     ) -> tuple[jax.Array, KVCache]:
         """x [T, hidden], rope (cos, sin) f32 [T, R/2] (R = rotary_dim), kv_cache
-        2 x [L, Hkv, N, bs, D], layer int32 scalar (this layer's index into the cache),
-        window int32 scalar (its sliding window, kernels_pallas' NO_WINDOW for none)
-        -> ([T, hidden], updated kv_cache)."""
+        2 x [P, Hkv, N, bs, D] (P buffers per block), layer int32 scalar (this layer's
+        buffer in the cache), window int32 scalar (its sliding window, kernels_pallas'
+        NO_WINDOW for none), metadata with its KV cache group's slot_mapping [T] and
+        block_tables [B, M] -> ([T, hidden], updated kv_cache)."""
         num_tokens, groups = x.shape[0], self.shard_groups
         q_heads, kv_heads = self.num_heads // groups, self.num_kv_heads // groups
         # [T, groups, heads of a group, D]: split within each group (see LlamaConfig).
@@ -305,13 +307,17 @@ class LlamaForCausalLM(nnx.Module):
         metadata: AttentionMetadata,
         attention_fn: AttentionFn = ragged_paged_attention_reference,
         write_kv_fn: WriteKVFn = write_kv_reference,
+        groups: KVCacheGroups | None = None,
     ) -> tuple[jax.Array, KVCache]:
         """One step over a flat run of new tokens (T padded tokens, B padded sequences).
 
         input_ids: int32 [T]
-        kv_cache: (k_cache, v_cache), each [num_layers, num_kv_heads, num_blocks,
+        kv_cache: (k_cache, v_cache), each [layers_per_block, num_kv_heads, num_blocks,
                    block_size, head_dim]
         metadata:  AttentionMetadata of this step (positions, slot_mapping, ...).
+        groups:    the KV cache groups the cache holds (None: one group of all layers);
+                   layer i reads and writes buffer layer_slots[i] through the block
+                   tables of group layer_groups[i].
         attention_fn(q [T, Hq, D], k_cache, v_cache, block_tables, context_lens,
                      query_start_loc, *, layer, sliding_window, scale, soft_cap)
                      -> [T, Hq, D]
@@ -320,21 +326,26 @@ class LlamaForCausalLM(nnx.Module):
         returns    (final-normed hidden states [T, hidden_size], updated kv_cache).
 
         The layers run under `jax.lax.scan` with the whole cache in the carry: each
-        layer writes and reads its own [layer] slice through the kernels' `layer`
-        argument, so a donated cache is updated in place, never sliced or copied.
+        layer writes and reads its own buffer through the kernels' `layer` argument, so
+        a donated cache is updated in place, never sliced or copied.
         """
+        groups = groups or KVCacheGroups.of(self.config.layer_windows, free_windows=False)
         cos, sin = rope_tables(self.config, metadata)  # [K, T, rotary_dim / 2]
         layer_graph, per_layer, stacked = nnx.split(self.layers, _holds_per_layer_kernels, ...)
 
         def run_layer(carry, layer_and_params):
             x, kv_cache = carry
-            layer, window, rope_id, params = layer_and_params
+            layer, group, slot, window, rope_id, params = layer_and_params
             bound = jax.tree.map(lambda k: k.at(layer), per_layer, is_leaf=_is_per_layer)
             decoder = nnx.merge(layer_graph, bound, params)
-            return decoder(x, (cos[rope_id], sin[rope_id]), kv_cache, layer, window, metadata,
-                           attention_fn, write_kv_fn), None
+            group_metadata = metadata._replace(block_tables=metadata.block_tables[group],
+                                               slot_mapping=metadata.slot_mapping[group])
+            return decoder(x, (cos[rope_id], sin[rope_id]), kv_cache, slot, window,
+                           group_metadata, attention_fn, write_kv_fn), None
 
         layer_ids = jnp.arange(self.config.num_layers, dtype=jnp.int32)
+        group_ids = jnp.asarray(groups.layer_groups, jnp.int32)
+        slots = jnp.asarray(groups.layer_slots, jnp.int32)
         windows = jnp.asarray([NO_WINDOW if w is None else w for w in self.config.layer_windows],
                               jnp.int32)
         x = self.embed_tokens(input_ids)
@@ -342,7 +353,8 @@ class LlamaForCausalLM(nnx.Module):
             x = x * jnp.asarray(self.config.hidden_size**0.5, x.dtype)
         (x, kv_cache), _ = jax.lax.scan(
             run_layer, (x, kv_cache),
-            (layer_ids, windows, jnp.asarray(layer_ropes(self.config)), stacked))
+            (layer_ids, group_ids, slots, windows, jnp.asarray(layer_ropes(self.config)),
+             stacked))
         return self.norm(x), kv_cache
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
@@ -355,9 +367,12 @@ class LlamaForCausalLM(nnx.Module):
 
 
 def init_kv_cache(
-    config: LlamaConfig, num_blocks: int, block_size: int, dtype: jnp.dtype = jnp.float32
+    config: LlamaConfig, num_blocks: int, block_size: int, dtype: jnp.dtype = jnp.float32,
+    layers_per_block: int | None = None,
 ) -> KVCache:
     """A zeroed paged cache (k_cache, v_cache), each
-    [num_layers, num_kv_heads, num_blocks, block_size, head_dim] in `dtype`."""
-    shape = (config.num_layers, config.num_kv_heads, num_blocks, block_size, config.head_dim)
+    [layers_per_block, num_kv_heads, num_blocks, block_size, head_dim] in `dtype`
+    (layers_per_block of the KV cache groups; None: every layer's)."""
+    buffers = layers_per_block or config.num_layers
+    shape = (buffers, config.num_kv_heads, num_blocks, block_size, config.head_dim)
     return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)

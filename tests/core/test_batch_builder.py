@@ -13,11 +13,13 @@ from jpaged.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
 class FixedTables:
-    def __init__(self, block_size, tables):
-        self.block_size, self.tables = block_size, tables
+    """tables: seq_id -> its table in each of num_groups KV cache groups."""
 
-    def block_table(self, seq):
-        return BlockTable(self.tables[seq.seq_id])
+    def __init__(self, block_size, num_groups, tables):
+        self.block_size, self.num_groups, self.tables = block_size, num_groups, tables
+
+    def block_tables(self, seq):
+        return tuple(BlockTable(table) for table in self.tables[seq.seq_id])
 
 
 def padded_size(n, minimum, linear_step=0):
@@ -51,8 +53,10 @@ def oracle(scheduled, tables, block_size, buckets, min_rows=0):
     out = {
         "input_ids": [0] * padded_tokens,
         "positions": [0] * padded_tokens,
-        "slot_mapping": [t % block_size for t in range(padded_tokens)],
-        "block_tables": [[0] * padded_blocks for _ in range(padded_seqs)],
+        "slot_mapping": [[t % block_size for t in range(padded_tokens)]
+                         for _ in range(tables.num_groups)],
+        "block_tables": [[[0] * padded_blocks for _ in range(padded_seqs)]
+                         for _ in range(tables.num_groups)],
         "context_lens": [0] * padded_seqs,
         "query_start_loc": [num_tokens] * (padded_seqs + 1),
         "logits_indices": [0] * padded_seqs,
@@ -60,15 +64,17 @@ def oracle(scheduled, tables, block_size, buckets, min_rows=0):
     }
     out["query_start_loc"][0] = token = 0
     for i, (seq, n) in enumerate(scheduled):
-        table = tables.tables[seq.seq_id]
-        for j in range(blocks[i]):
-            out["block_tables"][i][j] = table[j]
+        group_tables = tables.tables[seq.seq_id]
+        for g, table in enumerate(group_tables):
+            for j in range(blocks[i]):
+                out["block_tables"][g][i][j] = table[j]
         for position in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
             out["input_ids"][token] = seq.token_ids[position]
             out["positions"][token] = position
-            out["slot_mapping"][token] = (
-                table[position // block_size] * block_size + position % block_size
-            )
+            for g, table in enumerate(group_tables):
+                out["slot_mapping"][g][token] = (
+                    table[position // block_size] * block_size + position % block_size
+                )
             token += 1
         out["context_lens"][i] = context_lens[i]
         out["query_start_loc"][i + 1] = token
@@ -79,8 +85,9 @@ def oracle(scheduled, tables, block_size, buckets, min_rows=0):
 @st.composite
 def schedules(draw):
     block_size = draw(st.sampled_from([1, 2, 4, 16]))
+    num_groups = draw(st.integers(1, 3))
     scheduled, tables = [], {}
-    free_blocks = iter(draw(st.permutations(range(1, 400))))
+    free_blocks = iter(draw(st.permutations(range(1, 1200))))
     for seq_id in range(draw(st.integers(0, 9))):
         num_prompt = draw(st.integers(1, 40))
         num_output = draw(st.integers(0, 8))
@@ -95,7 +102,8 @@ def schedules(draw):
         seq.num_computed_tokens = draw(st.integers(0, len(seq) - 1))
         num_new = draw(st.integers(1, len(seq) - seq.num_computed_tokens))
         spare = draw(st.integers(0, 2))  # tables may hold blocks beyond this step's context
-        tables[seq_id] = [next(free_blocks) for _ in range(-(-len(seq) // block_size) + spare)]
+        tables[seq_id] = [[next(free_blocks) for _ in range(-(-len(seq) // block_size) + spare)]
+                          for _ in range(num_groups)]
         scheduled.append((seq, num_new))
     buckets = BucketSizes(*draw(st.tuples(*[st.integers(1, 20)] * 3)),
                           linear_step=draw(st.sampled_from([0, 4, 8, 16])),
@@ -103,7 +111,7 @@ def schedules(draw):
                           mixed_min_tokens=draw(st.sampled_from([0, 4, 16])),
                           mixed_token_step=draw(st.sampled_from([0, 8, 32])))
     min_rows = draw(st.integers(0, 12))  # parallel samples draw more rows than sequences
-    return scheduled, FixedTables(block_size, tables), buckets, min_rows
+    return scheduled, FixedTables(block_size, num_groups, tables), buckets, min_rows
 
 
 @settings(max_examples=150, deadline=None)
@@ -138,9 +146,9 @@ def test_through_a_block_manager_after_copy_on_write():
     metadata = build_model_input(scheduled, manager, BucketSizes(1, 1, 1)).metadata
     parent_table, child_table = manager.block_table(parent), manager.block_table(child)
     assert parent_table[0] == child_table[0] and parent_table[1] != child_table[1]
-    np.testing.assert_array_equal(metadata.block_tables, [parent_table, child_table])
+    np.testing.assert_array_equal(metadata.block_tables, [[parent_table, child_table]])
     np.testing.assert_array_equal(
-        metadata.slot_mapping, [parent_table[1] * 4 + 2, child_table[1] * 4 + 2]
+        metadata.slot_mapping, [[parent_table[1] * 4 + 2, child_table[1] * 4 + 2]]
     )
     np.testing.assert_array_equal(metadata.context_lens, [7, 7])
 

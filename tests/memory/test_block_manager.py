@@ -23,6 +23,8 @@ from jpaged.config import CacheConfig
 from jpaged.memory.allocator import free_queue
 from jpaged.memory.block_manager import BlockManager
 from jpaged.memory.block_table import BlockTable
+from jpaged.memory.hybrid_block_manager import HybridBlockManager
+from jpaged.memory.kv_cache_groups import KVCacheGroups
 from jpaged.memory.kv_cache_manager import AllocStatus
 from jpaged.sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -34,23 +36,35 @@ def cdiv(a, b):
     return -(-a // b)
 
 
+LAYER_WINDOWS = [(None,), (None,), (1,), (3,), (7,), (None, 3), (None, 3, 3, 7),
+                 (None, None, 2, 2, 2, 2), (3, 7)]
+"""Models' layer windows: one group without a window or with one, global and windowed
+groups (Gemma-like), and two windows with no global group."""
+MAX_CHUNK = 9  # the most tokens a `schedule` rule computes of a sequence in one step
+
+
 class BlockManagerMachine(RuleBasedStateMachine):
     @initialize(
         block_size=st.sampled_from([1, 2, 4]),
-        num_blocks=st.integers(2, 24),
-        num_host_blocks=st.integers(0, 12),
+        num_blocks=st.integers(2, 40),
+        num_host_blocks=st.integers(0, 20),
         caching=st.booleans(),
         watermark=st.sampled_from([0.0, 0.1]),
         share_blocks=st.booleans(),
-        window=st.sampled_from([None, None, 1, 3, 7]),
+        layer_windows=st.sampled_from(LAYER_WINDOWS),
     )
     def setup(self, block_size, num_blocks, num_host_blocks, caching, watermark, share_blocks,
-              window):
-        config = CacheConfig(
-            block_size, num_blocks, num_host_blocks, caching, watermark, share_blocks, window
-        )
-        self.bm = BlockManager(config)
-        self.window = window
+              layer_windows):
+        groups = KVCacheGroups.of(layer_windows)
+        config = CacheConfig(block_size, num_blocks, num_host_blocks, caching, watermark,
+                             share_blocks, groups.windows[0], max_num_batched_tokens=MAX_CHUNK)
+        if groups.num_groups == 1:
+            self.bm = BlockManager(config)
+            self.group_managers = [self.bm]
+        else:
+            self.bm = HybridBlockManager(config, groups)
+            self.group_managers = self.bm.managers
+        self.windows = groups.windows
         self.share_blocks = share_blocks
         self.bs, self.num_blocks, self.num_host_blocks = block_size, num_blocks, num_host_blocks
         self.groups: list[SequenceGroup] = []
@@ -66,12 +80,28 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def kv(self, group, seq, position):
         return group.cache_salt, tuple(seq.token_slice(0, position + 1))
 
-    def num_released(self, seq):
-        """Leading blocks that no query from seq's next token on reads: those wholly
-        before key position num_computed_tokens - W + 1."""
-        if self.window is None:
+    def tables(self, seq):
+        """seq's device table in each KV cache group, as lists."""
+        return [m.block_table(seq).tolist() for m in self.group_managers]
+
+    def host_tables_of(self, seq):
+        return [m.host_block_table(seq).tolist() for m in self.group_managers]
+
+    def num_released(self, seq, g):
+        """Leading blocks of group g that no query from seq's next token on reads: those
+        wholly before key position num_computed_tokens - W + 1."""
+        window = self.windows[g]
+        if window is None:
             return 0
-        return max(0, seq.num_computed_tokens - self.window + 1) // self.bs
+        return max(0, seq.num_computed_tokens - window + 1) // self.bs
+
+    def most_blocks(self, num_tokens, num_new):
+        """The blocks a sequence of num_tokens may hold in all groups at once when a step
+        computes num_new of its tokens: all of a global group's, and of a windowed one's
+        those from the window before the first new token to the last new one."""
+        blocks = cdiv(num_tokens, self.bs)
+        return sum(blocks if w is None else min(blocks, cdiv(w - 1 + num_new, self.bs) + 1)
+                   for w in self.windows)
 
     def live(self, status):
         return [(g, s) for g in self.groups for s in g.seqs if s.status is status]
@@ -95,16 +125,16 @@ class BlockManagerMachine(RuleBasedStateMachine):
             if any(other in pending and other is not s for other in g.seqs)
         ]
 
-    def note_copies(self, seq, table_before):
-        """Add the blocks of seq's table that this step's copies fill to `written_now`.
+    def note_copies(self, seq, tables_before):
+        """Add the blocks of seq's tables that this step's copies fill to `written_now`.
 
-        An entry that differs from `table_before` under a computed token is a
+        An entry that differs from `tables_before` under a computed token is a
         copy: the manager copies blocks with KV, never empty ones.
         """
-        after = self.bm.block_table(seq).tolist()
-        for i, (before, now) in enumerate(zip(table_before, after, strict=False)):
-            if before != now and i * self.bs < seq.num_computed_tokens:
-                self.written_now.add(now)
+        for before_table, table in zip(tables_before, self.tables(seq), strict=True):
+            for i, (before, now) in enumerate(zip(before_table, table, strict=False)):
+                if before != now and i * self.bs < seq.num_computed_tokens:
+                    self.written_now.add(now)
 
     def fork_seq(self, group, parent):
         """Fork `parent` as the engine does: the child shares every block; without
@@ -119,7 +149,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.next_id += 1
         self.bm.fork(parent, child)
         group.seqs.append(child)
-        assert self.bm.block_table(child).tolist() == self.bm.block_table(parent).tolist()
+        assert self.tables(child) == self.tables(parent)
         if not self.share_blocks:
             self.owing.add(child.seq_id)
 
@@ -130,44 +160,57 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.pending = [(s, n) for s, n in self.pending if s is not seq]
 
     def device_tables(self):
-        """The blocks of the running sequences' tables, released entries left out (each
-        checked to be the null block, and to be the only null entries)."""
+        """The blocks of the running sequences' tables in every group, released entries
+        left out (each checked to be the null block, and to be the only null entries)."""
         tables = []
         for _, seq in self.live(RUNNING):
-            table, released = self.bm.block_table(seq).tolist(), self.num_released(seq)
-            assert table[:released] == [0] * released, (seq.seq_id, table, released)
-            assert 0 not in table[released:], "the null block is handed out"
-            tables.append(table[released:])
+            for g, table in enumerate(self.tables(seq)):
+                released = self.num_released(seq, g)
+                assert table[:released] == [0] * released, (seq.seq_id, g, table, released)
+                assert 0 not in table[released:], "the null block is handed out"
+                tables.append(table[released:])
         return tables
 
     def host_tables(self):
-        return [self.bm.host_block_table(s).tolist() for _, s in self.live(SWAPPED)]
+        return [table for _, s in self.live(SWAPPED) for table in self.host_tables_of(s)]
 
     def expected_append_blocks(self, seqs, num_new):
         """Blocks append_slots consumes, by replaying it on a copy of the refcounts."""
         refcounts, needed = {}, 0
         for seq, n in zip(seqs, num_new, strict=True):
-            table = self.bm.block_table(seq)
-            first = seq.num_computed_tokens // self.bs
-            last = (seq.num_computed_tokens + n - 1) // self.bs
-            needed += max(0, last + 1 - len(table))
-            copied = table[:] if seq.seq_id in self.owing else table[first : last + 1]
-            for block in copied:
-                count = refcounts.setdefault(block, self.bm.refcount(block))
-                if count > 1:
-                    needed += 1
-                    refcounts[block] = count - 1
+            for table in self.tables(seq):
+                first = seq.num_computed_tokens // self.bs
+                last = (seq.num_computed_tokens + n - 1) // self.bs
+                needed += max(0, last + 1 - len(table))
+                copied = table[:] if seq.seq_id in self.owing else table[first : last + 1]
+                for block in copied:
+                    count = refcounts.setdefault(block, self.bm.refcount(block))
+                    if count > 1:
+                        needed += 1
+                        refcounts[block] = count - 1
         return needed
 
     # Rules -----------------------------------------------------------------------
 
     @rule(prompt=TOKENS, salt=st.sampled_from([None, "tenant"]))
     def add_request(self, prompt, salt):
+        self.add(prompt, salt)
+
+    @precondition(lambda self: self.live(RUNNING))
+    @rule(data=st.data(), extra=st.lists(st.integers(0, 2), min_size=1, max_size=4))
+    def add_follow_up(self, data, extra):
+        """A prompt that continues a running sequence's computed tokens: the prefix
+        cache's case, with hits that reach past a window."""
+        group, seq = data.draw(st.sampled_from(self.live(RUNNING)))
+        self.add(seq.token_slice(0, seq.num_computed_tokens) + extra, group.cache_salt)
+
+    def add(self, prompt, salt):
         group = SequenceGroup(str(self.next_id), [Sequence(self.next_id, prompt)], cache_salt=salt)
         self.next_id += 1
         capacity = self.bm.num_device_blocks - self.bm.watermark_blocks
         status = self.bm.can_allocate(group)
-        assert (status is AllocStatus.NEVER) == (cdiv(len(prompt), self.bs) > capacity)
+        assert (status is AllocStatus.NEVER) == (self.most_blocks(len(prompt), MAX_CHUNK)
+                                                 > capacity)
         if status is AllocStatus.NEVER:
             self.bm.free(group.seqs[0])
         else:
@@ -181,10 +224,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
             return
         self.bm.allocate(group)
         for seq in group.seqs_with(WAITING):
-            if self.window is None:
-                assert len(self.bm.block_table(seq)) == cdiv(len(seq), self.bs)
-            else:  # a windowed table starts with its prefix hits; chunks add the rest
-                assert len(self.bm.block_table(seq)) * self.bs == seq.num_computed_tokens
+            for window, table in zip(self.windows, self.tables(seq), strict=True):
+                if window is None:
+                    assert len(table) == cdiv(len(seq), self.bs)
+                else:  # a windowed table starts with its prefix hits; chunks add the rest
+                    assert len(table) * self.bs == seq.num_computed_tokens
             assert seq.num_computed_tokens % self.bs == 0
             assert seq.num_computed_tokens <= len(seq) - 1
             if not self.bm.enable_prefix_caching:
@@ -192,7 +236,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             seq.status = RUNNING
 
     @precondition(lambda self: self.groups_with(RUNNING))
-    @rule(data=st.data(), chunk=st.integers(1, 9))
+    @rule(data=st.data(), chunk=st.integers(1, MAX_CHUNK))
     def schedule(self, data, chunk):
         group = data.draw(st.sampled_from(self.groups_with(RUNNING)))
         seqs = group.seqs_with(RUNNING)
@@ -203,14 +247,18 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if not fits:
             return
         for seq, n in zip(seqs, num_new, strict=True):
-            table_before = self.bm.block_table(seq).tolist()
+            tables_before = self.tables(seq)
             self.bm.append_slots(seq, n)
             self.owing.discard(seq.seq_id)
-            self.note_copies(seq, table_before)
-            table = self.bm.block_table(seq)
+            self.note_copies(seq, tables_before)
             start = seq.num_computed_tokens
-            written = {table[p // self.bs] for p in range(start, start + n)}
-            assert all(self.bm.refcount(block) == 1 for block in written)
+            for g, table in enumerate(self.tables(seq)):
+                written = {table[p // self.bs] for p in range(start, start + n)}
+                assert all(self.bm.refcount(block) == 1 for block in written)
+                window = self.windows[g]
+                if window is not None:  # the window before the chunk, and the chunk
+                    held = len(table) - self.num_released(seq, g)
+                    assert held <= cdiv(window - 1 + n, self.bs) + 1, (g, held, n)
             self.pending.append((seq, n))
 
     @precondition(lambda self: self.groups_with(RUNNING))
@@ -266,7 +314,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def swap_out(self, data):
         group = data.draw(st.sampled_from(self.groups_with(RUNNING)))
         seqs = group.seqs_with(RUNNING)
-        distinct = {block for seq in seqs for block in self.bm.block_table(seq)} - {0}
+        distinct = {block for seq in seqs for table in self.tables(seq) for block in table} - {0}
         fits = len(distinct) <= self.bm.num_free_host_blocks
         # The step's swap-in or copies write those blocks, after its swap-outs.
         clash = not distinct.isdisjoint(self.written_now)
@@ -284,14 +332,16 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def swap_in(self, data):
         group = data.draw(st.sampled_from(self.groups_with(SWAPPED)))
         seqs = group.seqs_with(SWAPPED)
-        required = len({block for seq in seqs for block in self.bm.host_block_table(seq)})
+        required = len({block for seq in seqs for table in self.host_tables_of(seq)
+                        for block in table})
         status = self.bm.can_swap_in(group)
         capacity = self.bm.num_device_blocks - self.bm.watermark_blocks
         assert (status is AllocStatus.NEVER) == (required > capacity)
         if status is AllocStatus.OK:
             assert self.bm.num_free_blocks - required >= self.bm.watermark_blocks
             self.bm.swap_in(group)
-            self.written_now.update(b for seq in seqs for b in self.bm.block_table(seq))
+            self.written_now.update(b for seq in seqs for table in self.tables(seq)
+                                    for b in table)
             for seq in seqs:
                 seq.status = RUNNING
 
@@ -311,11 +361,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.apply_block_ops(ops)
         for seq, n in self.pending:
             group = next(g for g in self.groups if seq in g.seqs)
-            table = self.bm.block_table(seq)
-            for position in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
-                block = table[position // self.bs]
-                assert self.bm.state.device.refcounts[block] == 1, "write into a shared block"
-                self.device_kv[block * self.bs + position % self.bs] = self.kv(group, seq, position)
+            for table in self.tables(seq):
+                for position in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
+                    block = table[position // self.bs]
+                    assert self.bm.state.device.refcounts[block] == 1, "write into a shared block"
+                    slot = block * self.bs + position % self.bs
+                    self.device_kv[slot] = self.kv(group, seq, position)
             seq.num_computed_tokens += n
             if seq.num_computed_tokens == len(seq):
                 seq.append_token(data.draw(st.integers(0, 2)))
@@ -324,6 +375,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.written_now.clear()
         self.check_kv_contents()
         self.check_committed_state()
+        self.bm.check_invariants([s for _, s in self.live(RUNNING)],
+                                 [s for _, s in self.live(SWAPPED)])
 
     def apply_block_ops(self, ops):
         # A phase is one scatter on the device, which leaves a repeated destination's
@@ -349,19 +402,20 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 self.device_kv[dst * bs + offset] = sources[src, offset]
 
     def check_kv_contents(self):
-        for status, kv, table_of in (
-            (RUNNING, self.device_kv, self.bm.block_table),
-            (SWAPPED, self.host_kv, self.bm.host_block_table),
+        for status, kv, tables_of in (
+            (RUNNING, self.device_kv, self.tables),
+            (SWAPPED, self.host_kv, self.host_tables_of),
         ):
             for group, seq in self.live(status):
-                table = table_of(seq)
-                # A host table holds the blocks only, without the released entries.
-                released = self.num_released(seq)
-                offset = released if status is SWAPPED else 0
-                for position in range(released * self.bs, seq.num_computed_tokens):
-                    block = table[position // self.bs - offset]
-                    slot = block * self.bs + position % self.bs
-                    assert kv.get(slot) == self.kv(group, seq, position), (seq.seq_id, position)
+                for g, table in enumerate(tables_of(seq)):
+                    # A host table holds the blocks only, without the released entries.
+                    released = self.num_released(seq, g)
+                    offset = released if status is SWAPPED else 0
+                    for position in range(released * self.bs, seq.num_computed_tokens):
+                        block = table[position // self.bs - offset]
+                        slot = block * self.bs + position % self.bs
+                        assert kv.get(slot) == self.kv(group, seq, position), (
+                            seq.seq_id, g, position)
 
     def check_committed_state(self):
         state = self.bm.state
@@ -382,9 +436,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
             return
         holders = np.bincount(sum(self.device_tables(), []), minlength=self.num_blocks)
         for _, seq in self.live(RUNNING):
-            table = self.bm.block_table(seq).tolist()
             index = seq.num_computed_tokens // self.bs
-            owned = index < len(table) and holders[table[index]] == 1
+            owned = all(index < len(table) and holders[table[index]] == 1
+                        for table in self.tables(seq))
             if self.bm.has_decode_slot(seq):
                 assert owned, "a decode slot claimed that is missing or shared"
 
@@ -403,7 +457,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert self.bm.logical_blocks_used == len(entries)
         assert self.bm.num_free_blocks + np.count_nonzero(counts) <= self.num_blocks - 1
         for _, seq in self.live(RUNNING):
-            assert len(self.bm.block_table(seq)) >= cdiv(seq.num_computed_tokens, self.bs)
+            for table in self.tables(seq):
+                assert len(table) >= cdiv(seq.num_computed_tokens, self.bs)
 
     def teardown(self):
         if not hasattr(self, "bm"):

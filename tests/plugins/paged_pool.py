@@ -60,9 +60,10 @@ class PagedCacheBook:
         padding = num_tokens - len(ids)
         pad_seqs = num_seqs - len(chunks)
         metadata = AttentionMetadata(
-            slot_mapping=np.array(slots + [i % self.block_size for i in range(padding)], np.int32),
+            slot_mapping=np.array([slots + [i % self.block_size for i in range(padding)]],
+                                  np.int32),
             positions=np.array(positions + [0] * padding, np.int32),
-            block_tables=tables,
+            block_tables=tables[None],
             context_lens=np.array(context_lens + [0] * pad_seqs, np.int32),
             query_start_loc=np.array(starts + [starts[-1]] * pad_seqs, np.int32),
             logits_indices=np.array(logits_indices + [0] * pad_seqs, np.int32),
