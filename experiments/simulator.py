@@ -12,6 +12,10 @@ tree.
 Time advances by a linear step-cost model (`StepCost`) so Poisson arrivals and
 latencies have a plausible scale; memory results do not depend on it.
 
+A model with sliding-window layers (`SimConfig.layer_windows`) runs on the engine's
+KV cache groups (jpaged.memory.kv_cache_groups): a block then holds the KV of one
+group's layers, and memory is counted in token slots of every layer all the same.
+
 Run `python -m experiments.simulator` for one simulation (10,000 ShareGPT-like
 requests by default) and its wall-clock time.
 """
@@ -26,7 +30,7 @@ import random
 import time
 import warnings
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -37,6 +41,8 @@ from jpaged.config import CacheConfig, SchedulerConfig
 from jpaged.core.scheduler import Scheduler
 from jpaged.core.scheduler_output import BeamChoice, SampledTokens, SchedulerOutput
 from jpaged.memory.block_manager import BlockManager
+from jpaged.memory.hybrid_block_manager import HybridBlockManager
+from jpaged.memory.kv_cache_groups import KVCacheGroups
 from jpaged.memory.kv_cache_manager import KVCacheManager
 from jpaged.memory.reservation import ALLOCATIONS
 from jpaged.sampling_params import BeamSearchParams, SamplingParams
@@ -72,8 +78,11 @@ class StepCost:
 class SimConfig:
     """One simulated server. Every allocator gets the same `num_kv_slots` of KV memory.
 
-    The paged pool is num_kv_slots // block_size blocks (plus the null block);
-    the Orca baselines get an arena of num_kv_slots token slots.
+    A slot holds one token's K/V in every layer. The paged pool is num_kv_slots //
+    block_size blocks (plus the null block); the Orca baselines get an arena of
+    num_kv_slots token slots. layer_windows: each layer's sliding window (None:
+    global); with windows, paged blocks hold one KV cache group's layers each, as many
+    as the same bytes hold, and a window's blocks leave as it passes them.
     """
 
     allocator: str = "paged"
@@ -87,6 +96,7 @@ class SimConfig:
     preemption_mode: str = "recompute"
     num_host_slots: int = 0
     watermark: float = 0.01
+    layer_windows: tuple[int | None, ...] = (None,)
     step_cost: StepCost = StepCost()
     seed: int = 0
 
@@ -97,19 +107,35 @@ class SimConfig:
             object.__setattr__(self, "allocator", "paged")
         if self.allocator not in ALLOCATORS:
             raise ValueError(f"allocator must be one of {ALLOCATORS}, got {self.allocator!r}")
+        if self.allocator != "paged" and self.groups.num_groups > 1:
+            raise ValueError(f"allocator {self.allocator!r} keeps every block: it cannot "
+                             "run KV cache groups of sliding-window layers")
         if self.num_kv_slots < self.block_size:
             raise ValueError(
                 f"num_kv_slots ({self.num_kv_slots}) must hold at least one block "
                 f"of block_size {self.block_size}"
             )
 
+    @property
+    def groups(self) -> KVCacheGroups:
+        return KVCacheGroups.of(self.layer_windows)
+
+    @property
+    def block_slots(self) -> float:
+        """Token slots (of every layer) one block holds: block_size tokens of its group's
+        layers."""
+        return self.block_size * self.groups.layers_per_block / len(self.layer_windows)
+
     def cache_config(self) -> CacheConfig:
+        groups = self.groups
         return CacheConfig(
             block_size=self.block_size,
-            num_blocks=self.num_kv_slots // self.block_size + 1,
-            num_host_blocks=self.num_host_slots // self.block_size,
+            num_blocks=int(self.num_kv_slots // self.block_slots) + 1,
+            num_host_blocks=int(self.num_host_slots // self.block_slots),
             enable_prefix_caching=self.enable_prefix_caching,
             watermark=self.watermark,
+            sliding_window=groups.windows[0],
+            max_num_batched_tokens=self.max_num_batched_tokens,
         )
 
     def scheduler_config(self) -> SchedulerConfig:
@@ -165,47 +191,58 @@ class MemoryBreakdown:
         return {k: 100.0 * v / total for k, v in dataclasses.asdict(self).items()}
 
 
-def slots_counter(manager: KVCacheManager) -> Callable[[Seq], int]:
-    """seq -> slots `manager` holds for it: its slab, or its blocks times the block size."""
-    if isinstance(manager, ContiguousArena):
-        return manager.allocated_slots
-    block_table, block_size = manager.block_table, manager.block_size
-    return lambda seq: len(block_table(seq)) * block_size
-
-
-def free_slots(manager: KVCacheManager) -> int:
+def free_slots(manager: KVCacheManager, block_slots: float) -> float:
     if isinstance(manager, ContiguousArena):
         return manager.num_free_slots
-    return manager.num_free_blocks * manager.block_size
+    return manager.num_free_blocks * block_slots
 
 
-def pool_slots(manager: KVCacheManager) -> int:
+def pool_slots(manager: KVCacheManager, block_slots: float) -> float:
     """Token slots of the pool (the paged pool's null block excluded)."""
     if isinstance(manager, ContiguousArena):
         return manager.num_slots
-    return manager.num_device_blocks * manager.block_size
+    return manager.num_device_blocks * block_slots
 
 
 def kv_breakdown(
-    manager: KVCacheManager, seqs: Iterable[tuple[Seq, int, int]], requests_waiting: bool
+    manager: KVCacheManager, seqs: Iterable[tuple[Seq, int, int]], requests_waiting: bool,
+    block_slots: float | None = None,
 ) -> MemoryBreakdown:
     """Figure-2 breakdown of the KV memory of a run without block sharing.
 
     seqs: (sequence, its tokens with K/V once the step ran, its final length =
     prompt + output tokens) for every sequence holding KV. Free slots count as
     external fragmentation only while requests wait; otherwise they are idle
-    capacity and left out.
+    capacity and left out. A paged block holds `block_slots` token slots (its
+    block_size without KV cache groups); in a sliding window's group the blocks the
+    window left hold nothing, and the token states are the computed tokens of the
+    blocks still held.
     """
-    allocated_slots = slots_counter(manager)
-    token_states = reserved = internal = 0
+    if block_slots is None and not isinstance(manager, ContiguousArena):
+        block_slots = manager.block_size
+    token_states = reserved = internal = 0.0
     for seq, computed, final_len in seqs:
-        allocated = allocated_slots(seq)
-        will_fill = min(allocated, final_len)
-        token_states += computed
-        reserved += will_fill - computed
-        internal += allocated - will_fill
-    external = free_slots(manager) if requests_waiting else 0
+        for first, allocated, share in _held_spans(manager, seq, block_slots):
+            will_fill = min(first + allocated, final_len) - first
+            token_states += share * (computed - first)
+            reserved += share * (will_fill - (computed - first))
+            internal += share * (allocated - will_fill)
+    external = free_slots(manager, block_slots) if requests_waiting else 0
     return MemoryBreakdown(token_states, reserved, internal, external)
+
+
+def _held_spans(manager: KVCacheManager, seq: Seq, block_slots: float
+                ) -> Iterable[tuple[int, int, float]]:
+    """(first position held, positions held, slots per position) of each of seq's
+    tables: its slab, or its blocks past those a window released in each group."""
+    if isinstance(manager, ContiguousArena):
+        yield 0, manager.allocated_slots(seq), 1.0
+        return
+    block_size = manager.block_size
+    for table in manager.block_tables(seq):
+        released = len(table) - int(np.count_nonzero(table.array))
+        yield (released * block_size, (len(table) - released) * block_size,
+               block_slots / block_size)
 
 
 @dataclass(frozen=True)
@@ -265,7 +302,10 @@ def simulate(requests: Sequence[RequestSpec], config: SimConfig = SimConfig()) -
 
 
 def make_manager(config: SimConfig) -> KVCacheManager:
-    """jpaged's BlockManager or a contiguous Orca arena, sized by config.num_kv_slots."""
+    """jpaged's BlockManager (a HybridBlockManager for KV cache groups) or a contiguous
+    Orca arena, sized by config.num_kv_slots."""
+    if config.allocator == "paged" and config.groups.num_groups > 1:
+        return HybridBlockManager(config.cache_config(), config.groups)
     if config.allocator == "paged":
         return BlockManager(config.cache_config())
     return ContiguousArena(config.num_kv_slots, config.allocator, config.max_model_len)
@@ -298,7 +338,8 @@ class _Simulation:
         self.pending = deque(sorted(requests, key=lambda r: r.arrival_time))
         self.manager = make_manager(config)
         self.scheduler = Scheduler(config.scheduler_config(), self.manager)
-        self.pool_slots = pool_slots(self.manager)
+        self.paged = not isinstance(self.manager, ContiguousArena)
+        self.pool_slots = pool_slots(self.manager, config.block_slots)
         self.sharing = config.enable_prefix_caching or any(r.n > 1 for r in requests)
         self.rng = random.Random(config.seed)
         self.clock = 0.0
@@ -346,10 +387,11 @@ class _Simulation:
         breakdown = None
         if not self.sharing:
             breakdown = kv_breakdown(
-                self.manager, self._seqs_holding_kv(computed), self.scheduler.num_waiting > 0
+                self.manager, self._seqs_holding_kv(computed), self.scheduler.num_waiting > 0,
+                self.config.block_slots,
             )
         logical = physical = 0
-        if isinstance(self.manager, BlockManager):
+        if self.paged:
             logical = self.manager.logical_blocks_used
             physical = self.manager.physical_blocks_used
         self.stats.add(
@@ -360,7 +402,7 @@ class _Simulation:
             logical,
             physical,
         )
-        used_slots = self.pool_slots - free_slots(self.manager)
+        used_slots = self.pool_slots - free_slots(self.manager, self.config.block_slots)
         self.stats.kv_utilization_sum += used_slots / self.pool_slots
         self.stats.kv_slots_peak = max(self.stats.kv_slots_peak, used_slots)
 
@@ -403,7 +445,7 @@ class _Simulation:
     def _result(self, wall_s: float, cpu_s: float) -> SimResult:
         stats = self.stats
         prefix_hit_rate = None
-        if isinstance(self.manager, BlockManager) and self.config.enable_prefix_caching:
+        if self.paged and self.config.enable_prefix_caching:
             prefix_hit_rate = self.manager.prefix_cache_stats.hit_rate
         return SimResult(
             config=self.config,
@@ -428,9 +470,7 @@ class _Simulation:
                 None if self.sharing else _ratio(stats.token_states, stats.allocated)
             ),
             sharing_saved=(
-                _ratio(stats.logical - stats.physical, stats.logical)
-                if isinstance(self.manager, BlockManager)
-                else None
+                _ratio(stats.logical - stats.physical, stats.logical) if self.paged else None
             ),
             prefix_cache_hit_rate=prefix_hit_rate,
             timeline=stats.timeline(),

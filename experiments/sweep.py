@@ -36,6 +36,10 @@ published mean lengths, not the datasets) and prints three tables:
    and jpaged on ShareGPT-like requests at block size 16, beside the paper.
 3. Memory saved by sharing blocks: parallel sampling and beam search
    (n = 2, 4, 6) on Alpaca-like requests, beside the paper, and prefix sharing.
+4. Sliding windows past the paper: the Figure-2 breakdown and the sequences running
+   at once for a dense model, a Gemma-3-like one (3 global and 15 sliding layers,
+   window 512: KV cache groups, the window's blocks freed) and one whose every layer
+   slides, on ShareGPT-like requests at block size 16.
 
 Every run serves its requests all at once (arrival time 0), so memory is the
 bottleneck; every allocator gets the same KV memory (--num-kv-slots token
@@ -61,6 +65,9 @@ from experiments.simulator import SimConfig, simulate
 from experiments.workloads import make_workload
 
 DEFAULT_BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+GEMMA3_LIKE_LAYERS = ((512,) * 5 + (None,)) * 3
+WINDOW_MODELS = {"dense": (None,), "gemma3-like": GEMMA3_LIKE_LAYERS,
+                 "all-sliding": (512,)}
 
 
 @dataclass(frozen=True)
@@ -114,6 +121,9 @@ def plan_runs(args: argparse.Namespace) -> list[Run]:
         config = dataclasses.replace(base, enable_prefix_caching=True)
         workload = {"prefix": prefix}
         runs.append(Run("sharing", "alpaca", args.sharing_requests, config, workload, args.seed))
+    for layer_windows in WINDOW_MODELS.values():
+        config = dataclasses.replace(base, layer_windows=layer_windows)
+        runs.append(Run("window", "sharegpt", args.figure2_requests, config, seed=args.seed))
     return runs
 
 
@@ -162,6 +172,29 @@ def figure2_rows(results: list[dict]) -> list[dict]:
                 "external_frag_and_other_pct": f"{breakdown['external_fragmentation']:.1f}",
                 "token_states_pct_of_allocated": _pct(r["token_states_of_allocated"]),
                 "mean_running_seqs": f"{r['mean_running_seqs']:.1f}",
+                "preemptions": r["num_preemptions"],
+                "requests_per_s": f"{r['requests_per_s']:.2f}",
+            }
+        )
+    return rows
+
+
+def window_rows(results: list[dict]) -> list[dict]:
+    models = {layers: name for name, layers in WINDOW_MODELS.items()}
+    rows = []
+    for r in results:
+        if r["table"] != "window":
+            continue
+        breakdown = r["breakdown_pct"]
+        rows.append(
+            {
+                "model": models[tuple(r["config"]["layer_windows"])],
+                "token_states_pct": f"{breakdown['token_states']:.1f}",
+                "reserved_pct": f"{breakdown['reserved']:.1f}",
+                "internal_frag_pct": f"{breakdown['internal_fragmentation']:.1f}",
+                "external_frag_and_other_pct": f"{breakdown['external_fragmentation']:.1f}",
+                "mean_running_seqs": f"{r['mean_running_seqs']:.1f}",
+                "peak_running_seqs": r["peak_running_seqs"],
                 "preemptions": r["num_preemptions"],
                 "requests_per_s": f"{r['requests_per_s']:.2f}",
             }
@@ -282,6 +315,11 @@ def memory_study(args: argparse.Namespace) -> tuple[dict, dict]:
         "sharing": (
             "Memory saved by sharing blocks, Alpaca-like, block size 16",
             sharing_rows(results),
+        ),
+        "window": (
+            "Sliding windows: KV memory by use (% of KV memory) and sequences running, "
+            "ShareGPT-like, block size 16",
+            window_rows(results),
         ),
     }
     cpu_seconds = sum(r["cpu_s"] for r in results)

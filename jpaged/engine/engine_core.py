@@ -162,7 +162,7 @@ class EngineCore:
     def _kv_blocks(self) -> KVBlockCounts:
         manager = self.kv_manager
         return KVBlockCounts(manager.num_device_blocks, manager.physical_blocks_used,
-                             manager.logical_blocks_used)
+                             manager.logical_blocks_used, manager.group_blocks_used)
 
     def _block_usage(self, plan: SchedulerOutput) -> list[tuple[str, int, int]]:
         """(request id, logical blocks, distinct blocks) of each running request; entries

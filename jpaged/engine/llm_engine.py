@@ -250,4 +250,5 @@ class LLMEngine:
             num_running=scheduler.num_running, num_waiting=scheduler.num_waiting,
             num_swapped=scheduler.num_swapped, kv_blocks_used=manager.physical_blocks_used,
             kv_blocks_total=manager.num_device_blocks, prefix_cache_query_tokens=stats.query_tokens,
-            prefix_cache_hit_tokens=stats.hit_tokens, num_preemptions=scheduler.num_preemptions)
+            prefix_cache_hit_tokens=stats.hit_tokens, num_preemptions=scheduler.num_preemptions,
+            kv_group_blocks_used=manager.group_blocks_used)

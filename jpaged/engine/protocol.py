@@ -26,6 +26,8 @@ class EngineState:
     prefix_cache_query_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
     num_preemptions: int = 0
+    kv_group_blocks_used: tuple[int, ...] = ()
+    """Each KV cache group's logical blocks: the entries its tables hold."""
 
     @property
     def kv_usage(self) -> float:
@@ -40,11 +42,14 @@ class EngineState:
 
     @classmethod
     def total(cls, states: Sequence[EngineState]) -> EngineState:
-        """The sums over several engines' states."""
+        """The sums over several engines' states (replicas of one model: their groups
+        add up one by one)."""
+        groups = [s.kv_group_blocks_used for s in states if s.kv_group_blocks_used]
         return cls(*(sum(values) for values in zip(*(
             (s.num_running, s.num_waiting, s.num_swapped, s.kv_blocks_used, s.kv_blocks_total,
              s.prefix_cache_query_tokens, s.prefix_cache_hit_tokens, s.num_preemptions)
-            for s in states), strict=True)))
+            for s in states), strict=True)),
+            kv_group_blocks_used=tuple(sum(group) for group in zip(*groups, strict=True)))
 
 
 class Engine(Protocol):

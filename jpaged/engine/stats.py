@@ -33,11 +33,13 @@ _compilations = 0
 
 class KVBlockCounts(NamedTuple):
     """A pool's device blocks (the null block excluded), those some table holds, and the
-    sum of the tables' lengths (what the tables would hold without sharing)."""
+    sum of the tables' lengths (what the tables would hold without sharing); `groups`
+    splits that sum over the KV cache groups (one entry without groups)."""
 
     total: int
     physical: int
     logical: int
+    groups: tuple[int, ...] = ()
 
 
 def _count_compilation(event: str, duration: float, **kwargs) -> None:
@@ -114,6 +116,7 @@ class EngineStats:
     prefix_cache_hit_tokens: int = 0
     logical_block_steps: int = 0
     physical_block_steps: int = 0
+    group_block_steps: tuple[int, ...] = ()
     num_kv_blocks: int = 0
 
     def record_blocks(self, blocks: KVBlockCounts) -> None:
@@ -123,6 +126,8 @@ class EngineStats:
         self.kv_utilization.add(blocks.physical / blocks.total)
         self.logical_block_steps += blocks.logical
         self.physical_block_steps += blocks.physical
+        steps = self.group_block_steps or (0,) * len(blocks.groups)
+        self.group_block_steps = tuple(a + b for a, b in zip(steps, blocks.groups, strict=True))
 
     def record_step(self, plan: SchedulerOutput, queues: SchedulerStats,
                     prefix_cache: PrefixCacheStats, started: float, ended: float) -> None:
@@ -214,6 +219,8 @@ def summarize(replicas: Sequence[EngineStats]) -> dict:
                                         sum(r.prefix_cache_query_tokens for r in replicas)),
         "kv_blocks_logical_mean": logical / max(num_steps, 1),
         "kv_blocks_physical_mean": physical / max(num_steps, 1),
+        "kv_blocks_per_group_mean": [sum(group) / max(num_steps, 1) for group in zip(
+            *(r.group_block_steps for r in replicas if r.group_block_steps), strict=True)],
         "kv_memory_saved": 1.0 - _ratio(physical, logical, empty=1.0),
         "ttft_s": percentiles(value for r in replicas for value in r.ttft),
         "tpot_s": percentiles(value for r in replicas for value in r.tpot),

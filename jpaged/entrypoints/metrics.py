@@ -40,6 +40,13 @@ class EngineCollector:
             yield GaugeMetricFamily(f"jpaged:{name}", documentation, value=value)
         yield CounterMetricFamily("jpaged:num_preemptions", "Sequence groups preempted.",
                                   value=state.num_preemptions)
+        per_group = GaugeMetricFamily(
+            "jpaged:kv_cache_group_blocks_used",
+            "Block-table entries of each KV cache group (sliding-window and global layers).",
+            labels=["group"])
+        for group, blocks in enumerate(state.kv_group_blocks_used):
+            per_group.add_metric([str(group)], blocks)
+        yield per_group
 
 
 class ServerMetrics:

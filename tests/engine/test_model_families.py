@@ -20,13 +20,18 @@ import pytest
 
 from jpaged.core.step_shapes import BucketSizes
 from jpaged.entrypoints.llm import LLM
+from jpaged.memory.kv_cache_groups import KVCacheGroups
 from jpaged.model.loader import load_model
 from jpaged.sampling_params import SamplingParams
+from jpaged.sequence import Sequence, SequenceGroup
 from tests.plugins.hf_models import greedy_continuations
 
 FAMILIES = ["tiny_qwen3_dir", "tiny_mistral_dir", "tiny_gemma2_dir", "tiny_gemma3_dir",
             "tiny_phi3_dir"]
 MAX_TOKENS = 12
+# The blocks of a 36-token prompt and its 12 tokens in tiny Gemma 3's four one-layer
+# groups: 12 in the global one, every one of the 12 once in each sliding one.
+FIRST_REQUEST_BLOCKS = 4 * 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 BUCKETS = BucketSizes(min_num_tokens=16, min_num_seqs=8, min_blocks_per_seq=4)
 
@@ -71,15 +76,18 @@ def test_each_prompt_alone_matches(family):
         assert _tokens(llm.generate([prompt], GREEDY)) == [tokens]
 
 
+@pytest.mark.parametrize("keep_every_block", [True, False])
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_preemption_without_prefix_caching_keeps_greedy_outputs(family, mode):
+def test_preemption_without_prefix_caching_keeps_greedy_outputs(family, mode,
+                                                                keep_every_block):
     loaded, prompts, expected = family
-    # 9 usable blocks of 4 tokens, 8 for one 32-token sequence: six sequences of up to
-    # 31 tokens cannot all stay, as long as every block is kept (freeing the window's
-    # blocks, they all fit this pool).
-    llm = _llm(loaded, num_blocks=10, max_model_len=32, preemption_mode=mode,
-               num_host_blocks=64 if mode == "swap" else 0, enable_prefix_caching=False,
-               disable_hybrid_kv_cache_manager=True)
+    # A pool of one 32-token sequence and a block: six sequences of up to 31 tokens
+    # cannot all stay, whether a window's blocks are freed or kept.
+    groups = KVCacheGroups.of(loaded[1].layer_windows, free_windows=not keep_every_block)
+    num_blocks = 2 + groups.seq_blocks(32, 4, chunk_tokens=16)
+    llm = _llm(loaded, num_blocks=num_blocks, max_model_len=32, preemption_mode=mode,
+               num_host_blocks=64 * groups.num_groups if mode == "swap" else 0,
+               enable_prefix_caching=False, disable_hybrid_kv_cache_manager=keep_every_block)
     assert _tokens(llm.generate(prompts, GREEDY)) == expected
     assert llm.engine.stats.num_preemptions > 0
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_device_blocks
@@ -120,13 +128,15 @@ def test_a_gemma_shaped_model_compiles_nothing_after_warmup(tiny_gemma3_dir):
     assert all(o.finished for o in outputs)
 
 
-@pytest.mark.parametrize("family_dir", ["tiny_mistral_dir", "tiny_phi3_dir"])
+@pytest.mark.parametrize("family_dir", ["tiny_mistral_dir", "tiny_phi3_dir", "tiny_gemma2_dir",
+                                        "tiny_gemma3_dir"])
 def test_freeing_window_blocks_keeps_outputs_and_poisoned_free_blocks_are_never_read(
         family_dir, request):
-    """Every layer slides: blocks that leave a sequence's window go back to the pool.
-    Between steps every free block and the null block are filled with NaN, so a read
-    of a freed (or reused) block would poison the outputs; they must equal those of an engine that
-    keeps every block and transformers', with fewer blocks held."""
+    """Blocks that leave a sequence's window go back to the pool (every layer slides, or
+    the sliding layers' KV cache groups beside the global ones'). Between steps every
+    free block and the null block are filled with NaN, so a read of a freed (or reused)
+    block would poison the outputs; they must equal those of an engine that keeps every
+    block and transformers', with fewer bytes held."""
     import jax.numpy as jnp
 
     directory = request.getfixturevalue(family_dir)
@@ -147,7 +157,8 @@ def test_freeing_window_blocks_keeps_outputs_and_poisoned_free_blocks_are_never_
                                            for layer in engine.runner.kv_cache)
             for output in engine.step():
                 outputs[output.request_id] = output.outputs[0].token_ids
-            most_held = max(most_held, engine.block_manager.physical_blocks_used)
+            held = engine.block_manager.physical_blocks_used * engine.kv_cache_info.block_bytes
+            most_held = max(most_held, held)
             engine.check_invariants()
         return [outputs[str(i)] for i in range(len(prompts))], most_held
 
@@ -155,3 +166,41 @@ def test_freeing_window_blocks_keeps_outputs_and_poisoned_free_blocks_are_never_
     keeping, held_keeping = run(disable_hybrid_kv_cache_manager=True)
     assert freeing == keeping == expected
     assert held_freeing < held_keeping
+
+
+def _hit_lengths(manager, prompt) -> tuple[int, int]:
+    """(group 0's hit alone, the hit every group holds) in blocks for `prompt` now."""
+    seq = Sequence(-1, list(prompt))
+    group = SequenceGroup("probe", [seq])
+    anchor = len(manager.managers[0].prefix_hits([seq], group)[0][0])
+    joint = len(manager.prefix_hits([seq], group)[0][0][0])
+    manager.free(seq)
+    return anchor, joint
+
+
+def test_a_prompt_whose_window_blocks_left_the_cache_is_served_from_what_remains(
+        tiny_gemma3_dir):
+    """A first request's global blocks stay cached while the blocks its sliding layers'
+    window left early are handed to a second request: a follow-up prompt whose global
+    prefix is cached but whose window blocks are gone gets a shorter hit (or none) and
+    the same greedy tokens as transformers."""
+    loaded = load_model(tiny_gemma3_dir)
+    rng = np.random.default_rng(11)
+    vocab = loaded[1].vocab_size
+    first, filler = rng.integers(0, vocab, 36).tolist(), rng.integers(0, vocab, 20).tolist()
+    expected = greedy_continuations(tiny_gemma3_dir, [first, filler], MAX_TOKENS)
+    # The filler's 32 blocks take the 8 never used and then the sliding blocks the first
+    # request's windows left first: all but the last two of each group (8 and 9).
+    llm = _llm(loaded, num_blocks=1 + FIRST_REQUEST_BLOCKS + 8)
+    assert _tokens(llm.generate([first], GREEDY)) == expected[:1]
+    assert _tokens(llm.generate([filler], GREEDY)) == expected[1:]
+    computed = first + expected[0]
+    follow_ups = [computed[:n] + [7, 8] for n in (42, 30, 17)]
+    manager = llm.engine.block_manager
+    hits = [_hit_lengths(manager, prompt) for prompt in follow_ups]
+    assert hits[0] == (10, 10)  # its window at position 40 reads blocks 8 and 9
+    assert all(joint < anchor for anchor, joint in hits[1:]), hits
+    expected = greedy_continuations(tiny_gemma3_dir, follow_ups, MAX_TOKENS)
+    for prompt, tokens in zip(follow_ups, expected, strict=True):
+        assert _tokens(llm.generate([prompt], GREEDY)) == [tokens]
+    llm.engine.check_invariants()

@@ -140,3 +140,30 @@ def test_paged_breakdown_by_hand():
     assert breakdown == MemoryBreakdown(15, 4, 1, 20)
     assert breakdown.total == 40 and breakdown.allocated == 20
     assert breakdown.percentages()["token_states"] == pytest.approx(37.5)
+
+
+def test_windowed_breakdown_by_hand():
+    """One global and one sliding layer (window 3), 2 layers a model: a block of 4 tokens
+    of one layer holds 2 token slots of every layer."""
+    from experiments.simulator import SimConfig, make_manager
+
+    config = SimConfig(block_size=4, num_kv_slots=40, layer_windows=(None, 3),
+                       enable_prefix_caching=False, watermark=0.0)
+    assert config.block_slots == 2
+    manager = make_manager(config)
+    assert manager.num_device_blocks == 20  # 40 slots of both layers
+    a, total_a = request(1, 12, 14)
+    seq = admit(manager, a)
+    manager.append_slots(seq, 12)
+    seq.num_computed_tokens = 12
+    manager.mark_computed(seq)
+    # Global: 3 blocks, 12 computed of 12 held -> 12 token states, 6 slots. Sliding:
+    # blocks 0 and 1 left the window of position 12 (keys 10 ..), block 2 holds
+    # positions 8 .. 11 -> 4 token states, 2 slots. 16 of 20 blocks free: 32 slots.
+    breakdown = kv_breakdown(manager, [(seq, 12, total_a)], True, config.block_slots)
+    assert breakdown == MemoryBreakdown(8, 0, 0, 32)
+    # Position 12 opens block 3 of each table: of its 4 positions 1 is computed, 1 will
+    # be, 2 never (the request ends at 14 tokens); each position is half a slot.
+    manager.append_slots(seq, 1)
+    breakdown = kv_breakdown(manager, [(seq, 13, total_a)], False, config.block_slots)
+    assert breakdown == MemoryBreakdown(6.5 + 2.5, 0.5 + 0.5, 1 + 1, 0)
