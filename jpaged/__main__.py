@@ -74,8 +74,8 @@ def _parser() -> argparse.ArgumentParser:
                          "request's max_model_len, prompt + pow2(output) or true length "
                          "(orca-pow2 and orca-oracle need --ignore-eos)")
         sub.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
-                         help="keep every KV block of a model whose layers all slide, "
-                         "instead of freeing those that leave a sequence's window")
+                         help="keep every KV block of a model with sliding-window "
+                         "layers, instead of freeing those that leave a sequence's window")
         sub.add_argument("--max-num-seqs", type=int, default=None,
                          help="sequences one step runs at most (default: the engine's)")
         sub.add_argument("--max-num-batched-tokens", type=int, default=None,

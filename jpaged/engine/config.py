@@ -31,8 +31,10 @@ class EngineConfig:
     samples and beams copy all their parent's blocks before their first write
     instead of sharing them: the no-sharing baseline.
     disable_hybrid_kv_cache_manager (vLLM's name): keep every KV block of a
-    model whose layers all slide, instead of freeing the blocks that leave a
-    sequence's window: the baseline for measuring what freeing saves.
+    model with sliding-window layers (one block table for all layers) instead of
+    freeing the blocks that leave a sequence's window (in KV cache groups, for a
+    model that mixes global and sliding layers): the baseline for measuring what
+    freeing saves, and what an Orca allocation of such a model needs.
 
     allocation: "paged" allocates blocks as tokens arrive (BlockManager).
     "orca-max", "orca-pow2" and "orca-oracle" are the paper's Orca baselines on

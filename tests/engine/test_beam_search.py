@@ -21,6 +21,7 @@ import transformers
 from jpaged.core.step_shapes import BucketSizes
 from jpaged.engine.beam_search import vllm_score
 from jpaged.entrypoints.llm import LLM
+from jpaged.memory.kv_cache_groups import KVCacheGroups
 from jpaged.model.loader import load_model
 from jpaged.sampling_params import BeamSearchParams, SamplingParams
 from jpaged.sequence import SequenceStatus
@@ -216,8 +217,8 @@ def test_smollm2_beams_match_generate(smollm2, smollm2_oracle):
 
 def test_beams_hold_one_copy_of_the_prompt(tiny):
     """Every step of a search, all beams share the prompt's full blocks: the pool holds
-    them once, plus at most each beam's own blocks past them. A model whose layers all
-    slide holds neither kind once the window has left it."""
+    them once, plus at most each beam's own blocks past them, in each KV cache group. A
+    sliding layers' group holds neither kind once the window has left it."""
     (model, config, tokenizer), _ = tiny
     block_size, width, prompt_len = 4, 4, 30  # 7 full blocks and a partial one
     llm = LLM("tiny", loaded=(model, config, tokenizer), block_size=block_size, **TINY_ENGINE)
@@ -226,8 +227,7 @@ def test_beams_hold_one_copy_of_the_prompt(tiny):
     engine.add_request("beams", prompt[:prompt_len],
                        BeamSearchParams(beam_width=width, max_tokens=12, ignore_eos=True))
     full = prompt_len // block_size
-    windows = set(config.layer_windows)
-    window = windows.pop() if len(windows) == 1 else None  # freed only when all slide
+    windows = KVCacheGroups.of(config.layer_windows).windows
     steps = 0
     while engine.has_unfinished_requests():
         engine.step()
@@ -236,9 +236,10 @@ def test_beams_hold_one_copy_of_the_prompt(tiny):
             steps += 1
             computed = live[0].num_computed_tokens
             per_beam = -(-computed // block_size)
-            released = 0 if window is None else max(0, computed - window + 1) // block_size
-            assert manager.logical_blocks_used == width * (per_beam - released)
-            shared, own = max(0, full - released), per_beam - max(full, released)
-            assert manager.physical_blocks_used <= shared + width * own
+            released = [0 if window is None else max(0, computed - window + 1) // block_size
+                        for window in windows]
+            assert manager.logical_blocks_used == sum(width * (per_beam - r) for r in released)
+            most = sum(max(0, full - r) + width * (per_beam - max(full, r)) for r in released)
+            assert manager.physical_blocks_used <= most
     assert steps >= 10
     assert manager.num_free_blocks == manager.num_device_blocks

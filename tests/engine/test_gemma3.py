@@ -59,3 +59,35 @@ def test_greedy_batch_and_first_logprobs_match_transformers(gemma3, gemma3_oracl
         top = sorted(ours, key=lambda token: -ours[token].logprob)[:TOP_LOGPROBS]
         assert top == np.argsort(-first)[:TOP_LOGPROBS].tolist()
         np.testing.assert_allclose([ours[t].logprob for t in top], first[top], atol=2e-3)
+
+
+def test_freeing_the_window_keeps_greedy_tokens_over_chunks_and_prefix_hits(gemma3,
+                                                                           gemma3_oracle):
+    """The long prompt's prefill in chunks of 256 crosses the window; a second prompt
+    sharing its first 600 tokens hits the prefix cache, whose sliding groups hold only
+    the window of the hit's end. Freeing the window's blocks, keeping every block and
+    transformers give the same tokens."""
+    torch = oracle_torch()
+    _, _, tokenizer = gemma3
+    first = tokenizer.encode(LONG_TEXT)
+    second = first[:600] + tokenizer.encode(" Record 9 lists", add_special_tokens=False)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+    def run(**kwargs):
+        llm = LLM("gemma3", loaded=gemma3, block_size=16, max_model_len=1024, max_num_seqs=2,
+                  max_num_batched_tokens=256, **kwargs)
+        tokens = [llm.generate([prompt], params)[0].outputs[0].token_ids
+                  for prompt in (first, second)]
+        return tokens, llm.engine.block_manager.prefix_cache_stats.hit_tokens
+
+    freeing, hit_tokens = run()
+    keeping, _ = run(disable_hybrid_kv_cache_manager=True)
+    assert hit_tokens >= 592  # the 37 full blocks of the shared 600 tokens
+    expected = []
+    for prompt in (first, second):
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            out = gemma3_oracle.generate(ids, attention_mask=torch.ones_like(ids),
+                                         max_new_tokens=8, do_sample=False, eos_token_id=None)
+        expected.append(out[0, len(prompt):].tolist())
+    assert freeing == keeping == expected
