@@ -33,8 +33,9 @@ from jpaged.model.rope import apply_rope, layer_ropes, rope_tables
 from kernels_pallas.online_softmax import NO_WINDOW
 from kernels_pallas.reference import ragged_paged_attention_reference, write_kv_reference
 
-# (k_cache, v_cache) of every layer, each [num_layers, num_kv_heads, num_blocks, block_size,
-# head_dim]: one array per kind, indexed by layer inside the step.
+# (k_cache, v_cache), each [layers_per_block, num_kv_heads, num_blocks, block_size,
+# head_dim]: one array per kind, indexed by a layer's buffer inside the step (its layer
+# index, or its slot in its KV cache group).
 KVCache = tuple[jax.Array, jax.Array]
 AttentionFn = Callable[..., jax.Array]
 WriteKVFn = Callable[..., KVCache]

@@ -123,7 +123,7 @@ def param_sharding(path: tuple, mesh: Mesh) -> NamedSharding:
 
 
 def kv_cache_sharding(mesh: Mesh) -> NamedSharding:
-    """The paged cache [L, Hkv, blocks, bs, D] split by KV head."""
+    """The paged cache [layers_per_block, Hkv, blocks, bs, D] split by KV head."""
     return NamedSharding(mesh, KV_CACHE_SPEC)
 
 

@@ -170,6 +170,33 @@ def test_a_kv_cache_consumed_by_donation_is_rebuilt(loaded, prompts, expected, m
     check_recovered(llm, finished, prompts, expected, fired)
 
 
+def test_a_consumed_kv_cache_of_global_and_sliding_groups_is_rebuilt(tiny_gemma3_dir,
+                                                                    monkeypatch):
+    """As above on a Gemma-3-shaped model, whose global and sliding layers hold their
+    KV in KV cache groups of one pool: the pool is rebuilt for all groups and the
+    sliding groups' released blocks come back free."""
+    loaded = load_model(tiny_gemma3_dir)
+    rng = np.random.default_rng(4)
+    vocab = loaded[1].vocab_size
+    shared = rng.integers(3, vocab, 16).tolist()
+    prompts = [rng.integers(3, vocab, n).tolist() for n in (5, 29, 12, 21)]
+    prompts = [prompts[0], shared + [4, 5], *prompts[1:], shared + [6]]
+    expected = greedy_continuations(tiny_gemma3_dir, prompts, MAX_TOKENS)
+    llm = _llm(loaded, block_size=4, num_blocks=160)
+    assert llm.engine.block_manager.num_groups > 1
+    runner = llm.engine.runner
+
+    def consume_cache():
+        for array in jax.tree.leaves(runner.kv_cache):
+            array.delete()
+
+    fired = fail_on_call(monkeypatch, runner, "execute", lambda call, *args: call == 10,
+                         before_raising=consume_cache)
+    finished = serve(llm, prompts)
+    monkeypatch.undo()
+    check_recovered(llm, finished, prompts, expected, fired)
+
+
 def test_generate_raises_the_step_error_and_withdraws_its_requests(
         loaded, prompts, expected, monkeypatch):
     llm = _llm(loaded)

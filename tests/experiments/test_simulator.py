@@ -189,7 +189,10 @@ def test_sweep_writes_its_tables(tmp_path, capsys):
     assert set(figure2) == {"orca-max", "orca-pow2", "orca-oracle", "paged"}
     assert float(figure2["paged"]["paper_token_states_pct"]) == 96.3
     report = json.loads((tmp_path / "sweep.json").read_text())
-    assert len(report["runs"]) == 6 + 4 + 8
+    assert len(report["runs"]) == 6 + 4 + 8 + 3
+    with (tmp_path / "sweep_window.csv").open() as f:
+        window = {r["model"]: r for r in csv.DictReader(f)}
+    assert set(window) == {"dense", "gemma3-like", "all-sliding"}
     timelines = json.loads((tmp_path / "sweep_timelines.json").read_text())
     assert len(timelines) == len(report["runs"]) and all(timelines)
     assert all("timeline" not in run for run in report["runs"])

@@ -23,7 +23,7 @@ from jpaged.core.scheduler_output import SampledTokens
 from jpaged.memory.block_manager import BlockManager
 from jpaged.sampling_params import SamplingParams
 from jpaged.sequence import Sequence, SequenceGroup, SequenceStatus
-from tests.memory.test_block_manager import BlockManagerMachine
+from tests.memory.test_block_manager import LAYER_WINDOWS, BlockManagerMachine
 
 
 class CachingBlockManagerMachine(BlockManagerMachine):
@@ -31,15 +31,16 @@ class CachingBlockManagerMachine(BlockManagerMachine):
 
     @initialize(
         block_size=st.sampled_from([1, 2, 4]),
-        num_blocks=st.integers(2, 24),
-        num_host_blocks=st.integers(0, 12),
+        num_blocks=st.integers(2, 40),
+        num_host_blocks=st.integers(0, 20),
         watermark=st.sampled_from([0.0, 0.1]),
         share_blocks=st.booleans(),
-        window=st.sampled_from([None, 3]),
+        layer_windows=st.sampled_from(LAYER_WINDOWS),
     )
-    def setup(self, block_size, num_blocks, num_host_blocks, watermark, share_blocks, window):
+    def setup(self, block_size, num_blocks, num_host_blocks, watermark, share_blocks,
+              layer_windows):
         super().setup(block_size, num_blocks, num_host_blocks, True, watermark, share_blocks,
-                      window)
+                      layer_windows)
 
 
 @pytest.mark.parametrize("hash_fixture", ["colliding_hash", "depth_hash"])
