@@ -96,8 +96,13 @@ def collective_counts(hlo: str) -> tuple[dict[str, int], int, dict[str, int]]:
 
 
 def kv_bytes(hf_config, num_kv_heads: int) -> int:
-    """Bytes of one of the single-device caches (keys or values), from the model's config."""
-    return (hf_config["num_hidden_layers"] * num_kv_heads * ENGINE["num_blocks"]
+    """Bytes of one of the single-device caches (keys or values), from the model's config:
+    a block holds every layer, or with global and sliding layers (Gemma 3's layer_types)
+    as many layers as the rarer kind has (its KV cache groups)."""
+    kinds = hf_config.get("layer_types") or ["full_attention"]
+    buffers = (hf_config["num_hidden_layers"] if len(set(kinds)) == 1
+               else min(kinds.count(kind) for kind in set(kinds)))
+    return (buffers * num_kv_heads * ENGINE["num_blocks"]
             * ENGINE["block_size"] * hf_config["hidden_size"]
             // hf_config["num_attention_heads"] * 4)
 
@@ -193,7 +198,8 @@ def test_gemma3_two_way_matches_one_device(gemma3):
                                            for i in range(48)))
     assert len(long_prompt) > 600 > config.sliding_window
     prompts = [tokenizer.encode("The capital of France is"), long_prompt]
-    engine = dict(ENGINE, max_num_seqs=2, max_model_len=1024, num_blocks=160,
+    # Blocks of 3 layers (its 6 KV cache groups): 960 hold what 160 blocks of all 18 do.
+    engine = dict(ENGINE, max_num_seqs=2, max_model_len=1024, num_blocks=960,
                   max_num_batched_tokens=256)
     one = LLM("gemma3", loaded=gemma3, attention_backend="xla", **engine)
     reference = one.generate(prompts, GREEDY)
