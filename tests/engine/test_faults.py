@@ -150,19 +150,23 @@ def test_a_failed_step_costs_only_its_requests(loaded, prompts, expected, scenar
     check_recovered(llm, finished, prompts, expected, fired)
 
 
-def test_a_kv_cache_consumed_by_donation_is_rebuilt(loaded, prompts, expected, monkeypatch):
-    """The device call takes the donated cache and raises: every block's KV is gone.
-    Running requests recompute, and the prefix cache forgets its blocks (the last
-    prompt shares two blocks with the second, which finished before the fault)."""
-    llm = _llm(loaded)
-    runner = llm.engine.runner
+def fail_consuming_the_cache(monkeypatch, runner, call: int) -> list[int]:
+    """Make the runner's `call`-th execute delete the donated KV cache, then raise."""
 
     def consume_cache():
         for array in jax.tree.leaves(runner.kv_cache):
             array.delete()
 
-    fired = fail_on_call(monkeypatch, runner, "execute", lambda call, *args: call == 12,
-                         before_raising=consume_cache)
+    return fail_on_call(monkeypatch, runner, "execute", lambda number, *args: number == call,
+                        before_raising=consume_cache)
+
+
+def test_a_kv_cache_consumed_by_donation_is_rebuilt(loaded, prompts, expected, monkeypatch):
+    """The device call takes the donated cache and raises: every block's KV is gone.
+    Running requests recompute, and the prefix cache forgets its blocks (the last
+    prompt shares two blocks with the second, which finished before the fault)."""
+    llm = _llm(loaded)
+    fired = fail_consuming_the_cache(monkeypatch, llm.engine.runner, call=12)
     finished = serve(llm, prompts)
     assert finished[1].outputs[0].finish_reason == "length"
     assert finished[len(prompts) - 1].outputs[0].finish_reason == "length"
@@ -184,14 +188,7 @@ def test_a_consumed_kv_cache_of_global_and_sliding_groups_is_rebuilt(tiny_gemma3
     expected = greedy_continuations(tiny_gemma3_dir, prompts, MAX_TOKENS)
     llm = _llm(loaded, block_size=4, num_blocks=160)
     assert llm.engine.block_manager.num_groups > 1
-    runner = llm.engine.runner
-
-    def consume_cache():
-        for array in jax.tree.leaves(runner.kv_cache):
-            array.delete()
-
-    fired = fail_on_call(monkeypatch, runner, "execute", lambda call, *args: call == 10,
-                         before_raising=consume_cache)
+    fired = fail_consuming_the_cache(monkeypatch, llm.engine.runner, call=10)
     finished = serve(llm, prompts)
     monkeypatch.undo()
     check_recovered(llm, finished, prompts, expected, fired)
