@@ -8,7 +8,11 @@ every layer slides (window --mistral-window; one group). Two workloads each, all
 requests arriving at once, greedy, every output run to its length (ignore_eos):
 
 - long: --num-long requests of --long-len random prompt tokens and --long-output
-  output tokens (max_model_len set to fit them);
+  output tokens (max_model_len set to fit them). A prompt takes about
+  long_len / max_num_batched_tokens steps to prefill, one after another, so a
+  sequence must decode for several of those prefills before the pool, not the
+  schedule, bounds how many run at once: the default output is long enough for
+  a dozen;
 - sharegpt: --num-sharegpt requests of experiments.workloads' ShareGPT-like lengths.
 
 Each (model, workload) runs twice on one KV pool of fixed bytes, --pool-seqs long
@@ -156,7 +160,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-long", type=int, default=14)
     parser.add_argument("--long-len", type=int, default=4096)
-    parser.add_argument("--long-output", type=int, default=32)
+    parser.add_argument("--long-output", type=int, default=96)
     parser.add_argument("--num-sharegpt", type=int, default=32)
     parser.add_argument("--pool-seqs", type=int, default=4,
                         help="the KV pool: this many long sequences with every block kept")
