@@ -61,7 +61,15 @@ def _parser() -> argparse.ArgumentParser:
                          help="'smollm2' (the default), 'gemma3', a Hugging Face model "
                          "directory or a .gguf file")
         sub.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-        sub.add_argument("--block-size", type=int, default=16)
+        # EngineConfig's KV_CACHE_DTYPES and their vLLM aliases, spelled out (no jax for --help).
+        sub.add_argument("--kv-cache-dtype", default="auto",
+                         choices=["auto", "float32", "bfloat16", "float16", "int8", "fp8_e4m3",
+                                  "fp8_e5m2", "fp8", "int8_per_token_head",
+                                  "fp8_per_token_head"],
+                         help="what the KV cache stores: auto is the model's dtype; int8 and "
+                         "fp8 keep 1-byte values with a float32 scale per token and KV head")
+        sub.add_argument("--block-size", type=int, default=None,
+                         help="tokens per KV block (default 16; 32 for 1-byte pages on a TPU)")
         sub.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
                          help="KV cache budget in GiB (default: 0.9 of free accelerator "
                          "memory; on a CPU the weights' size, at most 1/4 of free RAM; never "
@@ -102,7 +110,8 @@ def _llm(args: argparse.Namespace) -> LLM:
     memory = None if args.kv_cache_memory is None else int(args.kv_cache_memory * 2**30)
     limits = {name: getattr(args, name) for name in ("max_num_seqs", "max_num_batched_tokens")
               if getattr(args, name) is not None}
-    return LLM(args.model, dtype=args.dtype, block_size=args.block_size, num_blocks=args.num_blocks,
+    return LLM(args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+               block_size=args.block_size, num_blocks=args.num_blocks,
                kv_cache_memory=memory, max_model_len=args.max_model_len,
                attention_backend=args.attention_backend, allocation=args.allocation,
                disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,

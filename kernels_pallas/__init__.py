@@ -32,6 +32,10 @@ Why this layout:
 - Keys and values in separate arrays: each kernel loop reads matching pages of
   both, and writing a token touches num_kv_heads rows of head_dim in each.
 
+A quantized cache replaces each of the two arrays by `QuantizedPages` (int8 or fp8
+values plus float32 scales [..., num_blocks, block_size], one per token and KV head;
+quantization.py); every op below takes either kind.
+
 Public ops (all usable under jit with the cache donated):
 
     paged_decode_attention   one new token per sequence
@@ -43,11 +47,13 @@ from kernels_pallas.attention import (
     IMPLEMENTATIONS,
     Implementation,
     check_cache_layout,
+    default_block_size,
     default_implementation,
     paged_decode_attention,
     pallas_implementation,
     ragged_paged_attention,
 )
+from kernels_pallas.quantization import QuantizedPages
 from kernels_pallas.reference import (
     paged_decode_attention_reference,
     ragged_paged_attention_reference,
@@ -58,7 +64,9 @@ from kernels_pallas.write_kv import write_kv
 __all__ = [
     "IMPLEMENTATIONS",
     "Implementation",
+    "QuantizedPages",
     "check_cache_layout",
+    "default_block_size",
     "default_implementation",
     "paged_decode_attention",
     "paged_decode_attention_reference",

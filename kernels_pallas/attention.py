@@ -31,6 +31,7 @@ from kernels_pallas import (
     triton_attention,
     xla_attention,
 )
+from kernels_pallas.quantization import QMAX, QuantizedPages, is_quantized
 from kernels_pallas.write_kv import check_cache_shapes
 
 Implementation = Literal["tpu", "triton", "xla", "reference"]
@@ -59,6 +60,14 @@ def default_implementation(interpret: bool | pltpu.InterpretParams) -> Implement
     return "xla"
 
 
+def default_block_size(implementation: Implementation, dtype) -> int:
+    """Tokens per KV block an engine takes by default: 16, or on the TPU kernel at least
+    one Mosaic tile of sublanes (32 for 1-byte pages)."""
+    if implementation == "tpu":
+        return max(16, tpu_attention.sublane_count(dtype))
+    return 16
+
+
 def pallas_implementation(interpret: bool | pltpu.InterpretParams) -> Implementation:
     """The Pallas kernel for this process's default backend: "tpu" on a TPU (or under
     TPU interpret mode), else "triton"."""
@@ -73,10 +82,11 @@ def _check_common(q, k_cache, v_cache, block_tables, context_lens, layer, implem
     if implementation not in (None, *IMPLEMENTATIONS):
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
     check_cache_shapes(k_cache, v_cache, layer)
-    if not jnp.issubdtype(q.dtype, jnp.floating) or not q.dtype == k_cache.dtype == v_cache.dtype:
+    quantized = isinstance(k_cache, QuantizedPages)
+    if not jnp.issubdtype(q.dtype, jnp.floating) or not (quantized or q.dtype == k_cache.dtype):
         raise TypeError(
-            "q, k_cache and v_cache must share one floating dtype (no silent casts), "
-            f"got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
+            "q, k_cache and v_cache must share one floating dtype (no silent casts), or the "
+            f"caches be QuantizedPages; got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
         )
     num_kv_heads, head_dim = k_cache.shape[-4], k_cache.shape[-1]
     if q.shape[-1] != head_dim:
@@ -102,9 +112,13 @@ def _check_common(q, k_cache, v_cache, block_tables, context_lens, layer, implem
 def check_cache_layout(implementation: Implementation, dtype, block_size: int,
                        head_dim: int) -> None:
     """What a kernel needs of the KV cache layout, whatever the tiling; ValueError
-    naming the limit. Engines call it at start, before compiling anything."""
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise ValueError(f"the KV cache dtype must be floating, got {jnp.dtype(dtype).name}")
+    naming the limit. Engines call it at start, before compiling anything.
+
+    dtype: the pages' dtype, floating or one of quantization.QMAX's (1-byte pages,
+    whose float32 scales ride beside them)."""
+    if not (jnp.issubdtype(dtype, jnp.floating) or is_quantized(dtype)):
+        raise ValueError(f"the KV cache dtype must be floating or one of "
+                         f"{sorted(d.name for d in QMAX)}, got {jnp.dtype(dtype).name}")
     if implementation == "triton":
         for name, value in (("block_size", block_size), ("head_dim", head_dim)):
             if value & (value - 1):
@@ -257,9 +271,12 @@ def paged_decode_attention(
 ) -> jax.Array:
     """Attention of one new token per sequence to its paged KV cache.
 
-    q:            [B, Hq, D]   (Hq a multiple of Hkv), dtype of the cache
+    q:            [B, Hq, D]   (Hq a multiple of Hkv), dtype of the cache (any
+                  floating dtype with quantized caches)
     k/v_cache:    [Hkv, num_blocks, block_size, D], or the stacked cache of every
-                  layer [L, Hkv, num_blocks, block_size, D] with `layer`
+                  layer [L, Hkv, num_blocks, block_size, D] with `layer`; plain, or
+                  QuantizedPages (dequantized to q.dtype a chunk at a time in the
+                  kernel, scores and sums in f32)
     block_tables: int32 [B, max_blocks]  physical block of each logical block
     context_lens: int32 [B]    cached tokens including this one; 0 for padding
                   rows, whose output is 0
@@ -291,9 +308,9 @@ def paged_decode_attention(
     _, num_kv_heads, _, block_size, head_dim = k_cache.shape
     max_blocks = block_tables.shape[1]
     pages_per_chunk = pages_per_chunk or _default_pages_per_chunk(
-        implementation, q.dtype, block_size, head_dim, max_blocks
+        implementation, k_cache.dtype, block_size, head_dim, max_blocks
     )
-    _check_kernel_shapes(implementation, q.dtype, block_size, head_dim, pages_per_chunk, 1)
+    _check_kernel_shapes(implementation, k_cache.dtype, block_size, head_dim, pages_per_chunk, 1)
     num_kv_splits = num_kv_splits or _default_num_kv_splits(
         implementation, q.shape[0] * num_kv_heads, pl.cdiv(max_blocks, pages_per_chunk)
     )
@@ -371,8 +388,10 @@ def ragged_paged_attention(
     are already written) and each sees every cached position up to its own.
     Prefill, chunked prefill, decode and any mix of them are this one op.
 
-    q:               [T, Hq, D]  (Hq a multiple of Hkv), dtype of the cache
-    k/v_cache:       [Hkv, num_blocks, block_size, D], or [L, ...] of those with `layer`
+    q:               [T, Hq, D]  (Hq a multiple of Hkv), dtype of the cache (any
+                     floating dtype with quantized caches)
+    k/v_cache:       [Hkv, num_blocks, block_size, D], or [L, ...] of those with
+                     `layer`; plain or QuantizedPages, as paged_decode_attention
     block_tables:    int32 [B, max_blocks]
     context_lens:    int32 [B]
     query_start_loc: int32 [B + 1], non-decreasing, query_start_loc[-1] <= T
@@ -417,9 +436,10 @@ def ragged_paged_attention(
         implementation, group, num_tokens, context_lens.shape[0]
     )
     pages_per_chunk = pages_per_chunk or _default_pages_per_chunk(
-        implementation, q.dtype, block_size, head_dim, block_tables.shape[1]
+        implementation, k_cache.dtype, block_size, head_dim, block_tables.shape[1]
     )
-    _check_kernel_shapes(implementation, q.dtype, block_size, head_dim, pages_per_chunk, block_q)
+    _check_kernel_shapes(implementation, k_cache.dtype, block_size, head_dim, pages_per_chunk,
+                         block_q)
     return _attend_tiles(
         implementation,
         q,

@@ -75,25 +75,37 @@ def attend_chunk(
     *,
     scale: float,
     soft_cap: float | None,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
 ) -> AttentionState:
     """Fold one chunk of keys into the state.
 
-    q:         [rows, D]    query rows (dtype of the cache)
-    k, v:      [chunk, D]   keys/values of positions kv_start .. kv_start + chunk - 1
+    q:         [rows, D]    query rows (dtype of the cache, or any float with scales)
+    k, v:      [chunk, D]   keys/values of positions kv_start .. kv_start + chunk - 1,
+                            plain or the 1-byte values of quantized pages
     kv_start:  int32 scalar, position of the chunk's first key
     kv_first, kv_len: int32 scalars, the keys [kv_first, kv_len) some row may see
     row_pos:   int32 [rows, 1] position of each query row (it sees keys <= it)
     row_valid: bool  [rows, 1]
     window:    int32 scalar, the sliding window (NO_WINDOW for none)
+    k_scales, v_scales: f32 [1, chunk], the scales of quantized k and v (None: plain)
+
+    Quantized values enter the matmuls as q's dtype, which holds every int8 and fp8
+    value exactly; their scales then multiply the score columns (keys) and the
+    probability columns (values) in f32: the dequantization happens on the [rows,
+    chunk] tiles, never on [chunk, D] pages.
     """
     max_prev, sum_prev, acc_prev = state
     chunk = k.shape[0]
+    k, v = k.astype(q.dtype), v.astype(q.dtype)
     # f32 inputs keep full f32 products: TPU and Triton would otherwise use bf16
     # passes or TF32 for f32 matmuls.
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else lax.Precision.DEFAULT
     scores = lax.dot_general(
         q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
     )
+    if k_scales is not None:
+        scores = scores * k_scales
     scores = scores * scale
     if soft_cap is not None:
         scores = soft_cap * jnp.tanh(scores / soft_cap)
@@ -108,8 +120,12 @@ def attend_chunk(
 
     value_pos = kv_start + lax.broadcasted_iota(jnp.int32, (chunk, 1), 0)
     v = jnp.where((value_pos >= kv_first) & (value_pos < kv_len), v, jnp.zeros_like(v))
+    weights = probs
+    if v_scales is not None:
+        seen = (key_pos >= kv_first) & (key_pos < kv_len)
+        weights = probs * jnp.where(seen, v_scales, 0.0)
     pv = lax.dot_general(
-        probs.astype(v.dtype),
+        weights.astype(v.dtype),
         v,
         (((1,), (0,)), ((), ())),
         precision=precision,

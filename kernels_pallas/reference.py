@@ -4,7 +4,9 @@ These are the oracles the Pallas kernels are tested against. KV cache layout:
 
     k_cache, v_cache: [num_kv_heads, num_blocks, block_size, head_dim]     (one layer)
                    or [num_layers, num_kv_heads, num_blocks, block_size, head_dim]
-                      with an int32 scalar `layer` naming the layer to use
+                      with an int32 scalar `layer` naming the layer to use;
+                      plain arrays or QuantizedPages (quantization.py), whose pages
+                      are dequantized to f32 as they are gathered
 
 Flat slot `s` is block `s // block_size`, offset `s % block_size`.
 """
@@ -15,6 +17,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
+
+from kernels_pallas.quantization import Pages, QuantizedPages, dequantize, quantize
 
 DEFAULT_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 # Full f32 products on every backend (TPUs and GPUs would otherwise round f32 matmuls).
@@ -32,7 +36,9 @@ def write_kv_reference(
     """Scatter new K/V into the cache (slots past the pool are dropped).
 
     k_cache, v_cache: [Hkv, num_blocks, block_size, D], or [L, Hkv, num_blocks,
-                      block_size, D] with `layer` (int32 scalar) the layer written
+                      block_size, D] with `layer` (int32 scalar) the layer written;
+                      plain or QuantizedPages (then each token is quantized with
+                      its own scale per KV head)
     k, v:             [T, Hkv, D]
     slot_mapping:     int32 [T]
     returns the updated (k_cache, v_cache).
@@ -42,12 +48,18 @@ def write_kv_reference(
     # in-place buffer once XLA turns a one-token write into a dynamic-update-slice.
     blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
 
-    def scatter(cache, new):
-        new = new.astype(cache.dtype)
+    def scatter_array(cache, new):
         if layer is None:
             return cache.at[:, blocks, offsets].set(new.swapaxes(0, 1), mode="drop")
-        # Index arrays apart from one another put the token axis first: [T, Hkv, D].
+        # Index arrays apart from one another put the token axis first: [T, Hkv, ...].
         return cache.at[layer, :, blocks, offsets].set(new, mode="drop")
+
+    def scatter(cache: Pages, new) -> Pages:
+        if isinstance(cache, QuantizedPages):
+            values, scales = quantize(new, cache.dtype)
+            return QuantizedPages(scatter_array(cache.values, values),
+                                  scatter_array(cache.scales, scales))
+        return scatter_array(cache, new.astype(cache.dtype))
 
     return scatter(k_cache, k), scatter(v_cache, v)
 
@@ -56,14 +68,18 @@ def as_layered(k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array | None):
     """A one-layer cache [Hkv, N, bs, D] as layer 0 of [1, Hkv, N, bs, D]; a stacked
     cache [L, Hkv, N, bs, D] as it is. -> (k_cache, v_cache, layer int32 scalar)."""
     if layer is None:
-        return k_cache[None], v_cache[None], jnp.int32(0)
+        return (*(jax.tree.map(lambda x: x[None], c) for c in (k_cache, v_cache)),
+                jnp.int32(0))
     return k_cache, v_cache, jnp.asarray(layer, jnp.int32)
 
 
-def _gather_sequence(cache: jax.Array, layer: jax.Array, block_table: jax.Array) -> jax.Array:
-    """cache [L, Hkv, N, bs, D], block_table [max_blocks] -> [Hkv, max_blocks * bs, D]."""
-    # Index arrays apart from one another put the table axis first: [max_blocks, Hkv, bs, D].
-    pages = cache[layer, :, block_table].swapaxes(0, 1)
+def _gather_sequence(cache: Pages, layer: jax.Array, block_table: jax.Array) -> jax.Array:
+    """cache [L, Hkv, N, bs, D], block_table [max_blocks] -> [Hkv, max_blocks * bs, D]
+    (quantized pages dequantized to f32)."""
+    # Index arrays apart from one another put the table axis first: [max_blocks, Hkv, bs, ...].
+    pages = jax.tree.map(lambda x: x[layer, :, block_table].swapaxes(0, 1), cache)
+    if isinstance(pages, QuantizedPages):
+        pages = dequantize(pages.values, pages.scales)
     return pages.reshape(cache.shape[1], -1, cache.shape[-1])
 
 

@@ -30,6 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kernels_pallas import online_softmax
+from kernels_pallas.quantization import QuantizedPages
 from kernels_pallas.tiles import QueryTiles
 
 MIN_ROWS = 8
@@ -59,6 +60,7 @@ def _kernel(
     num_splits: int,
     scale: float,
     soft_cap: float | None,
+    quantized: bool,
 ):
     """One grid step: query tile x KV head x key split.
 
@@ -69,11 +71,20 @@ def _kernel(
       window_ref:        int32 [1]  its sliding window (online_softmax.NO_WINDOW: none)
     q_ref:               [rows, D]  (VMEM) this tile's query rows for this KV head
     k_hbm_ref, v_hbm_ref: [L, Hkv, num_blocks, block_size, D]  (HBM) whole caches
-    refs: the outputs as in the Triton kernel, then the scratch
+    refs: if quantized, first their scales f32 [L, Hkv, num_blocks, block_size] (HBM);
+      then the outputs as in the Triton kernel, then the scratch
       k_buf, v_buf: [2, pages_per_chunk, block_size, D]  (VMEM) two chunk buffers
-      sems:         DMA semaphores [2 (keys, values), 2 (buffer)].
+      if quantized, k_scale_buf, v_scale_buf: [2, pages_per_chunk, block_size] (VMEM)
+      sems:         DMA semaphores [2 or 4 (keys, values, their scales), 2 (buffer)].
     """
-    *out_refs, k_buf, v_buf, sems = refs
+    if quantized:
+        (k_scales_hbm, v_scales_hbm, *out_refs, k_buf, v_buf, k_scale_buf, v_scale_buf,
+         sems) = refs
+        sources = (k_hbm_ref, v_hbm_ref, k_scales_hbm, v_scales_hbm)
+        buffers = (k_buf, v_buf, k_scale_buf, v_scale_buf)
+    else:
+        *out_refs, k_buf, v_buf, sems = refs
+        sources, buffers = (k_hbm_ref, v_hbm_ref), (k_buf, v_buf)
     tile, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     seq = seq_ref[tile]
     first_pos = first_pos_ref[tile]
@@ -89,14 +100,13 @@ def _kernel(
         kv_len, block_size)
 
     def page_copies(c, slot, j):
-        """K and V copies of page j of chunk c into buffer slot."""
+        """K and V copies (and their scales') of page j of chunk c into buffer slot."""
         page = c * pages_per_chunk + j
         page_id = jnp.clip(block_tables_ref[seq * pages_per_seq + page], 0, num_blocks - 1)
-        return (
-            pltpu.make_async_copy(k_hbm_ref.at[layer, head, page_id], k_buf.at[slot, j],
-                                  sems.at[0, slot]),
-            pltpu.make_async_copy(v_hbm_ref.at[layer, head, page_id], v_buf.at[slot, j],
-                                  sems.at[1, slot]),
+        return tuple(
+            pltpu.make_async_copy(source.at[layer, head, page_id], buffer.at[slot, j],
+                                  sems.at[kind, slot])
+            for kind, (source, buffer) in enumerate(zip(sources, buffers, strict=True))
         )
 
     def for_each_page(c, slot, action):
@@ -126,9 +136,13 @@ def _kernel(
         for_each_page(c, slot, "wait")
         k = k_buf[slot].reshape(chunk, head_dim)
         v = v_buf[slot].reshape(chunk, head_dim)
+        k_scales = v_scales = None
+        if quantized:
+            k_scales, v_scales = (buffer[slot].reshape(1, chunk)
+                                  for buffer in (k_scale_buf, v_scale_buf))
         return online_softmax.attend_chunk(
             state, q, k, v, c * chunk, kv_first, kv_len, row_pos, row_valid, window,
-            scale=scale, soft_cap=soft_cap,
+            scale=scale, soft_cap=soft_cap, k_scales=k_scales, v_scales=v_scales,
         )
 
     @pl.when(first < last)
@@ -160,7 +174,7 @@ def tile_attention(
 
     q_tiles:      [NT, Hkv, rows, D]  (layout: tiles.py)
     k/v_cache:    [L, Hkv, num_blocks, block_size, D], block_size a multiple of
-                  sublane_count(dtype)
+                  sublane_count(dtype) (32 for 1-byte pages); plain or QuantizedPages
     layer:        int32 scalar, the layer read
     window:       int32 scalar, its sliding window (online_softmax.NO_WINDOW: none)
     block_tables: int32 [B, max_blocks], max_blocks a multiple of pages_per_chunk
@@ -170,6 +184,7 @@ def tile_attention(
     num_tiles, num_kv_heads, rows, head_dim = q_tiles.shape
     block_size = k_cache.shape[3]
     pages_per_seq = block_tables.shape[1]
+    quantized = isinstance(k_cache, QuantizedPages)
     kernel = functools.partial(
         _kernel,
         group=group,
@@ -179,16 +194,22 @@ def tile_attention(
         num_splits=num_splits,
         scale=scale,
         soft_cap=soft_cap,
+        quantized=quantized,
     )
     q_spec = online_softmax.tile_spec(rows, head_dim)
     out_shape, out_specs = online_softmax.kernel_outputs(q_tiles, num_splits)
     page_buffer = pltpu.VMEM((2, pages_per_chunk, block_size, head_dim), k_cache.dtype)
+    caches, buffers = [k_cache, v_cache], [page_buffer, page_buffer]
+    if quantized:
+        scale_buffer = pltpu.VMEM((2, pages_per_chunk, block_size), k_cache.scales.dtype)
+        caches = [k_cache.values, v_cache.values, k_cache.scales, v_cache.scales]
+        buffers += [scale_buffer, scale_buffer]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=6,
         grid=(num_tiles, num_kv_heads, num_splits),
-        in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
+        in_specs=[q_spec] + [pl.BlockSpec(memory_space=pl.ANY)] * len(caches),
         out_specs=out_specs,
-        scratch_shapes=[page_buffer, page_buffer, pltpu.SemaphoreType.DMA((2, 2))],
+        scratch_shapes=[*buffers, pltpu.SemaphoreType.DMA((len(caches), 2))],
     )
     out = pl.pallas_call(
         kernel,
@@ -207,7 +228,6 @@ def tile_attention(
         layer.reshape(1),
         window.reshape(1),
         q_tiles,
-        k_cache,
-        v_cache,
+        *caches,
     )
     return online_softmax.finish(out, num_splits, q_tiles.dtype)

@@ -34,6 +34,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from kernels_pallas import online_softmax
+from kernels_pallas.quantization import QuantizedPages
 from kernels_pallas.tiles import QueryTiles
 
 MIN_ROWS = 16
@@ -60,13 +61,14 @@ def _kernel(
     q_ref,
     k_cache_ref,
     v_cache_ref,
-    *out_refs,
+    *refs,
     group: int,
     block_q: int,
     pages_per_chunk: int,
     num_splits: int,
     scale: float,
     soft_cap: float | None,
+    quantized: bool,
 ):
     """One program: query tile x KV head x key split.
 
@@ -76,9 +78,11 @@ def _kernel(
     window_ref:             int32 [1]  its sliding window (online_softmax.NO_WINDOW: none)
     q_ref:                  [rows, D]  this tile's query rows for this KV head
     k_cache_ref, v_cache_ref: [L, Hkv, num_blocks, block_size, D]  whole caches
-    out_refs: the [rows, D] output, or with key splits this split's
-              (row_max, row_sum, acc) f32 [rows, 1], [rows, 1], [rows, D].
+    refs: if quantized, first the scales of both, f32 [L, Hkv, num_blocks, block_size];
+          then the [rows, D] output, or with key splits this split's
+          (row_max, row_sum, acc) f32 [rows, 1], [rows, 1], [rows, D].
     """
+    scale_refs, out_refs = (refs[:2], refs[2:]) if quantized else ((None, None), refs)
     tile, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     seq = seq_ref[tile]
     first_pos = first_pos_ref[tile]
@@ -94,16 +98,25 @@ def _kernel(
     row_pos, row_valid = online_softmax.row_positions(first_pos, num_tokens, rows, group, block_q)
     q = q_ref[...]
 
+    def read_chunk(ref, scales_ref, page_ids):
+        """The chunk's keys or values [chunk, D] and their scales as score columns
+        [1, chunk] (None if not quantized)."""
+        pages = ref[layer, head, page_ids].reshape(chunk, head_dim)
+        if scales_ref is None:
+            return pages, None
+        return pages, scales_ref[layer, head, page_ids].reshape(1, chunk)
+
     def visit_chunk(c, state):
         page_ids = block_tables_ref[seq, pl.ds(c * pages_per_chunk, pages_per_chunk)]
         # Pages before the window are read from the null block, never from their own.
         pages = c * pages_per_chunk + lax.broadcasted_iota(jnp.int32, (pages_per_chunk,), 0)
         page_ids = jnp.where(pages >= first_page, jnp.clip(page_ids, 0, num_blocks - 1), 0)
-        k = k_cache_ref[layer, head, page_ids].reshape(chunk, head_dim)
-        v = v_cache_ref[layer, head, page_ids].reshape(chunk, head_dim)
+        (k, k_scales), (v, v_scales) = (
+            read_chunk(ref, scales_ref, page_ids)
+            for ref, scales_ref in zip((k_cache_ref, v_cache_ref), scale_refs, strict=True))
         return online_softmax.attend_chunk(
             state, q, k, v, c * chunk, kv_first, kv_len, row_pos, row_valid, window,
-            scale=scale, soft_cap=soft_cap,
+            scale=scale, soft_cap=soft_cap, k_scales=k_scales, v_scales=v_scales,
         )
 
     first, last = online_softmax.split_chunk_range(kv_first, kv_len, split, num_splits, chunk)
@@ -131,7 +144,7 @@ def tile_attention(
     """Attention of every query tile through its sequence's block table.
 
     q_tiles:      [NT, Hkv, rows, D]  (layout: tiles.py)
-    k/v_cache:    [L, Hkv, num_blocks, block_size, D]
+    k/v_cache:    [L, Hkv, num_blocks, block_size, D], plain or QuantizedPages
     layer:        int32 scalar, the layer read
     window:       int32 scalar, its sliding window (online_softmax.NO_WINDOW: none)
     block_tables: int32 [B, max_blocks], max_blocks a multiple of pages_per_chunk
@@ -145,6 +158,7 @@ def tile_attention(
     num_tiles, num_kv_heads, rows, head_dim = q_tiles.shape
     chunk_bytes = pages_per_chunk * k_cache.shape[3] * head_dim * k_cache.dtype.itemsize
     num_stages = 2 if chunk_bytes <= PIPELINED_CHUNK_BYTES else 1
+    quantized = isinstance(k_cache, QuantizedPages)
     kernel = functools.partial(
         _kernel,
         group=group,
@@ -153,19 +167,23 @@ def tile_attention(
         num_splits=num_splits,
         scale=scale,
         soft_cap=soft_cap,
+        quantized=quantized,
     )
+    caches = [k_cache, v_cache]
+    if quantized:
+        caches = [k_cache.values, v_cache.values, k_cache.scales, v_cache.scales]
     whole = pl.BlockSpec()
     q_spec = online_softmax.tile_spec(rows, head_dim)
     out_shape, out_specs = online_softmax.kernel_outputs(q_tiles, num_splits)
     out = pl.pallas_call(
         kernel,
         grid=(num_tiles, num_kv_heads, num_splits),
-        in_specs=[whole, whole, whole, whole, whole, whole, q_spec, whole, whole],
+        in_specs=[whole] * 6 + [q_spec] + [whole] * len(caches),
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=num_stages),
         interpret=interpret,
         name="paged_attention_triton",
     )(tiles.seq, tiles.first_pos, tiles.num_tokens, block_tables, layer.reshape(1),
-      window.reshape(1), q_tiles, k_cache, v_cache)
+      window.reshape(1), q_tiles, *caches)
     return online_softmax.finish(out, num_splits, q_tiles.dtype)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas.quantization import QuantizedPages
 from kernels_pallas.reference import write_kv_reference
 
 
@@ -39,8 +40,10 @@ def write_kv(
     """Store new keys and values at their cache slots.
 
     k_cache, v_cache: [Hkv, num_blocks, block_size, D], or the stacked cache of
-                      every layer [L, Hkv, num_blocks, block_size, D]
-    k, v:             [T, Hkv, D], cast to the cache dtype
+                      every layer [L, Hkv, num_blocks, block_size, D]; plain, or
+                      QuantizedPages whose scales are laid out alike without D
+    k, v:             [T, Hkv, D], cast to the cache dtype (quantized: scaled per
+                      token and KV head, the scale stored beside the values)
     slot_mapping:     int32 [T], flat slot block * block_size + offset; padding
                       tokens point into the null block 0. Slots past the pool
                       are dropped.
@@ -77,6 +80,15 @@ def check_cache_shapes(k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array 
         raise ValueError(
             f"k_cache and v_cache must both be {layout}, got {k_cache.shape} and {v_cache.shape}"
         )
+    quantized = [isinstance(cache, QuantizedPages) for cache in (k_cache, v_cache)]
+    if quantized[0] != quantized[1] or k_cache.dtype != v_cache.dtype:
+        raise TypeError(f"k_cache and v_cache must be of one kind and dtype, got "
+                        f"{type(k_cache).__name__} {k_cache.dtype} and "
+                        f"{type(v_cache).__name__} {v_cache.dtype}")
+    for cache in (k_cache, v_cache):
+        if isinstance(cache, QuantizedPages) and cache.scales.shape != cache.shape[:-1]:
+            raise ValueError(f"quantized pages {cache.shape} need scales {cache.shape[:-1]}, "
+                             f"got {cache.scales.shape}")
     if layer is not None and (jnp.ndim(layer) != 0
                               or not jnp.issubdtype(jnp.result_type(layer), jnp.integer)):
         raise TypeError(f"layer must be an integer scalar, got {layer!r}")

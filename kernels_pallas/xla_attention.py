@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from kernels_pallas import online_softmax
+from kernels_pallas.quantization import QuantizedPages
 from kernels_pallas.tiles import QueryTiles
 
 # Tiles per loop step. On CPU, decode and mixed steps ran fastest with 2:
@@ -53,7 +54,7 @@ def tile_attention(
     """Attention of every query tile through its sequence's block table.
 
     q_tiles:      [NT, Hkv, rows, D]  (layout: tiles.py)
-    k/v_cache:    [L, Hkv, num_blocks, block_size, D]
+    k/v_cache:    [L, Hkv, num_blocks, block_size, D], plain or QuantizedPages
     layer:        int32 scalar, the layer read
     window:       int32 scalar, its sliding window (online_softmax.NO_WINDOW: none)
     block_tables: int32 [B, max_blocks], max_blocks a multiple of pages_per_chunk
@@ -103,12 +104,22 @@ def tile_attention(
     # Pages as rows of a 2-D view of every layer: XLA's CPU gather copies whole
     # contiguous rows several times faster than [Hkv, block_size, D] slices of
     # the cache, and the view is free (no slice of the layer is materialised).
+    # Quantized pages gather their rows of scales with the same ids.
     num_layers, num_blocks = k_cache.shape[0], k_cache.shape[2]
     k_rows, v_rows = (
-        c.reshape(num_layers * num_kv_heads * num_blocks, -1) for c in (k_cache, v_cache)
+        jax.tree.map(lambda x: x.reshape(num_layers * num_kv_heads * num_blocks, -1), c)
+        for c in (k_cache, v_cache)
     )
     head_ids = layer * num_kv_heads + jnp.arange(num_kv_heads, dtype=jnp.int32)
     head_offsets = head_ids[None, :, None] * num_blocks
+
+    def gather_chunk(rows_, row_ids):
+        """The chunk's keys or values [size, Hkv, chunk, D] and, if quantized, their
+        scales as score columns [size, Hkv, 1, chunk] (else None)."""
+        if isinstance(rows_, QuantizedPages):
+            scales = rows_.scales[row_ids].reshape(size, num_kv_heads, 1, chunk)
+            return rows_.values[row_ids].reshape(size, num_kv_heads, chunk, -1), scales
+        return rows_[row_ids].reshape(size, num_kv_heads, chunk, -1), None
 
     def body(item, state):
         group_id = jnp.searchsorted(group_ends, item, side="right").astype(jnp.int32)
@@ -120,12 +131,10 @@ def tile_attention(
         pages = lax.dynamic_slice_in_dim(mine(tables), index * pages_per_chunk, pages_per_chunk, 1)
         # Tile-major row ids, so the gathered chunk needs no transpose.
         row_ids = (pages[:, None] + head_offsets).reshape(-1)
-        k, v = (
-            rows_[row_ids].reshape(size, num_kv_heads, chunk, head_dim)
-            for rows_ in (k_rows, v_rows)
-        )
+        (k, k_scales), (v, v_scales) = (gather_chunk(rows_, row_ids) for rows_ in (k_rows, v_rows))
         folded = attend(jax.tree.map(mine, state), mine(q_sorted), k, v, index * chunk,
-                        mine(kv_first), mine(kv_len), mine(row_pos), mine(row_valid))
+                        mine(kv_first), mine(kv_len), mine(row_pos), mine(row_valid),
+                        k_scales=k_scales, v_scales=v_scales)
         return jax.tree.map(
             lambda all_, new: lax.dynamic_update_slice_in_dim(all_, new, group_id * size, 0),
             state, folded,

@@ -7,6 +7,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Literal
 
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
@@ -15,6 +16,14 @@ from jpaged.core.step_shapes import BucketSizes
 from jpaged.engine.machine import MachineDefaults
 from jpaged.memory.reservation import Allocation, check_allocation
 from jpaged.model.sharding import replica_meshes
+
+# The KV cache dtypes by name (None: the model's dtype), and vLLM's other names for them.
+KV_CACHE_DTYPES = {
+    "auto": None, "float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16,
+    "int8": jnp.int8, "fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2,
+}
+KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3", "int8_per_token_head": "int8",
+                          "fp8_per_token_head": "fp8_e4m3"}
 
 
 @dataclass(frozen=True)
@@ -49,6 +58,17 @@ class EngineConfig:
     fragment nothing outside a sequence, unlike Orca's contiguous slabs: these
     policies flatter Orca.
 
+    kv_cache_dtype: what the KV cache stores. "auto" is the model's dtype;
+    "float32", "bfloat16" and "float16" store K/V in that dtype; "int8",
+    "fp8_e4m3" and "fp8_e5m2" store 1-byte values with one float32 scale per
+    (token, KV head) for K and for V, computed when the token is written
+    (kernels_pallas.quantization). vLLM's names are accepted: "fp8" is
+    "fp8_e4m3", "int8_per_token_head" is "int8" and "fp8_per_token_head" is
+    "fp8_e4m3" (vLLM's own "fp8_e4m3" scales per tensor; jpaged always scales per
+    token and head). The pool is sized in bytes, scales included.
+    block_size: tokens per KV block; None takes 16, or 32 where the TPU kernel reads
+    1-byte pages (a Mosaic tile of int8 or fp8 has 32 sublanes).
+
     attention_backend: "tpu" (the Mosaic kernel), "triton" (the Triton kernel;
     on CPU it runs interpreted, with interpret=True), "xla" (the same tiled
     algorithm as an XLA loop) or "reference" (the pure-JAX definition); None
@@ -66,7 +86,8 @@ class EngineConfig:
 
     model: str = "smollm2"
     dtype: str = "float32"
-    block_size: int = 16
+    kv_cache_dtype: str = "auto"
+    block_size: int | None = None
     num_blocks: int | None = None
     kv_cache_memory: int | None = None
     kv_cache_fraction: float | None = None
@@ -92,6 +113,12 @@ class EngineConfig:
 
     def __post_init__(self):
         check_allocation(self.allocation)
+        name = KV_CACHE_DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
+        if not isinstance(name, str) or name not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of "
+                             f"{[*KV_CACHE_DTYPES, *KV_CACHE_DTYPE_ALIASES]}, got "
+                             f"{self.kv_cache_dtype!r}")
+        object.__setattr__(self, "kv_cache_dtype", name)
         if self.attention_backend == "pallas":
             warnings.warn("attention_backend='pallas' is deprecated: use 'tpu' or 'triton' "
                           "(the name of the kernel), or None for the device's own",
@@ -122,9 +149,18 @@ class EngineConfig:
                                      or not 0.0 < fraction <= 1.0):
             raise ValueError(f"kv_cache_fraction must be in (0, 1], got {fraction!r}")
 
+    @property
+    def kv_dtype(self) -> jnp.dtype:
+        """The dtype of the KV cache's pages (its values, if quantized)."""
+        dtype = KV_CACHE_DTYPES[self.kv_cache_dtype]
+        return jnp.dtype(self.dtype if dtype is None else dtype)
+
     def with_machine_defaults(self, defaults: MachineDefaults) -> EngineConfig:
-        """This config with each limit left as None taken from `defaults`."""
-        return dataclasses.replace(self, **{
+        """This config with each limit left as None taken from `defaults`, and the block
+        size from the attention backend and the KV dtype."""
+        backend = self.attention_backend or kernels_pallas.default_implementation(self.interpret)
+        block_size = self.block_size or kernels_pallas.default_block_size(backend, self.kv_dtype)
+        return dataclasses.replace(self, block_size=block_size, **{
             name: getattr(defaults, name) if getattr(self, name) is None else getattr(self, name)
             for name in ("max_num_seqs", "max_num_batched_tokens")
         })

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import jax
@@ -13,21 +14,24 @@ from jpaged.engine.config import EngineConfig
 from jpaged.engine.machine import ACCELERATOR_DEFAULTS, CPU_DEFAULTS
 from jpaged.memory.kv_cache_groups import KVCacheGroups
 from jpaged.model.sharding import bytes_per_device
+from kernels_pallas.quantization import SCALE_DTYPE, is_quantized
 
 
 @dataclass(frozen=True)
 class KVCacheInfo:
     """The KV pool's size, as reported at start-up (per device, with tensor parallelism).
 
-    bytes_per_token: K and V of one token in every layer. groups: how the layers share
-    the blocks; a block holds block_size tokens of the layers_per_block layers of one
-    group (all layers without groups).
+    bytes_per_token: K and V of one token in every layer (with their scales, if
+    quantized). groups: how the layers share the blocks; a block holds block_size
+    tokens of the layers_per_block layers of one group (all layers without groups).
+    dtype: the name of what the pages store (EngineConfig.kv_cache_dtype, resolved).
     """
 
     num_blocks: int
     block_size: int
     bytes_per_token: int
     groups: KVCacheGroups
+    dtype: str = "float32"
 
     @property
     def block_bytes(self) -> int:
@@ -46,7 +50,8 @@ class KVCacheInfo:
                       f"{windows}")
         return (
             f"KV cache: {self.num_blocks - 1} blocks x {self.block_size} tokens, "
-            f"{self.num_bytes / 2**20:.1f} MiB ({self.bytes_per_token} bytes per token{layout})"
+            f"{self.num_bytes / 2**20:.1f} MiB of {self.dtype} ({self.bytes_per_token} bytes "
+            f"per token{layout})"
         )
 
 
@@ -112,9 +117,13 @@ def kv_cache_num_blocks(
 
 def bytes_per_token(model_config, dtype) -> int:
     """KV bytes of one token on one device: K and V of every layer and of the device's
-    KV heads (num_kv_heads / shard_groups of them with tensor parallelism)."""
+    KV heads (num_kv_heads / shard_groups of them with tensor parallelism); a quantized
+    dtype adds one float32 scale per head to head_dim 1-byte values."""
     heads = model_config.num_kv_heads // model_config.shard_groups
-    return 2 * model_config.num_layers * heads * model_config.head_dim * dtype.itemsize
+    per_head = model_config.head_dim * jnp.dtype(dtype).itemsize
+    if is_quantized(dtype):
+        per_head += jnp.dtype(SCALE_DTYPE).itemsize
+    return 2 * model_config.num_layers * heads * per_head
 
 
 def weight_bytes(model) -> int:
@@ -127,9 +136,14 @@ def size_kv_cache(config: EngineConfig, model_config, model, max_model_len: int,
     """The pool of an engine whose model is loaded (on `device`, by default the default
     device), laid out for `groups`: `kv_cache_num_blocks` on the memory the machine
     reports."""
-    token_bytes = bytes_per_token(model_config, jnp.dtype(config.dtype))
-    info = KVCacheInfo(0, config.block_size, token_bytes, groups)
+    token_bytes = bytes_per_token(model_config, config.kv_dtype)
+    info = KVCacheInfo(0, config.block_size, token_bytes, groups, kv_dtype_name(config))
     memory = None if config.num_blocks is not None else MemoryFigures(
         machine.free_device_memory(device), weight_bytes(model), machine.on_accelerator())
     num_blocks = kv_cache_num_blocks(config, max_model_len, info.block_bytes, memory, groups)
-    return KVCacheInfo(num_blocks, config.block_size, token_bytes, groups)
+    return dataclasses.replace(info, num_blocks=num_blocks)
+
+
+def kv_dtype_name(config: EngineConfig) -> str:
+    """The KV cache's dtype by its EngineConfig name, "auto" resolved to the model's."""
+    return config.dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype

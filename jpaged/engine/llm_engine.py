@@ -101,7 +101,8 @@ class LLMEngine:
         limits = RequestLimits(vocab_size, min(config.max_num_seqs, config.max_num_batched_tokens),
                                config.max_logprobs)
         self.input_processor = InputProcessor(self.tokenizer, limits, self.eos_token_ids)
-        self.stats = EngineStats()
+        self.stats = EngineStats(kv_cache_dtype=self.kv_cache_info.dtype,
+                                 kv_bytes_per_token=self.kv_cache_info.bytes_per_token)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._seeds = np.random.default_rng(config.seed)
         self.last_step_error: BaseException | None = None
@@ -251,4 +252,6 @@ class LLMEngine:
             num_swapped=scheduler.num_swapped, kv_blocks_used=manager.physical_blocks_used,
             kv_blocks_total=manager.num_device_blocks, prefix_cache_query_tokens=stats.query_tokens,
             prefix_cache_hit_tokens=stats.hit_tokens, num_preemptions=scheduler.num_preemptions,
-            kv_group_blocks_used=manager.group_blocks_used)
+            kv_group_blocks_used=manager.group_blocks_used,
+            kv_cache_dtype=self.kv_cache_info.dtype,
+            kv_bytes_per_token=self.kv_cache_info.bytes_per_token)

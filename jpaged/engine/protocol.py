@@ -28,6 +28,10 @@ class EngineState:
     num_preemptions: int = 0
     kv_group_blocks_used: tuple[int, ...] = ()
     """Each KV cache group's logical blocks: the entries its tables hold."""
+    kv_cache_dtype: str = ""
+    """What the pool's pages store (KVCacheInfo.dtype); the same in every replica."""
+    kv_bytes_per_token: int = 0
+    """KV bytes of one token on one device, scales included (KVCacheInfo.bytes_per_token)."""
 
     @property
     def kv_usage(self) -> float:
@@ -49,7 +53,9 @@ class EngineState:
             (s.num_running, s.num_waiting, s.num_swapped, s.kv_blocks_used, s.kv_blocks_total,
              s.prefix_cache_query_tokens, s.prefix_cache_hit_tokens, s.num_preemptions)
             for s in states), strict=True)),
-            kv_group_blocks_used=tuple(sum(group) for group in zip(*groups, strict=True)))
+            kv_group_blocks_used=tuple(sum(group) for group in zip(*groups, strict=True)),
+            kv_cache_dtype=states[0].kv_cache_dtype if states else "",
+            kv_bytes_per_token=states[0].kv_bytes_per_token if states else 0)
 
 
 class Engine(Protocol):

@@ -146,20 +146,21 @@ def _copy_blocks(kv_cache: KVCache, copies: jax.Array) -> KVCache:
     copies: int32 [K, 2] (src, dst); padding rows are (0, 0).
     """
     src, dst = copies[:, 0], copies[:, 1]
-    return tuple(cache.at[:, :, dst].set(cache[:, :, src]) for cache in kv_cache)
+    # Every leaf: a quantized cache's scales move with their values.
+    return jax.tree.map(lambda cache: cache.at[:, :, dst].set(cache[:, :, src]), kv_cache)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
 def _write_blocks(kv_cache: KVCache, pages: KVCache, block_ids: jax.Array) -> KVCache:
-    """Write host pages into device blocks. pages: (k, v), each [L, Hkv, K, bs, D]."""
-    return tuple(
-        cache.at[:, :, block_ids].set(new) for cache, new in zip(kv_cache, pages, strict=True)
-    )
+    """Write host pages into device blocks. pages: like kv_cache, with K blocks
+    ([L, Hkv, K, bs, D], and the scales [L, Hkv, K, bs] of quantized pages)."""
+    return jax.tree.map(lambda cache, new: cache.at[:, :, block_ids].set(new), kv_cache, pages)
 
 
 @jax.jit
 def _read_blocks(cache: jax.Array, block_ids: jax.Array) -> jax.Array:
-    """cache [L, Hkv, N, bs, D], block_ids int32 [K] -> the blocks [L, Hkv, K, bs, D]."""
+    """cache [L, Hkv, N, ...] (pages or their scales), block_ids int32 [K] -> the blocks
+    [L, Hkv, K, ...]."""
     return cache[:, :, block_ids]
 
 
@@ -207,9 +208,11 @@ class ModelRunner:
             self._new_kv_cache = jax.jit(self._new_kv_cache,
                                           out_shardings=(cache_sharding, cache_sharding))
         self.kv_cache = self._new_kv_cache()
-        host_shape = (self.groups.layers_per_block, config.num_kv_heads, num_host_blocks,
-                      block_size, config.head_dim)
-        self.host_kv = (np.zeros(host_shape, kv_dtype), np.zeros(host_shape, kv_dtype))
+        # Laid out as the device cache, so swaps pair their leaves (scales included).
+        self.host_kv = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype),
+                                    jax.eval_shape(lambda: init_kv_cache(
+                                        config, num_host_blocks, block_size, kv_dtype,
+                                        self.groups.layers_per_block)))
         ragged, decode = attention_functions(self.attention_backend, interpret, mesh)
         write_kv_fn = kernels_pallas.write_kv
         if mesh is not None:
@@ -346,14 +349,15 @@ class ModelRunner:
     def _swap_out(self, pairs: np.ndarray) -> None:
         """Device blocks -> host blocks. pairs: int32 [K, 2] (device, host)."""
         device_ids = self._pad_pairs(pairs)[:, 0]
-        for cache, host in zip(self.kv_cache, self.host_kv, strict=True):
+        for cache, host in zip(jax.tree.leaves(self.kv_cache), jax.tree.leaves(self.host_kv),
+                               strict=True):
             host[:, :, pairs[:, 1]] = np.asarray(_read_blocks(cache, device_ids))[:, :, :len(pairs)]
 
     def _swap_in(self, pairs: np.ndarray) -> None:
         """Host blocks -> device blocks. pairs: int32 [K, 2] (host, device)."""
         padded = self._pad_pairs(pairs)
         host_ids, device_ids = padded[:, 0], padded[:, 1]
-        pages = tuple(host[:, :, host_ids] for host in self.host_kv)
+        pages = jax.tree.map(lambda host: host[:, :, host_ids], self.host_kv)
         self.kv_cache = _write_blocks(self.kv_cache, pages, device_ids)
 
 
@@ -390,7 +394,7 @@ def start_runner(config: EngineConfig, model: LlamaForCausalLM, model_config: Ll
 
 def _runner_on(backend: AttentionBackend, config: EngineConfig, model, model_config, num_blocks,
                max_model_len, mesh, groups) -> tuple[ModelRunner, StepShapes]:
-    dtype = jnp.dtype(config.dtype)
+    dtype = config.kv_dtype
     pallas = backend in ("tpu", "triton")
     if pallas:
         kernels_pallas.check_cache_layout(backend, dtype, config.block_size,

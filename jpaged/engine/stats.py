@@ -96,7 +96,8 @@ class EngineStats:
     """Counters an engine updates every step; `summary()` reduces them.
 
     kv_utilization, num_running and num_waiting aggregate every step; ttft and
-    tpot hold the last LATENCY_WINDOW finished requests' values.
+    tpot hold the last LATENCY_WINDOW finished requests' values. kv_cache_dtype and
+    kv_bytes_per_token describe the pool (KVCacheInfo's dtype and bytes_per_token).
     """
 
     num_steps: int = 0
@@ -118,6 +119,8 @@ class EngineStats:
     physical_block_steps: int = 0
     group_block_steps: tuple[int, ...] = ()
     num_kv_blocks: int = 0
+    kv_cache_dtype: str = ""
+    kv_bytes_per_token: int = 0
 
     def record_blocks(self, blocks: KVBlockCounts) -> None:
         """The KV blocks a step runs with: counted after scheduling (appends and their
@@ -222,6 +225,8 @@ def summarize(replicas: Sequence[EngineStats]) -> dict:
         "kv_blocks_per_group_mean": [sum(group) / max(num_steps, 1) for group in zip(
             *(r.group_block_steps for r in replicas if r.group_block_steps), strict=True)],
         "kv_memory_saved": 1.0 - _ratio(physical, logical, empty=1.0),
+        "kv_cache_dtype": replicas[0].kv_cache_dtype if replicas else "",
+        "kv_bytes_per_token": replicas[0].kv_bytes_per_token if replicas else 0,
         "ttft_s": percentiles(value for r in replicas for value in r.ttft),
         "tpot_s": percentiles(value for r in replicas for value in r.tpot),
     }

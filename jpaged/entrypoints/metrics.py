@@ -35,6 +35,8 @@ class EngineCollector:
              state.kv_usage),
             ("prefix_cache_hit_rate", "Fraction of admitted prompt tokens found in the "
              "prefix cache.", state.prefix_cache_hit_rate),
+            ("kv_cache_bytes_per_token", "KV bytes of one token on one device (with the "
+             "scales of a quantized cache).", state.kv_bytes_per_token),
         )
         for name, documentation, value in gauges:
             yield GaugeMetricFamily(f"jpaged:{name}", documentation, value=value)
@@ -47,6 +49,11 @@ class EngineCollector:
         for group, blocks in enumerate(state.kv_group_blocks_used):
             per_group.add_metric([str(group)], blocks)
         yield per_group
+        dtype = GaugeMetricFamily("jpaged:kv_cache_dtype_info",
+                                  "What the KV cache stores (1 for the dtype in use).",
+                                  labels=["dtype"])
+        dtype.add_metric([state.kv_cache_dtype], 1)
+        yield dtype
 
 
 class ServerMetrics:

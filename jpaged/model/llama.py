@@ -30,13 +30,14 @@ from jpaged.core.attention_metadata import AttentionMetadata
 from jpaged.memory.kv_cache_groups import KVCacheGroups
 from jpaged.model.config import LlamaConfig
 from jpaged.model.rope import apply_rope, layer_ropes, rope_tables
+from kernels_pallas import quantization
 from kernels_pallas.online_softmax import NO_WINDOW
 from kernels_pallas.reference import ragged_paged_attention_reference, write_kv_reference
 
 # (k_cache, v_cache), each [layers_per_block, num_kv_heads, num_blocks, block_size,
-# head_dim]: one array per kind, indexed by a layer's buffer inside the step (its layer
-# index, or its slot in its KV cache group).
-KVCache = tuple[jax.Array, jax.Array]
+# head_dim]: one array per kind (or QuantizedPages, values and scales), indexed by a
+# layer's buffer inside the step (its layer index, or its slot in its KV cache group).
+KVCache = tuple[quantization.Pages, quantization.Pages]
 AttentionFn = Callable[..., jax.Array]
 WriteKVFn = Callable[..., KVCache]
 # The MLP's activations (LlamaConfig.hidden_act).
@@ -158,12 +159,14 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         k_cache, v_cache = write_kv_fn(*kv_cache, k, v, metadata.slot_mapping, layer)
+        # Plain pages take queries of their dtype; quantized ones any float dtype.
+        query_dtype = q.dtype if quantization.is_quantized(k_cache.dtype) else k_cache.dtype
         out = attention_fn(
-            q, k_cache, v_cache, metadata.block_tables, metadata.context_lens,
-            metadata.query_start_loc, layer=layer, sliding_window=window, scale=self.scale,
-            soft_cap=self.soft_cap,
+            q.astype(query_dtype), k_cache, v_cache, metadata.block_tables,
+            metadata.context_lens, metadata.query_start_loc, layer=layer,
+            sliding_window=window, scale=self.scale, soft_cap=self.soft_cap,
         )
-        return self.o_proj(out.reshape(num_tokens, -1)), (k_cache, v_cache)
+        return self.o_proj(out.reshape(num_tokens, -1).astype(x.dtype)), (k_cache, v_cache)
 
 
 class MLP(nnx.Module):
@@ -373,7 +376,8 @@ def init_kv_cache(
 ) -> KVCache:
     """A zeroed paged cache (k_cache, v_cache), each
     [layers_per_block, num_kv_heads, num_blocks, block_size, head_dim] in `dtype`
-    (layers_per_block of the KV cache groups; None: every layer's)."""
+    (layers_per_block of the KV cache groups; None: every layer's); a quantized dtype
+    gives QuantizedPages with zeroed scales."""
     buffers = layers_per_block or config.num_layers
     shape = (buffers, config.num_kv_heads, num_blocks, block_size, config.head_dim)
-    return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+    return quantization.zeros(shape, dtype), quantization.zeros(shape, dtype)

@@ -11,6 +11,7 @@ import pytest
 from jpaged.engine.runner import ModelRunner
 from jpaged.memory.allocator import BlockOps
 from jpaged.model.loader import load_model
+from kernels_pallas import QuantizedPages
 
 NUM_BLOCKS, NUM_HOST_BLOCKS, BLOCK_SIZE = 12, 6, 4
 
@@ -19,36 +20,50 @@ def _pairs(*pairs) -> np.ndarray:
     return np.array(pairs, np.int32).reshape(-1, 2)
 
 
-@pytest.fixture
-def runner(tiny_qwen2_dir):
+@pytest.fixture(params=[jnp.float32, jnp.int8], ids=["float32", "int8"])
+def runner(tiny_qwen2_dir, request):
+    """A runner whose cache (pages, and the scales of an int8 cache) holds random values."""
     model, config, _ = load_model(tiny_qwen2_dir)
     runner = ModelRunner(model, config, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
-                         num_host_blocks=NUM_HOST_BLOCKS)
+                         num_host_blocks=NUM_HOST_BLOCKS, kv_dtype=request.param)
     rng = np.random.default_rng(0)
-    runner.kv_cache = tuple(
-        jnp.asarray(rng.standard_normal(cache.shape), cache.dtype) for cache in runner.kv_cache
-    )
+
+    def random(leaf):
+        if jnp.issubdtype(leaf.dtype, jnp.integer):
+            return jnp.asarray(rng.integers(-127, 128, leaf.shape), leaf.dtype)
+        return jnp.asarray(rng.standard_normal(leaf.shape), leaf.dtype)
+
+    runner.kv_cache = jax.tree.map(random, runner.kv_cache)
     return runner
 
 
 def _device(runner) -> list[np.ndarray]:
-    """The k and v caches, each [layers, kv heads, blocks, block_size, head_dim]."""
-    return [np.array(cache) for cache in runner.kv_cache]
+    """Every array of the cache: k and v [layers, kv heads, blocks, block_size, head_dim],
+    each followed by its scales [layers, kv heads, blocks, block_size] if quantized."""
+    return [np.array(leaf) for leaf in jax.tree.leaves(runner.kv_cache)]
+
+
+def _host(runner) -> list[np.ndarray]:
+    return jax.tree.leaves(runner.host_kv)
 
 
 def test_cache_stacks_every_layer(runner):
     config = runner.config
-    for cache in (*runner.kv_cache, *runner.host_kv):
-        num_blocks = NUM_BLOCKS if isinstance(cache, jax.Array) else NUM_HOST_BLOCKS
-        chex.assert_shape(cache, (config.num_layers, config.num_kv_heads, num_blocks,
-                                  BLOCK_SIZE, config.head_dim))
+    pages = (config.num_layers, config.num_kv_heads)
+    for cache, num_blocks in ((runner.kv_cache, NUM_BLOCKS), (runner.host_kv, NUM_HOST_BLOCKS)):
+        for kind in cache:
+            values = kind.values if isinstance(kind, QuantizedPages) else kind
+            chex.assert_shape(values, (*pages, num_blocks, BLOCK_SIZE, config.head_dim))
+            if isinstance(kind, QuantizedPages):
+                chex.assert_shape(kind.scales, (*pages, num_blocks, BLOCK_SIZE))
+        assert isinstance(cache[0], QuantizedPages) == (runner.kv_cache[0].dtype == jnp.int8)
 
 
 def test_swap_out_swap_in_and_copies_move_whole_blocks(runner):
     device = _device(runner)
     runner.apply_block_ops(BlockOps(swap_out=_pairs((3, 1), (7, 4)), swap_in=_pairs(),
                                     copies=_pairs()))
-    for old, host in zip(device, runner.host_kv, strict=True):
+    for old, host in zip(device, _host(runner), strict=True):
         np.testing.assert_array_equal(host[:, :, [1, 4]], old[:, :, [3, 7]])
 
     # Swap the pages back into other blocks, and copy-on-write two blocks, one
@@ -69,15 +84,16 @@ def test_no_ops_leave_the_cache_alone(runner):
         np.testing.assert_array_equal(old, new)
 
 
+@pytest.mark.parametrize("kv_dtype", [jnp.float32, jnp.int8])
 @pytest.mark.parametrize("decode_only", [True, False])
-def test_compiled_step_writes_the_cache_in_place(tiny_qwen2_dir, decode_only):
-    """XLA's own memory analysis of the compiled step: the donated cache is the output
-    (aliased), and the step's scratch holds less than one layer's keys, so no layer,
-    let alone the whole cache, is copied."""
+def test_compiled_step_writes_the_cache_in_place(tiny_qwen2_dir, decode_only, kv_dtype):
+    """XLA's own memory analysis of the compiled step: the donated cache (a quantized
+    one's scales too) is the output (aliased), and the step's scratch holds less than
+    one layer's keys, so no layer, let alone the whole cache, is copied."""
     model, config, _ = load_model(tiny_qwen2_dir)
-    runner = ModelRunner(model, config, num_blocks=2048, block_size=16)
-    cache_bytes = sum(cache.nbytes for cache in runner.kv_cache)
-    one_layer_keys = runner.kv_cache[0].nbytes // config.num_layers
+    runner = ModelRunner(model, config, num_blocks=2048, block_size=16, kv_dtype=kv_dtype)
+    cache_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(runner.kv_cache))
+    one_layer_keys = jax.tree.leaves(runner.kv_cache)[0].nbytes // config.num_layers
     num_tokens = 8 if decode_only else 32
     memory = runner.compile_step(num_tokens, 8, 16, decode_only).memory_analysis()
     assert memory.alias_size_in_bytes == cache_bytes
