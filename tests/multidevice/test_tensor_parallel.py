@@ -15,6 +15,7 @@ import re
 from types import SimpleNamespace
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -367,25 +368,49 @@ def test_bad_sizes_name_both_numbers(loaded_models):
             data_parallel_size=3, **ENGINE)
 
 
-def test_swaps_and_copies_keep_the_cache_split_by_head():
+def test_an_int8_cache_and_its_scales_split_by_head_match_one_device(loaded_models):
+    """TP 2 on an int8 cache: the pages and their per-head scales are split by KV head
+    (each device holds its heads' scales), and greedy tokens equal one device's."""
+    loaded = loaded_models["llama"]
+    options = dict(ENGINE, attention_backend="xla", kv_cache_dtype="int8")
+    vocab = loaded[1].vocab_size
+    reference = LLM("llama", loaded=loaded, **options).generate(prompts(vocab), GREEDY)
+    llm = LLM("llama", loaded=loaded, tensor_parallel_size=2, **options)
+    print(f"TP=2 int8: {near_ties_or_fail(reference, llm.generate(prompts(vocab), GREEDY))} "
+          "near-tie steps")
+    config = loaded[1]
+    per_device = (config.num_layers, config.num_kv_heads // 2, ENGINE["num_blocks"],
+                  ENGINE["block_size"])
+    for pages in llm.engine.runner.kv_cache:
+        assert isinstance(pages, kernels_pallas.QuantizedPages)
+        for leaf, width in ((pages.values, config.head_dim), (pages.scales, 4)):
+            assert leaf.sharding.spec == P(None, "model") and len(leaf.sharding.device_set) == 2
+            assert bytes_per_device(leaf) == np.prod(per_device) * width
+
+
+@pytest.mark.parametrize("kv_dtype", [np.float32, jnp.int8])
+def test_swaps_and_copies_keep_the_cache_split_by_head(kv_dtype):
     """Swap out, swap in and copy-on-write copies on a cache over 4 devices move the
-    same blocks as numpy indexing of the whole cache, and leave it split by KV head."""
+    same blocks as numpy indexing of the whole cache (a quantized cache's scales with
+    their pages), and leave it split by KV head."""
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
                          num_heads=4, num_kv_heads=2, head_dim=8)
     mesh = model_mesh(jax.devices()[:4])
     model, sharded_config = shard_model(LlamaForCausalLM(config, rngs=nnx.Rngs(0)), config, mesh)
     runner = ModelRunner(model, sharded_config, num_blocks=8, block_size=4, num_host_blocks=4,
-                         attention_backend="xla", mesh=mesh)
-    runner.kv_cache = tuple(
-        jax.device_put(np.random.default_rng(i).normal(size=c.shape).astype(c.dtype), c.sharding)
-        for i, c in enumerate(runner.kv_cache))
-    before = [np.array(cache) for cache in runner.kv_cache]
+                         attention_backend="xla", mesh=mesh, kv_dtype=kv_dtype)
+    leaves, tree = jax.tree.flatten(runner.kv_cache)
+    runner.kv_cache = jax.tree.unflatten(tree, [
+        jax.device_put((10 * np.random.default_rng(i).normal(size=c.shape)).astype(c.dtype),
+                       c.sharding)
+        for i, c in enumerate(leaves)])
+    before = [np.array(leaf) for leaf in jax.tree.leaves(runner.kv_cache)]
     none = np.zeros((0, 2), np.int32)
     runner.apply_block_ops(BlockOps(swap_out=np.array([[3, 1]], np.int32), swap_in=none,
                                     copies=none))
     runner.apply_block_ops(BlockOps(swap_out=none, swap_in=np.array([[1, 5]], np.int32),
                                     copies=np.array([[2, 6]], np.int32)))
-    for expected, cache in zip(before, runner.kv_cache, strict=True):
+    for expected, cache in zip(before, jax.tree.leaves(runner.kv_cache), strict=True):
         expected[:, :, 5], expected[:, :, 6] = expected[:, :, 3], expected[:, :, 2]
         assert cache.sharding.spec == P(None, "model") and len(cache.sharding.device_set) == 4
         np.testing.assert_array_equal(np.asarray(cache), expected)
