@@ -207,7 +207,7 @@ class _Progress:
 def make_engine(loaded, *, allocation: str, block_size: int, num_pool_tokens: int,
                 max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                 preemption_mode: str = "recompute", num_host_tokens: int = 0,
-                share_blocks: bool = True):
+                share_blocks: bool = True, kv_cache_dtype: str = "auto"):
     """An engine on an already loaded model with a pool of `num_pool_tokens` token slots
     (rounded down to whole blocks; the null block comes on top), prefix caching off."""
     from jpaged.engine.llm_engine import EngineConfig, LLMEngine
@@ -218,5 +218,6 @@ def make_engine(loaded, *, allocation: str, block_size: int, num_pool_tokens: in
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len, enable_prefix_caching=False, allocation=allocation,
         preemption_mode=preemption_mode, share_blocks=share_blocks,
+        kv_cache_dtype=kv_cache_dtype,
     )
     return LLMEngine(config, loaded=loaded)

@@ -1,7 +1,7 @@
 """The real-engine studies of `python -m experiments.sweep`: settings, tables, summary.
 
 Loads the default model once and runs the selected studies (rate with its
-simulator validation, block-size, preemption, sharing), each with the full or
+simulator validation, block-size, preemption, KV cache dtypes, sharing), each with the full or
 the --quick settings; returns their JSON sections, then turns them into the
 sweep's tables and its closing summary.
 """
@@ -14,7 +14,7 @@ import math
 import time
 
 from benchmarks.report import progress
-from experiments import block_size_study, rate_study, sharing_study, validation
+from experiments import block_size_study, kv_dtype_study, rate_study, sharing_study, validation
 from experiments.paper import FIGURE12_SHAREGPT_RATE_RATIO
 
 # --quick: paged's run at its capacity sets the threshold, then one step up where needed.
@@ -93,6 +93,12 @@ def run(selected: list[str], args: argparse.Namespace, timings: dict) -> dict:
                 loaded, dataclasses.replace(block_settings, block_sizes=sizes), vocab,
                 progress)}
         timings["preemption"] = time.perf_counter() - began
+    if "kv-dtype" in selected:
+        began = time.perf_counter()
+        report["kv_dtype"] = kv_dtype_study.run(loaded, rate_settings("sharegpt", args), vocab)
+        progress(f"kv dtype study: {report['kv_dtype']['capacity_ratios_vs_float32']} "
+                 f"{report['kv_dtype'].get('rate_ratios_vs_float32')}")
+        timings["kv-dtype"] = time.perf_counter() - began
     if "sharing" in selected:
         began = time.perf_counter()
         settings = sharing_study.SharingSettings(
@@ -161,6 +167,20 @@ def tables(report: dict) -> dict:
              "latency_swap_s": _f(r["swap"]["normalized_latency_s_mean"]),
              "preemptions_swap": r["swap"]["num_preemptions"]}
             for r in report["figure19"]["runs"]])
+    if "kv_dtype" in report:
+        result = report["kv_dtype"]
+        sustained = result.get("sustained_rate", {})
+        out["kv_dtype_engine"] = (
+            "KV cache dtypes on the engine: one pool in bytes, ShareGPT-like", [
+                {"kv_dtype": dtype, "bytes_per_token": result["bytes_per_token"][dtype],
+                 "pool_tokens": result["pool_tokens"][dtype],
+                 "capacity_req_s": _f(capacity),
+                 "peak_running": result["all_at_once"][dtype]["peak_running_requests"],
+                 "mean_running": _f(result["all_at_once"][dtype]["mean_running_requests"], 1),
+                 "step_ms_median": _f(1e3 * result["all_at_once"][dtype]["step_s_median"], 1),
+                 "sustained_req_s": _f(sustained[dtype]["rate"]) if dtype in sustained else "-",
+                 "bound": sustained[dtype]["bound"] if dtype in sustained else "-"}
+                for dtype, capacity in result["capacity_requests_per_s"].items()])
     if "figures14_15" in report:
         out["figures14_15"] = ("Figures 14 and 15 on the engine: sharing, Alpaca-like", [
             {"sharing": f"{r['kind']} n={r['degree']}",
@@ -199,6 +219,12 @@ def summary_rows(report: dict) -> list[dict]:
         for key, ratio in result["capacity_ratios"].items():
             rows.append({"measure": f"{key} ({dataset}-like)", "value": _f(ratio, 2),
                          "paper": "-"})
+    for dtype, ratio in report.get("kv_dtype", {}).get("capacity_ratios_vs_float32", {}).items():
+        rows.append({"measure": f"capacity ratio {dtype} vs float32 KV (ShareGPT-like)",
+                     "value": _f(ratio, 2), "paper": "-"})
+    for dtype, ratio in report.get("kv_dtype", {}).get("rate_ratios_vs_float32", {}).items():
+        rows.append({"measure": f"sustained rate ratio {dtype} vs float32 KV (ShareGPT-like)",
+                     "value": _f(ratio, 2), "paper": "-"})
     for policy, gap in report.get("sim_vs_engine_gap_pct", {}).items():
         rows.append({"measure": f"sim_vs_engine_gap_pct, mean running, {policy}",
                      "value": _f(gap, 1), "paper": "-"})

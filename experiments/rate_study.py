@@ -175,48 +175,51 @@ def run_dataset(loaded, settings: RateSettings, vocab_size: int
     }
     if settings.curves:
         result |= latency_curves(by_policy, settings, vocab_size, capacity)
+        result["rate_ratios"] = rate_ratios(result["sustained_rate"])
     return result, burst
 
 
-def latency_curves(by_policy: dict, settings: RateSettings, vocab_size: int,
+def latency_curves(servers: dict, settings: RateSettings, vocab_size: int,
                    capacity: dict[str, float]) -> dict:
-    """The threshold from paged's unloaded run, then each policy's bracketing search
-    on fractions of its own capacity; the curves, sustained rates and their ratios."""
+    """The threshold from the first server's unloaded run (paged's, or float32's), then
+    each server's bracketing search on fractions of its own capacity; the curves and
+    sustained rates."""
+    baseline = next(iter(servers))
 
-    def run_at(policy: str, fraction: float) -> dict:
-        rate = fraction * capacity[policy]
-        run = serve(by_policy[policy], workload(settings, vocab_size, rate),
-                    f"{settings.dataset} {policy} {rate:.2f} req/s")
+    def run_at(name: str, fraction: float) -> dict:
+        rate = fraction * capacity[name]
+        run = serve(servers[name], workload(settings, vocab_size, rate),
+                    f"{settings.dataset} {name} {rate:.2f} req/s")
         return {"request_rate": rate, "capacity_fraction": fraction, **run.summary()}
 
-    base = run_at("paged", settings.base_fraction)
+    base = run_at(baseline, settings.base_fraction)
     unloaded = base["normalized_latency_s_mean"]
     threshold = settings.threshold_factor * unloaded
     curves = {}
-    for policy in settings.policies:
-        points = {settings.base_fraction: base} if policy == "paged" else {}
+    for name in servers:
+        points = {settings.base_fraction: base} if name == baseline else {}
 
-        def latency_at(fraction: float, policy=policy, points=points) -> float:
+        def latency_at(fraction: float, name=name, points=points) -> float:
             if fraction not in points:
-                points[fraction] = run_at(policy, fraction)
+                points[fraction] = run_at(name, fraction)
             return points[fraction]["normalized_latency_s_mean"]
 
         bracket_search(latency_at, settings.rate_fractions, threshold,
                        settings.start_fraction)
-        curves[policy] = [points[f] for f in sorted(points)]
+        curves[name] = [points[f] for f in sorted(points)]
     sustained = {
-        policy: sustained_rate([p["request_rate"] for p in points],
-                               [p["normalized_latency_s_mean"] for p in points], threshold)
-        for policy, points in curves.items()
+        name: sustained_rate([p["request_rate"] for p in points],
+                             [p["normalized_latency_s_mean"] for p in points], threshold)
+        for name, points in curves.items()
     }
     return {
-        "threshold_rule": f"{settings.threshold_factor:g} x paged's mean normalized latency "
-                          f"at {settings.base_fraction:g} x paged's capacity (unloaded)",
+        "threshold_rule": f"{settings.threshold_factor:g} x {baseline}'s mean normalized "
+                          f"latency at {settings.base_fraction:g} x {baseline}'s capacity "
+                          "(unloaded)",
         "unloaded_normalized_latency_s": unloaded,
         "threshold_normalized_latency_s": threshold,
         "curves": curves,
         "sustained_rate": sustained,
-        "rate_ratios": rate_ratios(sustained),
     }
 
 

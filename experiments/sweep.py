@@ -1,6 +1,6 @@
 """The paper's studies: memory in simulation, serving on the real engine, with figures.
 
-    python -m experiments.sweep [--studies memory,rate,block-size,preemption,sharing]
+    python -m experiments.sweep [--studies memory,rate,block-size,preemption,kv-dtype,sharing]
                                 [--quick] [--out-dir results]
 
 Studies (all by default; --quick runs each with small settings in about two
@@ -13,6 +13,9 @@ minutes, to check the pipeline rather than the numbers):
   engine (experiments.validation);
 - block-size and preemption: Figures 18 and 19 on the real engine
   (experiments.block_size_study);
+- kv-dtype: float32, bfloat16 and int8 KV caches at one pool in bytes, their
+  capacity and sustained rate by the rate study's rules
+  (experiments.kv_dtype_study);
 - sharing: Figures 14 and 15 on the real engine (experiments.sharing_study).
 
 The real-engine studies run the default model (SmolLM2-135M-Instruct, float32)
@@ -26,7 +29,7 @@ figure (experiments.figures); a summary table ends the output.
 
 The memory study runs the model-free simulator (experiments/simulator.py)
 over synthetic workloads (experiments/workloads.py: fits to the vLLM paper's
-published mean lengths, not the datasets) and prints three tables:
+published mean lengths, not the datasets) and prints these tables:
 
 1. Block sizes 1 to 256 on ShareGPT-like and Alpaca-like requests, plus an
    Alpaca-like workload with a one-shot shared prefix and prefix caching on:
@@ -40,6 +43,9 @@ published mean lengths, not the datasets) and prints three tables:
    at once for a dense model, a Gemma-3-like one (3 global and 15 sliding layers,
    window 512: KV cache groups, the window's blocks freed) and one whose every layer
    slides, on ShareGPT-like requests at block size 16.
+5. KV cache dtypes past the paper: the same pool in bytes holding float32,
+   bfloat16, int8 or fp8 tokens (with their scales), its memory breakdown and the
+   sequences running at once, on ShareGPT-like requests at block size 16.
 
 Every run serves its requests all at once (arrival time 0), so memory is the
 bottleneck; every allocator gets the same KV memory (--num-kv-slots token
@@ -68,6 +74,12 @@ DEFAULT_BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 GEMMA3_LIKE_LAYERS = ((512,) * 5 + (None,)) * 3
 WINDOW_MODELS = {"dense": (None,), "gemma3-like": GEMMA3_LIKE_LAYERS,
                  "all-sliding": (512,)}
+# K or V bytes of one token and KV head of OPT-13B (head_dim 128; the simulated pool
+# of --num-kv-slots tokens is float16 there): each KV cache dtype's element, and a
+# float32 scale beside the quantized ones.
+KV_DTYPE_HEAD_BYTES = {"float32": 4 * 128, "bfloat16": 2 * 128, "int8": 128 + 4,
+                       "fp8_e4m3": 128 + 4}
+POOL_HEAD_BYTES = 2 * 128
 
 
 @dataclass(frozen=True)
@@ -80,6 +92,7 @@ class Run:
     config: SimConfig
     workload: dict = field(default_factory=dict)
     seed: int = 0
+    label: str = ""
 
 
 def execute(run: Run) -> dict:
@@ -88,6 +101,7 @@ def execute(run: Run) -> dict:
     result = simulate(requests, run.config)
     return {
         "table": run.table,
+        "label": run.label,
         "dataset": run.dataset,
         "workload": run.workload,
         **result.summary(),
@@ -124,7 +138,19 @@ def plan_runs(args: argparse.Namespace) -> list[Run]:
     for layer_windows in WINDOW_MODELS.values():
         config = dataclasses.replace(base, layer_windows=layer_windows)
         runs.append(Run("window", "sharegpt", args.figure2_requests, config, seed=args.seed))
+    for kv_dtype, head_bytes in KV_DTYPE_HEAD_BYTES.items():
+        runs.append(Run("kv_dtype", "sharegpt", args.figure2_requests,
+                        kv_dtype_config(base, head_bytes), seed=args.seed, label=kv_dtype))
     return runs
+
+
+def kv_dtype_config(base: SimConfig, head_bytes: int) -> SimConfig:
+    """The same pool in bytes holding tokens of head_bytes per head and K or V: its
+    token slots scale inversely, and so does a step's cost of reading context K/V."""
+    ratio = POOL_HEAD_BYTES / head_bytes
+    cost = dataclasses.replace(base.step_cost,
+                               per_context_token_s=base.step_cost.per_context_token_s / ratio)
+    return dataclasses.replace(base, num_kv_slots=int(base.num_kv_slots * ratio), step_cost=cost)
 
 
 def _pct(value: float | None) -> str:
@@ -202,6 +228,28 @@ def window_rows(results: list[dict]) -> list[dict]:
     return rows
 
 
+def kv_dtype_rows(results: list[dict]) -> list[dict]:
+    rows = []
+    for r in results:
+        if r["table"] != "kv_dtype":
+            continue
+        breakdown = r["breakdown_pct"]
+        rows.append(
+            {
+                "kv_dtype": r["label"],
+                "bytes_per_token_head": KV_DTYPE_HEAD_BYTES[r["label"]],
+                "token_slots": r["config"]["num_kv_slots"],
+                "token_states_pct": f"{breakdown['token_states']:.1f}",
+                "internal_frag_pct": f"{breakdown['internal_fragmentation']:.1f}",
+                "mean_running_seqs": f"{r['mean_running_seqs']:.1f}",
+                "peak_running_seqs": r["peak_running_seqs"],
+                "preemptions": r["num_preemptions"],
+                "requests_per_s": f"{r['requests_per_s']:.2f}",
+            }
+        )
+    return rows
+
+
 def sharing_rows(results: list[dict]) -> list[dict]:
     rows = []
     for r in results:
@@ -245,7 +293,7 @@ def write_csv(path: Path, rows: list[dict]) -> None:
         writer.writerows(rows)
 
 
-STUDIES = ("memory", "rate", "block-size", "preemption", "sharing")
+STUDIES = ("memory", "rate", "block-size", "preemption", "kv-dtype", "sharing")
 ENGINE_STUDIES = STUDIES[1:]
 
 
@@ -320,6 +368,12 @@ def memory_study(args: argparse.Namespace) -> tuple[dict, dict]:
             "Sliding windows: KV memory by use (% of KV memory) and sequences running, "
             "ShareGPT-like, block size 16",
             window_rows(results),
+        ),
+        "kv_dtype": (
+            "KV cache dtypes at one pool in bytes (OPT-13B-shaped tokens; int8 and fp8 keep "
+            "a float32 scale per token and head): KV memory and sequences running, "
+            "ShareGPT-like, block size 16",
+            kv_dtype_rows(results),
         ),
     }
     cpu_seconds = sum(r["cpu_s"] for r in results)

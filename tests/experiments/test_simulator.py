@@ -189,10 +189,18 @@ def test_sweep_writes_its_tables(tmp_path, capsys):
     assert set(figure2) == {"orca-max", "orca-pow2", "orca-oracle", "paged"}
     assert float(figure2["paged"]["paper_token_states_pct"]) == 96.3
     report = json.loads((tmp_path / "sweep.json").read_text())
-    assert len(report["runs"]) == 6 + 4 + 8 + 3
+    assert len(report["runs"]) == 6 + 4 + 8 + 3 + 4
     with (tmp_path / "sweep_window.csv").open() as f:
         window = {r["model"]: r for r in csv.DictReader(f)}
     assert set(window) == {"dense", "gemma3-like", "all-sliding"}
+    with (tmp_path / "sweep_kv_dtype.csv").open() as f:
+        by_dtype = {r["kv_dtype"]: r for r in csv.DictReader(f)}
+    # One pool of 4096 float16 tokens of head_dim 128, in the bytes each dtype's token takes.
+    assert {d: int(r["token_slots"]) for d, r in by_dtype.items()} == {
+        "float32": 2048, "bfloat16": 4096, "int8": 4096 * 256 // 132,
+        "fp8_e4m3": 4096 * 256 // 132}
+    peaks = [int(by_dtype[d]["peak_running_seqs"]) for d in ("float32", "bfloat16", "int8")]
+    assert peaks == sorted(peaks) and peaks[0] < peaks[-1]
     timelines = json.loads((tmp_path / "sweep_timelines.json").read_text())
     assert len(timelines) == len(report["runs"]) and all(timelines)
     assert all("timeline" not in run for run in report["runs"])

@@ -44,8 +44,9 @@ def test_every_figure_and_table_is_written(quick_sweep):
         "figure19_preemption_cost.png", "figures14_15_sharing.png"}
     for name in report["figures"]:
         assert (out_dir / name).read_bytes()[:8] == PNG_SIGNATURE
-    for table in ("block_size", "figure2", "sharing", "figure12", "capacity", "validation",
-                  "figure18", "figure19_operations", "figure19_runs", "figures14_15"):
+    for table in ("block_size", "figure2", "sharing", "window", "kv_dtype", "figure12",
+                  "capacity", "validation", "figure18", "figure19_operations", "figure19_runs",
+                  "kv_dtype_engine", "figures14_15"):
         with (out_dir / f"sweep_{table}.csv").open() as f:
             assert list(csv.DictReader(f)), table
     assert report["versions"]["jax"] and report["args"]["quick"] == "True"
@@ -117,6 +118,24 @@ def test_capacity_falls_with_what_a_policy_reserves(quick_sweep):
     assert set(result["capacity_ratios"]) == {
         "capacity_ratio_vs_orca_oracle", "capacity_ratio_vs_orca_pow2",
         "capacity_ratio_vs_orca_max"}
+
+
+def test_kv_dtype_study_buys_each_dtype_the_tokens_its_bytes_hold(quick_sweep):
+    """SmolLM2 (30 layers, 3 KV heads of 64): K and V of a token, with int8's float32
+    scale per head; one pool of bytes, so int8 holds 256 / 68 of float32's tokens."""
+    _, report = quick_sweep
+    result = report["kv_dtype"]
+    assert result["bytes_per_token"] == {"float32": 2 * 30 * 3 * 64 * 4,
+                                         "bfloat16": 2 * 30 * 3 * 64 * 2,
+                                         "int8": 2 * 30 * 3 * (64 + 4)}
+    assert {d: result["pool_bytes"] // b for d, b in result["bytes_per_token"].items()} \
+        == result["pool_tokens"]
+    for dtype, points in result["curves"].items():
+        rates = [p["request_rate"] for p in points]
+        assert rates == sorted(rates) and rates[0] > 0, dtype
+    assert set(result["rate_ratios_vs_float32"]) == {"bfloat16", "int8"}
+    at_once = result["all_at_once"]
+    assert at_once["int8"]["peak_running_requests"] >= at_once["float32"]["peak_running_requests"]
 
 
 def test_simulator_follows_the_engine_under_paging(quick_sweep):
