@@ -139,7 +139,8 @@ def greedy(llm, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
 def agreement(reference: list[list[int]], tokens: list[list[int]]) -> dict:
     prefixes = []
     for want, have in zip(reference, tokens, strict=True):
-        matching = next((i for i, (a, b) in enumerate(zip(want, have)) if a != b), len(want))
+        matching = next((i for i, (a, b) in enumerate(zip(want, have, strict=True)) if a != b),
+                        len(want))
         prefixes.append(matching)
     return {"identical_fraction": float(np.mean([p == len(r) for p, r in
                                                  zip(prefixes, reference, strict=True)])),

@@ -141,7 +141,8 @@ def main() -> None:
                 prefill_ms / (1e3 * statistics.median(times[1]["prefill"])), 3),
             "param_bytes_per_device": sum(
                 bytes_per_device(leaf) for leaf in jax.tree.leaves(runner.params)),
-            "kv_bytes_per_device": sum(bytes_per_device(c) for c in runner.kv_cache),
+            "kv_bytes_per_device": sum(
+                bytes_per_device(leaf) for leaf in jax.tree.leaves(runner.kv_cache)),
         }
         progress(f"TP={size}: {results[f'tp{size}']}")
     report["machine"]["devices"] = jax.device_count()

@@ -75,13 +75,15 @@ def _step_times(engine, vocab: int, prompt_len: int, seed: int) -> dict:
 
 def _step_memory(engine) -> dict:
     """Bytes of the largest decode step's memory analysis beside the KV cache's."""
+    import jax
+
     from jpaged.core.step_shapes import bucket
 
     config, buckets = engine.config, engine.shapes.buckets
     num_seqs = bucket(config.max_num_seqs, buckets.min_num_seqs, buckets.linear_step)
     num_blocks = bucket(-(-engine.max_model_len // config.block_size), buckets.min_blocks_per_seq)
     memory = engine.runner.compile_step(num_seqs, num_seqs, num_blocks, True).memory_analysis()
-    return {"kv_cache_bytes": sum(cache.nbytes for cache in engine.runner.kv_cache),
+    return {"kv_cache_bytes": sum(leaf.nbytes for leaf in jax.tree.leaves(engine.runner.kv_cache)),
             "alias_bytes": memory.alias_size_in_bytes, "temp_bytes": memory.temp_size_in_bytes}
 
 

@@ -58,7 +58,7 @@ def _sampling_calls(runner: ModelRunner, shapes: StepShapes, row_counts: list[in
     """Calls that compile what follows a step of each row count: its logits, the
     gathers of its rows for the sampler, the sampler's variants for each padded
     row count, and the prompt log-probabilities. Each runs on its own zeros."""
-    dtype = runner.kv_cache[0].dtype
+    dtype = runner.hidden_dtype
     mixed_rows = shapes.buckets.mixed_num_seqs
     calls = []
     for num_rows in row_counts:

@@ -188,6 +188,8 @@ class ModelRunner:
         groups: KVCacheGroups | None = None,
     ):
         self.config = config
+        # The model's activations (hidden states); the cache may hold another dtype.
+        self.hidden_dtype = model.embed_tokens.embedding.get_value().dtype
         self.groups = groups or KVCacheGroups.of(config.layer_windows, free_windows=False)
         self.mesh = mesh
         self.block_size = block_size

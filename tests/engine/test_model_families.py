@@ -105,15 +105,17 @@ def test_seeded_samples_are_the_same_alone_and_in_a_batch(family):
     assert len({tuple(s) for s in samples}) > 1
 
 
-def test_a_gemma_shaped_model_compiles_nothing_after_warmup(tiny_gemma3_dir):
-    """Local and global layers, both RoPEs and the window in one scanned step: warm-up
-    covers every shape and sampler variant the requests below reach."""
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_a_gemma_shaped_model_compiles_nothing_after_warmup(tiny_gemma3_dir, kv_cache_dtype):
+    """Local and global layers, both RoPEs and the window in one scanned step (on float
+    and on int8 pages, in KV cache groups): warm-up covers every shape and sampler
+    variant the requests below reach."""
     import jax
 
     from jpaged.engine.stats import num_compilations
 
     loaded = load_model(tiny_gemma3_dir)
-    llm = _llm(loaded, max_model_len=32)
+    llm = _llm(loaded, max_model_len=32, kv_cache_dtype=kv_cache_dtype)
     llm.engine.warmup()
     rng = np.random.default_rng(2)
     prompts = [rng.integers(0, loaded[1].vocab_size, int(n)).tolist()

@@ -170,3 +170,12 @@ def test_a_full_waiting_queue_answers_503_and_the_server_recovers(server, offlin
             return await _stream_tokens(client, *later[0])
 
     assert asyncio.run(one_client()) == _offline_tokens(offline, later)[0]
+
+
+def test_metrics_name_the_kv_dtype_and_its_bytes_per_token(server, tiny_chat_model):
+    """float32 K and V of every layer and KV head, from the model's config."""
+    base_url, _ = server
+    config = tiny_chat_model[1]
+    expected = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4
+    assert metric(base_url, "jpaged:kv_cache_bytes_per_token") == expected
+    assert metric(base_url, 'jpaged:kv_cache_dtype_info{dtype="float32"}') == 1
