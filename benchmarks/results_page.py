@@ -24,8 +24,9 @@ from experiments import engine_studies, sweep
 DATA_DIR = Path("docs/data")
 RESULTS_PAGE = Path("docs/results.md")
 RUN_KEYS = ("script", "command", "date", "machine", "versions")
-BENCHMARKS = ("accelerator", "cli_start", "kernels", "sampler", "scheduler", "serving",
-              "sharing", "soak", "startup", "throughput", "tp", "warmup")
+BENCHMARKS = ("accelerator", "cli_start", "kernels", "kv_quant", "sampler", "scheduler",
+              "serving", "sharing", "sliding_window", "soak", "startup", "throughput", "tp",
+              "warmup")
 SCRIPTS = ("experiments.sweep",) + tuple(f"benchmarks.{name}" for name in BENCHMARKS)
 # What a benchmark's figures table leaves out: the run's description, or bulk that is
 # a run's raw material rather than its figures.
@@ -90,7 +91,10 @@ def _sweep_tables(report: dict) -> list[str]:
                    "figure2": ("Figure 2 in simulation: KV memory by use, % of KV memory",
                                sweep.figure2_rows(runs)),
                    "sharing": ("Memory saved by sharing in simulation",
-                               sweep.sharing_rows(runs))}
+                               sweep.sharing_rows(runs)),
+                   "window": ("Sliding windows in simulation", sweep.window_rows(runs)),
+                   "kv_dtype": ("KV cache dtypes at one pool in bytes in simulation",
+                                sweep.kv_dtype_rows(runs))}
     tables |= engine_studies.tables(report)
     tables["summary"] = ("Summary", engine_studies.summary_rows(report))
     for title, rows in tables.values():
