@@ -287,7 +287,7 @@ def decode_step_times(args, loaded) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--text-tokens", type=int, default=8192)
+    parser.add_argument("--text-tokens", type=int, default=4096)
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=32)
@@ -304,7 +304,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.text_tokens, args.max_model_len, args.num_prompts = 1024, 512, 8
-        args.new_tokens, args.num_requests, args.pool_mib = 16, 24, 16
+        args.new_tokens, args.num_requests, args.pool_mib = 16, 24, 32
         args.decode_batch, args.decode_context, args.decode_steps = 4, 128, 16
     report = new_report("benchmarks.kv_quant")
     report["settings"] = vars(args)
