@@ -40,6 +40,7 @@ import time
 
 import numpy as np
 
+from benchmarks.all_at_once import decoding, serve
 from benchmarks.report import new_report, progress, record_end_load
 from experiments.workloads import sample_lengths
 
@@ -199,9 +200,6 @@ def targets_met(kv_cache_dtype: str, run: dict) -> dict:
 
 def capacity(args, loaded) -> dict:
     """The most sequences each dtype runs at once in one pool, and its output tokens/s."""
-    from jpaged import SamplingParams
-    from jpaged.engine.stats import num_compilations
-
     rng = np.random.default_rng(args.seed)
     lengths = np.maximum(4, (sample_lengths("sharegpt", args.num_requests, rng)
                              * args.length_scale).astype(int))
@@ -215,29 +213,9 @@ def capacity(args, loaded) -> dict:
         progress(f"capacity: {kv_cache_dtype} cache...")
         llm = engine("smollm2", loaded, kv_cache_dtype, kv_cache_memory=args.pool_mib * 2**20,
                      max_num_seqs=len(requests), max_model_len=max_len)
-        core = llm.engine
-        for i, (prompt, output_len) in enumerate(requests):
-            core.add_request(str(i), prompt, SamplingParams(temperature=0.0,
-                                                            max_tokens=output_len,
-                                                            ignore_eos=True))
-        peak, steady_s, steady_tokens, produced = 0, 0.0, 0, {}
-        while core.has_unfinished_requests():
-            compiled, started = num_compilations(), time.perf_counter()
-            outputs = core.step()
-            elapsed = time.perf_counter() - started
-            new = 0
-            for output in outputs:
-                now = len(output.outputs[0].token_ids)
-                new += now - produced.get(output.request_id, 0)
-                produced[output.request_id] = now
-            if num_compilations() == compiled:
-                steady_s, steady_tokens = steady_s + elapsed, steady_tokens + new
-            peak = max(peak, core.scheduler.num_running)
-        result["kv"][kv_cache_dtype] = {
-            "running_peak": peak, "output_tokens_per_s": steady_tokens / steady_s,
-            "preemptions": core.scheduler.num_preemptions, "kv_cache": str(core.kv_cache_info)}
+        result["kv"][kv_cache_dtype] = serve(llm, requests)
         progress(f"  {json.dumps(result['kv'][kv_cache_dtype])}")
-        del llm, core
+        del llm
     runs = result["kv"]
     result["running_peak_ratio_int8_vs_float32"] = (runs["int8"]["running_peak"]
                                                      / runs["float32"]["running_peak"])
@@ -268,13 +246,11 @@ def decode_step_times(args, loaded) -> dict:
         for kv_cache_dtype, core in engines.items():
             if not core.has_unfinished_requests():
                 continue
-            decoding = all(seq.num_computed_tokens >= seq.num_prompt_tokens
-                           for group in core.scheduler.running for seq in group.seqs)
-            full = core.scheduler.num_running == args.decode_batch
+            timed = decoding(core) and core.scheduler.num_running == args.decode_batch
             compiled, started = num_compilations(), time.perf_counter()
             core.step()
             elapsed = time.perf_counter() - started
-            if decoding and full and num_compilations() == compiled:
+            if timed and num_compilations() == compiled:
                 times[kv_cache_dtype].append(elapsed)
     medians = {dtype: float(np.median(t)) if t else None for dtype, t in times.items()}
     return {"batch": args.decode_batch, "context": args.decode_context,
