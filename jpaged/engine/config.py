@@ -155,6 +155,11 @@ class EngineConfig:
         dtype = KV_CACHE_DTYPES[self.kv_cache_dtype]
         return jnp.dtype(self.dtype if dtype is None else dtype)
 
+    @property
+    def kv_dtype_name(self) -> str:
+        """kv_cache_dtype with "auto" resolved to the model's dtype."""
+        return self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+
     def with_machine_defaults(self, defaults: MachineDefaults) -> EngineConfig:
         """This config with each limit left as None taken from `defaults`, and the block
         size from the attention backend and the KV dtype."""

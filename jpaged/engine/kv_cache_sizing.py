@@ -137,13 +137,9 @@ def size_kv_cache(config: EngineConfig, model_config, model, max_model_len: int,
     device), laid out for `groups`: `kv_cache_num_blocks` on the memory the machine
     reports."""
     token_bytes = bytes_per_token(model_config, config.kv_dtype)
-    info = KVCacheInfo(0, config.block_size, token_bytes, groups, kv_dtype_name(config))
+    info = KVCacheInfo(0, config.block_size, token_bytes, groups, config.kv_dtype_name)
     memory = None if config.num_blocks is not None else MemoryFigures(
         machine.free_device_memory(device), weight_bytes(model), machine.on_accelerator())
     num_blocks = kv_cache_num_blocks(config, max_model_len, info.block_bytes, memory, groups)
     return dataclasses.replace(info, num_blocks=num_blocks)
 
-
-def kv_dtype_name(config: EngineConfig) -> str:
-    """The KV cache's dtype by its EngineConfig name, "auto" resolved to the model's."""
-    return config.dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
