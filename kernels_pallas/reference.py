@@ -58,7 +58,7 @@ def write_kv_reference(
         if isinstance(cache, QuantizedPages):
             values, scales = quantize(new, cache.dtype)
             return QuantizedPages(scatter_array(cache.values, values),
-                                  scatter_array(cache.scales, scales))
+                                  scatter_array(cache.scales, scales), cache.format)
         return scatter_array(cache, new.astype(cache.dtype))
 
     return scatter(k_cache, k), scatter(v_cache, v)
@@ -79,7 +79,7 @@ def _gather_sequence(cache: Pages, layer: jax.Array, block_table: jax.Array) -> 
     # Index arrays apart from one another put the table axis first: [max_blocks, Hkv, bs, ...].
     pages = jax.tree.map(lambda x: x[layer, :, block_table].swapaxes(0, 1), cache)
     if isinstance(pages, QuantizedPages):
-        pages = dequantize(pages.values, pages.scales)
+        pages = dequantize(pages.values, pages.scales, pages.format)
     return pages.reshape(cache.shape[1], -1, cache.shape[-1])
 
 

@@ -30,7 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kernels_pallas import online_softmax
-from kernels_pallas.quantization import QuantizedPages
+from kernels_pallas.quantization import QuantizedPages, as_format
 from kernels_pallas.tiles import QueryTiles
 
 MIN_ROWS = 8
@@ -60,7 +60,7 @@ def _kernel(
     num_splits: int,
     scale: float,
     soft_cap: float | None,
-    quantized: bool,
+    value_format: jnp.dtype | None,
 ):
     """One grid step: query tile x KV head x key split.
 
@@ -71,12 +71,15 @@ def _kernel(
       window_ref:        int32 [1]  its sliding window (online_softmax.NO_WINDOW: none)
     q_ref:               [rows, D]  (VMEM) this tile's query rows for this KV head
     k_hbm_ref, v_hbm_ref: [L, Hkv, num_blocks, block_size, D]  (HBM) whole caches
+    value_format: the format of quantized caches' values (stored as its bits), None
+      for plain caches
     refs: if quantized, first their scales f32 [L, Hkv, num_blocks, block_size] (HBM);
       then the outputs as in the Triton kernel, then the scratch
       k_buf, v_buf: [2, pages_per_chunk, block_size, D]  (VMEM) two chunk buffers
       if quantized, k_scale_buf, v_scale_buf: [2, pages_per_chunk, block_size] (VMEM)
       sems:         DMA semaphores [2 or 4 (keys, values, their scales), 2 (buffer)].
     """
+    quantized = value_format is not None
     if quantized:
         (k_scales_hbm, v_scales_hbm, *out_refs, k_buf, v_buf, k_scale_buf, v_scale_buf,
          sems) = refs
@@ -138,6 +141,7 @@ def _kernel(
         v = v_buf[slot].reshape(chunk, head_dim)
         k_scales = v_scales = None
         if quantized:
+            k, v = as_format(k, value_format), as_format(v, value_format)
             k_scales, v_scales = (buffer[slot].reshape(1, chunk)
                                   for buffer in (k_scale_buf, v_scale_buf))
         return online_softmax.attend_chunk(
@@ -194,11 +198,12 @@ def tile_attention(
         num_splits=num_splits,
         scale=scale,
         soft_cap=soft_cap,
-        quantized=quantized,
+        value_format=k_cache.format if quantized else None,
     )
     q_spec = online_softmax.tile_spec(rows, head_dim)
     out_shape, out_specs = online_softmax.kernel_outputs(q_tiles, num_splits)
-    page_buffer = pltpu.VMEM((2, pages_per_chunk, block_size, head_dim), k_cache.dtype)
+    stored_dtype = k_cache.values.dtype if quantized else k_cache.dtype
+    page_buffer = pltpu.VMEM((2, pages_per_chunk, block_size, head_dim), stored_dtype)
     caches, buffers = [k_cache, v_cache], [page_buffer, page_buffer]
     if quantized:
         scale_buffer = pltpu.VMEM((2, pages_per_chunk, block_size), k_cache.scales.dtype)

@@ -34,7 +34,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from kernels_pallas import online_softmax
-from kernels_pallas.quantization import QuantizedPages
+from kernels_pallas.quantization import QuantizedPages, as_format
 from kernels_pallas.tiles import QueryTiles
 
 MIN_ROWS = 16
@@ -68,7 +68,7 @@ def _kernel(
     num_splits: int,
     scale: float,
     soft_cap: float | None,
-    quantized: bool,
+    value_format: jnp.dtype | None,
 ):
     """One program: query tile x KV head x key split.
 
@@ -78,10 +78,13 @@ def _kernel(
     window_ref:             int32 [1]  its sliding window (online_softmax.NO_WINDOW: none)
     q_ref:                  [rows, D]  this tile's query rows for this KV head
     k_cache_ref, v_cache_ref: [L, Hkv, num_blocks, block_size, D]  whole caches
+    value_format: the format of quantized caches' values (stored as its bits), None
+          for plain caches
     refs: if quantized, first the scales of both, f32 [L, Hkv, num_blocks, block_size];
           then the [rows, D] output, or with key splits this split's
           (row_max, row_sum, acc) f32 [rows, 1], [rows, 1], [rows, D].
     """
+    quantized = value_format is not None
     scale_refs, out_refs = (refs[:2], refs[2:]) if quantized else ((None, None), refs)
     tile, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     seq = seq_ref[tile]
@@ -104,7 +107,8 @@ def _kernel(
         pages = ref[layer, head, page_ids].reshape(chunk, head_dim)
         if scales_ref is None:
             return pages, None
-        return pages, scales_ref[layer, head, page_ids].reshape(1, chunk)
+        return (as_format(pages, value_format),
+                scales_ref[layer, head, page_ids].reshape(1, chunk))
 
     def visit_chunk(c, state):
         page_ids = block_tables_ref[seq, pl.ds(c * pages_per_chunk, pages_per_chunk)]
@@ -167,7 +171,7 @@ def tile_attention(
         num_splits=num_splits,
         scale=scale,
         soft_cap=soft_cap,
-        quantized=quantized,
+        value_format=k_cache.format if quantized else None,
     )
     caches = [k_cache, v_cache]
     if quantized:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas.quantization import QuantizedPages
+from kernels_pallas.quantization import STORAGE_DTYPE, QuantizedPages
 from kernels_pallas.reference import write_kv_reference
 
 
@@ -86,9 +86,14 @@ def check_cache_shapes(k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array 
                         f"{type(k_cache).__name__} {k_cache.dtype} and "
                         f"{type(v_cache).__name__} {v_cache.dtype}")
     for cache in (k_cache, v_cache):
-        if isinstance(cache, QuantizedPages) and cache.scales.shape != cache.shape[:-1]:
+        if not isinstance(cache, QuantizedPages):
+            continue
+        if cache.scales.shape != cache.shape[:-1]:
             raise ValueError(f"quantized pages {cache.shape} need scales {cache.shape[:-1]}, "
                              f"got {cache.scales.shape}")
+        if cache.values.dtype != STORAGE_DTYPE.get(cache.format):
+            raise TypeError(f"{cache.format} pages are stored as "
+                            f"{STORAGE_DTYPE.get(cache.format)}, got {cache.values.dtype}")
     if layer is not None and (jnp.ndim(layer) != 0
                               or not jnp.issubdtype(jnp.result_type(layer), jnp.integer)):
         raise TypeError(f"layer must be an integer scalar, got {layer!r}")

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from kernels_pallas import online_softmax
-from kernels_pallas.quantization import QuantizedPages
+from kernels_pallas.quantization import QuantizedPages, as_format
 from kernels_pallas.tiles import QueryTiles
 
 # Tiles per loop step. On CPU, decode and mixed steps ran fastest with 2:
@@ -118,7 +118,8 @@ def tile_attention(
         scales as score columns [size, Hkv, 1, chunk] (else None)."""
         if isinstance(rows_, QuantizedPages):
             scales = rows_.scales[row_ids].reshape(size, num_kv_heads, 1, chunk)
-            return rows_.values[row_ids].reshape(size, num_kv_heads, chunk, -1), scales
+            values = as_format(rows_.values[row_ids], rows_.format)
+            return values.reshape(size, num_kv_heads, chunk, -1), scales
         return rows_[row_ids].reshape(size, num_kv_heads, chunk, -1), None
 
     def body(item, state):

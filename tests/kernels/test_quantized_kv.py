@@ -8,12 +8,21 @@ quantization step before any output is looked at (`attention_error_bound`).
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
 
 import kernels_pallas as kp
-from kernels_pallas.quantization import QuantizedPages, as_float, quantize
+from kernels_pallas.quantization import (
+    STORAGE_DTYPE,
+    QuantizedPages,
+    as_float,
+    as_format,
+    quantize,
+    zeros,
+)
 from tests.kernels.test_kernels import assert_close, decode_lengths, make_pool, mixed_batch
 from tests.kernels.test_kernels_backends import _lowered_text, run_checked
 from tests.plugins.kernels import kernel_interpret
@@ -78,8 +87,9 @@ def quantized_pool(pool, dtype, poison: bool):
             unowned = jnp.isnan(poisoned)
             scales = jnp.where(unowned[..., 0], jnp.nan, scales)
             if jnp.issubdtype(dtype, jnp.floating):
-                values = jnp.where(unowned, jnp.asarray(jnp.nan, dtype), values)
-        pages.append(QuantizedPages(values, scales))
+                nan_bits = lax.bitcast_convert_type(jnp.asarray(jnp.nan, dtype), values.dtype)
+                values = jnp.where(unowned, nan_bits, values)
+        pages.append(QuantizedPages(values, scales, jnp.dtype(dtype)))
     return pages
 
 
@@ -100,17 +110,15 @@ def test_write_kv_quantizes_each_token_as_numpy_does():
     v = 3.0 * rng.standard_normal((len(slots), num_kv_heads, head_dim)).astype(np.float32)
     k[1, 0] = 0.0  # an all-zero row gets scale 0, never a NaN
     for dtype in QUANTIZED:
-        empty = kp.QuantizedPages(
-            jnp.zeros((num_kv_heads, num_blocks, block_size, head_dim), dtype),
-            jnp.zeros((num_kv_heads, num_blocks, block_size), F32))
+        empty = zeros((num_kv_heads, num_blocks, block_size, head_dim), dtype)
         new_k, new_v = kp.write_kv(empty, empty, jnp.asarray(k), jnp.asarray(v),
                                    jnp.asarray(slots))
         for new, x in ((new_k, k), (new_v, v)):
             values, scales = numpy_quantize(x, dtype)
             for token, slot in enumerate(slots):
                 block, offset = divmod(int(slot), block_size)
-                np.testing.assert_array_equal(np.asarray(new.values[:, block, offset]),
-                                              values[token])
+                stored = as_format(new.values[:, block, offset], dtype)
+                np.testing.assert_array_equal(np.asarray(stored), values[token])
                 np.testing.assert_allclose(np.asarray(new.scales[:, block, offset]),
                                            scales[token], rtol=1e-6)
             read = np.asarray(as_float(new))
@@ -119,7 +127,22 @@ def test_write_kv_quantizes_each_token_as_numpy_does():
                 error = np.abs(read[:, block, offset] - x[token]).max(-1)
                 assert (error <= element_error(x[token], dtype) * (1 + 1e-5)).all()
         assert np.asarray(new_k.scales[0, 0, 2]) == 0.0  # slot 2, head 0: the zero row
-        assert new_k.values.dtype == dtype and new_k.scales.dtype == F32
+        assert new_k.dtype == dtype and new_k.values.dtype.itemsize == 1
+        assert new_k.scales.dtype == F32
+
+
+@pytest.mark.parametrize("dtype", QUANTIZED)
+def test_write_kv_into_a_donated_cache_needs_no_pool_sized_buffer(dtype):
+    """A step's write touches the rows written: XLA's CPU backend would compute a scatter
+    into an fp8-typed array in float16, converting the whole pool there and back."""
+    cache = zeros((4, 2, 256, 16, 64), dtype)
+
+    def write(k_cache, v_cache, new, slots):
+        return kp.write_kv(k_cache, v_cache, new, new, slots, jnp.int32(1))
+
+    compiled = jax.jit(write, donate_argnums=(0, 1)).lower(
+        cache, cache, jnp.ones((8, 2, 64), F32), jnp.arange(8, dtype=jnp.int32)).compile()
+    assert compiled.memory_analysis().temp_size_in_bytes < cache.values.nbytes // 64
 
 
 # (implementation, dtype, block size, gqa ratio, head_dim)
@@ -234,18 +257,19 @@ def test_tpu_kernel_copies_scales_without_races_or_out_of_bounds_dma():
     ("tpu", "tpu", "paged_attention_tpu", jnp.float8_e5m2)])
 def test_quantized_kernels_lower(platform, implementation, marker, dtype):
     """Both ops over a stacked quantized cache with a traced layer, as the model runs them."""
-    pages, scales = ((3, 2, 64, 32, 128), dtype), ((3, 2, 64, 32), F32)
+    pages, scales = ((3, 2, 64, 32, 128), STORAGE_DTYPE[jnp.dtype(dtype)]), ((3, 2, 64, 32), F32)
     index_shapes = (((4, 9), jnp.int32), ((4,), jnp.int32))
 
     def decode(q, k, v, k_scales, v_scales, block_tables, context_lens, layer):
         return kp.paged_decode_attention(
-            q, QuantizedPages(k, k_scales), QuantizedPages(v, v_scales), block_tables,
-            context_lens, layer=layer, implementation=implementation)
+            q, QuantizedPages(k, k_scales, dtype), QuantizedPages(v, v_scales, dtype),
+            block_tables, context_lens, layer=layer, implementation=implementation)
 
     def ragged(q, k, v, k_scales, v_scales, block_tables, context_lens, query_start_loc, layer):
         return kp.ragged_paged_attention(
-            q, QuantizedPages(k, k_scales), QuantizedPages(v, v_scales), block_tables,
-            context_lens, query_start_loc, layer=layer, implementation=implementation)
+            q, QuantizedPages(k, k_scales, dtype), QuantizedPages(v, v_scales, dtype),
+            block_tables, context_lens, query_start_loc, layer=layer,
+            implementation=implementation)
 
     caches = (pages, pages, scales, scales)
     texts = (
@@ -270,14 +294,20 @@ def test_layout_rules_name_the_dtype():
 
 
 def test_quantized_and_plain_caches_do_not_mix():
-    k = kp.QuantizedPages(jnp.zeros((1, 4, 8, 16), jnp.int8), jnp.zeros((1, 4, 8), F32))
+    k = zeros((1, 4, 8, 16), jnp.int8)
     v = jnp.zeros((1, 4, 8, 16), F32)
     with pytest.raises(TypeError, match="one kind"):
         kp.write_kv(k, v, jnp.zeros((1, 1, 16)), jnp.zeros((1, 1, 16)),
                     jnp.zeros(1, jnp.int32))
-    bad = kp.QuantizedPages(jnp.zeros((1, 4, 8, 16), jnp.int8), jnp.zeros((1, 4, 16), F32))
+    bad = kp.QuantizedPages(jnp.zeros((1, 4, 8, 16), jnp.int8), jnp.zeros((1, 4, 16), F32),
+                            jnp.dtype(jnp.int8))
     with pytest.raises(ValueError, match="need scales"):
         kp.write_kv(bad, bad, jnp.zeros((1, 1, 16)), jnp.zeros((1, 1, 16)),
+                    jnp.zeros(1, jnp.int32))
+    unbitcast = kp.QuantizedPages(jnp.zeros((1, 4, 8, 16), jnp.float8_e4m3fn),
+                                  jnp.zeros((1, 4, 8), F32), jnp.dtype(jnp.float8_e4m3fn))
+    with pytest.raises(TypeError, match="stored as uint8"):
+        kp.write_kv(unbitcast, unbitcast, jnp.zeros((1, 1, 16)), jnp.zeros((1, 1, 16)),
                     jnp.zeros(1, jnp.int32))
 
 
@@ -286,6 +316,7 @@ def test_fp8_values_clip_to_the_format():
     x = jnp.asarray([[1e30, -3.0, 0.5]], F32)
     for dtype in (jnp.float8_e4m3fn, jnp.float8_e5m2):
         values, scales = quantize(x, dtype)
-        assert np.isfinite(np.asarray(values.astype(F32))).all()
-        assert float(values[0, 0].astype(F32)) == float(jnp.finfo(dtype).max)
+        values = as_format(values, dtype).astype(F32)
+        assert np.isfinite(np.asarray(values)).all()
+        assert float(values[0, 0]) == float(jnp.finfo(dtype).max)
         np.testing.assert_allclose(np.asarray(scales), [1e30 / QMAX[dtype]], rtol=1e-6)
