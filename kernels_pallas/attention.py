@@ -83,10 +83,11 @@ def _check_common(q, k_cache, v_cache, block_tables, context_lens, layer, implem
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
     check_cache_shapes(k_cache, v_cache, layer)
     quantized = isinstance(k_cache, QuantizedPages)
-    if not jnp.issubdtype(q.dtype, jnp.floating) or not (quantized or q.dtype == k_cache.dtype):
+    widest = q.dtype if quantized else jnp.promote_types(q.dtype, k_cache.dtype)
+    if not jnp.issubdtype(q.dtype, jnp.floating) or widest != q.dtype:
         raise TypeError(
-            "q, k_cache and v_cache must share one floating dtype (no silent casts), or the "
-            f"caches be QuantizedPages; got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
+            "q must be a floating dtype at least as wide as plain caches (pages are read "
+            f"into q's dtype, never narrowed); got q {q.dtype}, caches {k_cache.dtype}"
         )
     num_kv_heads, head_dim = k_cache.shape[-4], k_cache.shape[-1]
     if q.shape[-1] != head_dim:
@@ -271,8 +272,9 @@ def paged_decode_attention(
 ) -> jax.Array:
     """Attention of one new token per sequence to its paged KV cache.
 
-    q:            [B, Hq, D]   (Hq a multiple of Hkv), dtype of the cache (any
-                  floating dtype with quantized caches)
+    q:            [B, Hq, D]   (Hq a multiple of Hkv), a floating dtype at least as
+                  wide as plain caches' (a bfloat16 cache is read into float32
+                  queries' dtype), any floating dtype with quantized caches
     k/v_cache:    [Hkv, num_blocks, block_size, D], or the stacked cache of every
                   layer [L, Hkv, num_blocks, block_size, D] with `layer`; plain, or
                   QuantizedPages (dequantized to q.dtype a chunk at a time in the
@@ -388,8 +390,7 @@ def ragged_paged_attention(
     are already written) and each sees every cached position up to its own.
     Prefill, chunked prefill, decode and any mix of them are this one op.
 
-    q:               [T, Hq, D]  (Hq a multiple of Hkv), dtype of the cache (any
-                     floating dtype with quantized caches)
+    q:               [T, Hq, D]  (Hq a multiple of Hkv), dtype as in paged_decode_attention
     k/v_cache:       [Hkv, num_blocks, block_size, D], or [L, ...] of those with
                      `layer`; plain or QuantizedPages, as paged_decode_attention
     block_tables:    int32 [B, max_blocks]

@@ -159,8 +159,12 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         k_cache, v_cache = write_kv_fn(*kv_cache, k, v, metadata.slot_mapping, layer)
-        # Plain pages take queries of their dtype; quantized ones any float dtype.
-        query_dtype = q.dtype if quantization.is_quantized(k_cache.dtype) else k_cache.dtype
+        # Attention runs in the wider of the model's and the cache's dtypes: a float32
+        # cache keeps a bfloat16 model's attention in float32, and a bfloat16 cache is
+        # read into a float32 model's tiles (XLA's bfloat16 products on a CPU are
+        # several times slower than float32 ones). Quantized pages take any float dtype.
+        query_dtype = (q.dtype if quantization.is_quantized(k_cache.dtype)
+                       else jnp.promote_types(q.dtype, k_cache.dtype))
         out = attention_fn(
             q.astype(query_dtype), k_cache, v_cache, metadata.block_tables,
             metadata.context_lens, metadata.query_start_loc, layer=layer,

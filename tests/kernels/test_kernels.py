@@ -249,6 +249,25 @@ def test_ragged_matches_reference(
     assert_close(out, expected, dtype)
     assert not np.asarray(out[-batch.padding_tokens :].astype(F32)).any()
 
+@pytest.mark.parametrize("implementation", ["reference", "xla", "triton", "tpu"])
+def test_bfloat16_pages_read_into_float32_queries(implementation):
+    """A bfloat16 cache under a float32 model: every backend computes in float32 on the
+    pages' values, the float32 reference on the same pool widened (NaN-poisoned free
+    slots included)."""
+    rng = np.random.default_rng(12)
+    batch = mixed_batch(16)
+    pool = make_pool(rng, batch.context_lens, num_kv_heads=2, head_dim=64, block_size=16,
+                     dtype=BF16)
+    q = jnp.asarray(rng.standard_normal((batch.num_tokens, 6, 64)), F32)
+    query_start_loc = jnp.asarray(batch.query_start_loc, jnp.int32)
+    expected = kp.ragged_paged_attention_reference(
+        q, f32(pool.k), f32(pool.v), pool.block_tables, pool.context_lens, query_start_loc)
+    out = kp.ragged_paged_attention(
+        q, pool.k_nan, pool.v_nan, pool.block_tables, pool.context_lens, query_start_loc,
+        implementation=implementation, interpret=kernel_interpret(implementation))
+    assert out.dtype == F32
+    assert_close(out, expected, F32)
+
 @pytest.mark.parametrize("implementation", ["triton", "tpu", "xla"])
 @pytest.mark.parametrize("op", ["decode", "ragged"])
 def test_scale_and_soft_cap(implementation, op):
@@ -470,7 +489,7 @@ def _decode_args(dtype=F32, block_size=8, num_q_heads=4):
 @pytest.mark.parametrize(
     "change,error,match",
     [
-        (dict(q_dtype=BF16), TypeError, "share one floating dtype"),
+        (dict(q_dtype=BF16), TypeError, "at least as wide as plain caches"),
         (dict(num_q_heads=3), ValueError, "multiple of num_kv_heads"),
         (dict(implementation="cuda"), ValueError, "implementation must be one of"),
         (dict(implementation="tpu", block_size=4), ValueError, "multiple of 8 for float32"),
