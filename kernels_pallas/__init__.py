@@ -32,7 +32,7 @@ Why this layout:
 - Keys and values in separate arrays: each kernel loop reads matching pages of
   both, and writing a token touches num_kv_heads rows of head_dim in each.
 
-A quantized cache replaces each of the two arrays by `QuantizedPages` (int8 or fp8
+A quantized cache replaces each of the two arrays by `EncodedPages` (int8 or fp8
 values plus float32 scales [..., num_blocks, block_size], one per token and KV head;
 quantization.py); every op below takes either kind.
 
@@ -53,7 +53,7 @@ from kernels_pallas.attention import (
     pallas_implementation,
     ragged_paged_attention,
 )
-from kernels_pallas.quantization import QuantizedPages
+from kernels_pallas.quantization import EncodedPages
 from kernels_pallas.reference import (
     paged_decode_attention_reference,
     ragged_paged_attention_reference,
@@ -64,7 +64,7 @@ from kernels_pallas.write_kv import write_kv
 __all__ = [
     "IMPLEMENTATIONS",
     "Implementation",
-    "QuantizedPages",
+    "EncodedPages",
     "check_cache_layout",
     "default_block_size",
     "default_implementation",

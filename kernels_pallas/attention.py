@@ -31,7 +31,7 @@ from kernels_pallas import (
     triton_attention,
     xla_attention,
 )
-from kernels_pallas.quantization import QMAX, QuantizedPages, is_quantized
+from kernels_pallas.quantization import QMAX, is_quantized
 from kernels_pallas.write_kv import check_cache_shapes
 
 Implementation = Literal["tpu", "triton", "xla", "reference"]
@@ -82,12 +82,14 @@ def _check_common(q, k_cache, v_cache, block_tables, context_lens, layer, implem
     if implementation not in (None, *IMPLEMENTATIONS):
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
     check_cache_shapes(k_cache, v_cache, layer)
-    quantized = isinstance(k_cache, QuantizedPages)
-    widest = q.dtype if quantized else jnp.promote_types(q.dtype, k_cache.dtype)
+    # Quantized pages (with scales) take queries of any float dtype; the others are
+    # read into q's dtype, never narrowed.
+    widest = q.dtype if is_quantized(k_cache.dtype) else jnp.promote_types(q.dtype,
+                                                                            k_cache.dtype)
     if not jnp.issubdtype(q.dtype, jnp.floating) or widest != q.dtype:
         raise TypeError(
-            "q must be a floating dtype at least as wide as plain caches (pages are read "
-            f"into q's dtype, never narrowed); got q {q.dtype}, caches {k_cache.dtype}"
+            "q must be a floating dtype at least as wide as unquantized caches (pages are "
+            f"read into q's dtype, never narrowed); got q {q.dtype}, caches {k_cache.dtype}"
         )
     num_kv_heads, head_dim = k_cache.shape[-4], k_cache.shape[-1]
     if q.shape[-1] != head_dim:
@@ -273,12 +275,13 @@ def paged_decode_attention(
     """Attention of one new token per sequence to its paged KV cache.
 
     q:            [B, Hq, D]   (Hq a multiple of Hkv), a floating dtype at least as
-                  wide as plain caches' (a bfloat16 cache is read into float32
-                  queries' dtype), any floating dtype with quantized caches
+                  wide as an unquantized cache's (a bfloat16 cache is read into
+                  float32 queries' dtype), any floating dtype with quantized caches
     k/v_cache:    [Hkv, num_blocks, block_size, D], or the stacked cache of every
                   layer [L, Hkv, num_blocks, block_size, D] with `layer`; plain, or
-                  QuantizedPages (dequantized to q.dtype a chunk at a time in the
-                  kernel, scores and sums in f32)
+                  EncodedPages (decoded to q.dtype a chunk at a time in the
+                  kernel; quantized pages' scales multiply the f32 scores and
+                  probabilities)
     block_tables: int32 [B, max_blocks]  physical block of each logical block
     context_lens: int32 [B]    cached tokens including this one; 0 for padding
                   rows, whose output is 0
@@ -392,7 +395,7 @@ def ragged_paged_attention(
 
     q:               [T, Hq, D]  (Hq a multiple of Hkv), dtype as in paged_decode_attention
     k/v_cache:       [Hkv, num_blocks, block_size, D], or [L, ...] of those with
-                     `layer`; plain or QuantizedPages, as paged_decode_attention
+                     `layer`; plain or EncodedPages, as paged_decode_attention
     block_tables:    int32 [B, max_blocks]
     context_lens:    int32 [B]
     query_start_loc: int32 [B + 1], non-decreasing, query_start_loc[-1] <= T

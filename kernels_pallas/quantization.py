@@ -1,10 +1,13 @@
-"""Quantized KV pages: 1-byte values with one float32 scale per (token, KV head).
+"""Encoded KV pages: 1-byte values with one float32 scale per (token, KV head), and
+2-byte floats stored as their bits.
 
-A quantized cache holds, for keys and for values alike, a `QuantizedPages`:
+An encoded cache holds, for keys and for values alike, an `EncodedPages`:
 
-    values: [..., Hkv, num_blocks, block_size, D]  int8, or the bits of float8_e4m3fn
-                                                   or float8_e5m2 as uint8
-    scales: [..., Hkv, num_blocks, block_size]     float32
+    values: [..., Hkv, num_blocks, block_size, D]  int8, or the bits of float8_e4m3fn,
+                                                   float8_e5m2 (uint8), bfloat16 or
+                                                   float16 (uint16)
+    scales: [..., Hkv, num_blocks, block_size]     float32, for the 1-byte (quantized)
+                                                   formats; None for 2-byte floats
     format: the values' dtype (static)
 
 The scales are laid out like the pages with head_dim dropped, so one block id names
@@ -12,11 +15,13 @@ a page of values and its page of scales: every op that indexes blocks (copy-on-w
 copies, swaps to and from the host, sharding by KV head) applies to both leaves
 alike with `jax.tree.map`, and the scales can never be left behind.
 
-fp8 values are stored as their bits because XLA's CPU backend cannot compute in
-fp8: it runs a scatter into an fp8 array (each step's write, each copy-on-write
-copy) by converting the whole array to float16 and back, a pass over the pool for
-every layer of every step. A uint8 scatter touches only the rows written. Readers
-view the bits as the format after loading them (`as_format`), a free bitcast.
+Floats narrower than 4 bytes are stored as their bits because XLA's CPU backend
+cannot compute in them: it runs a scatter into an fp8, bfloat16 or float16 array
+(each step's write, each copy-on-write copy), and even a gather from one, by
+converting the whole array to a wider float and back, a pass over the pool for
+every layer of every step. An unsigned-integer scatter or gather touches only the
+rows it moves. Readers view the bits as the format after loading them
+(`as_format`), a free bitcast.
 
 A token's scale is computed when it is written (symmetric absmax over head_dim):
 scale = max|x| / QMAX, values = x / scale rounded (int8) or cast (fp8) after clipping
@@ -42,12 +47,19 @@ QMAX = {
     jnp.dtype(jnp.float8_e5m2): float(jnp.finfo(jnp.float8_e5m2).max),  # 57,344
 }
 SCALE_DTYPE = jnp.float32
-# The dtype that holds each format's values in a cache.
+# The dtype that holds each encoded format's values in a cache.
 STORAGE_DTYPE = {
     jnp.dtype(jnp.int8): jnp.dtype(jnp.int8),
     jnp.dtype(jnp.float8_e4m3fn): jnp.dtype(jnp.uint8),
     jnp.dtype(jnp.float8_e5m2): jnp.dtype(jnp.uint8),
+    jnp.dtype(jnp.bfloat16): jnp.dtype(jnp.uint16),
+    jnp.dtype(jnp.float16): jnp.dtype(jnp.uint16),
 }
+
+
+def is_encoded(dtype) -> bool:
+    """Whether a cache of `dtype` is EncodedPages (quantized, or a 2-byte float)."""
+    return jnp.dtype(dtype) in STORAGE_DTYPE
 
 
 def is_quantized(dtype) -> bool:
@@ -57,16 +69,16 @@ def is_quantized(dtype) -> bool:
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
-class QuantizedPages:
-    """The pages of a quantized cache (module docstring): `values` stored as
-    STORAGE_DTYPE[format], and their `scales`.
+class EncodedPages:
+    """The pages of an encoded cache (module docstring): `values` stored as
+    STORAGE_DTYPE[format], and their `scales` (None unless the format is quantized).
 
     shape and ndim are the values', dtype is their format: what the ops check of a
     cache's layout.
     """
 
     values: jax.Array
-    scales: jax.Array
+    scales: jax.Array | None
     format: jnp.dtype = field(metadata={"static": True})
 
     def __post_init__(self):
@@ -86,17 +98,27 @@ class QuantizedPages:
         return self.format
 
 
-# A cache's keys or values: plain pages in a float dtype, or quantized ones.
-Pages = jax.Array | QuantizedPages
+# A cache's keys or values: plain pages in a float dtype, or encoded ones.
+Pages = jax.Array | EncodedPages
 
 
 def zeros(shape: tuple[int, ...], dtype) -> Pages:
-    """A zeroed cache of pages [..., block_size, D] in `dtype` (scales too, if quantized)."""
-    if not is_quantized(dtype):
+    """A zeroed cache of pages [..., block_size, D] in `dtype`: plain pages of a 4-byte
+    float, else EncodedPages (with scales if quantized)."""
+    if not is_encoded(dtype):
         return jnp.zeros(shape, dtype)
     dtype = jnp.dtype(dtype)
-    return QuantizedPages(jnp.zeros(shape, STORAGE_DTYPE[dtype]),
-                          jnp.zeros(shape[:-1], SCALE_DTYPE), dtype)
+    scales = jnp.zeros(shape[:-1], SCALE_DTYPE) if is_quantized(dtype) else None
+    return EncodedPages(jnp.zeros(shape, STORAGE_DTYPE[dtype]), scales, dtype)
+
+
+def encode(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array | None]:
+    """x [..., D] -> (values [..., D] stored as STORAGE_DTYPE[dtype], and scales f32
+    [...] if dtype is quantized, else None)."""
+    if is_quantized(dtype):
+        return quantize(x, dtype)
+    dtype = jnp.dtype(dtype)
+    return lax.bitcast_convert_type(x.astype(dtype), STORAGE_DTYPE[dtype]), None
 
 
 def quantize(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
@@ -119,15 +141,18 @@ def as_format(stored: jax.Array, format) -> jax.Array:
     return stored if stored.dtype == format else lax.bitcast_convert_type(stored, format)
 
 
-def dequantize(stored: jax.Array, scales: jax.Array, format, dtype=jnp.float32) -> jax.Array:
-    """stored values [..., D] of `format`, scales [...] -> values * scales [..., D] in
-    dtype (f32 math)."""
+def dequantize(stored: jax.Array, scales: jax.Array | None, format,
+               dtype=jnp.float32) -> jax.Array:
+    """stored values [..., D] of `format`, scales [...] (or None) -> values * scales
+    [..., D] in dtype (f32 math; without scales, the values themselves)."""
     values = as_format(stored, format).astype(jnp.float32)
-    return (values * scales[..., None]).astype(dtype)
+    if scales is not None:
+        values = values * scales[..., None]
+    return values.astype(dtype)
 
 
 def as_float(pages: Pages, dtype=jnp.float32) -> jax.Array:
-    """A whole cache as plain pages in dtype: quantized ones dequantized."""
-    if isinstance(pages, QuantizedPages):
+    """A whole cache as plain pages in dtype: encoded ones decoded."""
+    if isinstance(pages, EncodedPages):
         return dequantize(pages.values, pages.scales, pages.format, dtype)
     return pages.astype(dtype)

@@ -5,7 +5,7 @@ These are the oracles the Pallas kernels are tested against. KV cache layout:
     k_cache, v_cache: [num_kv_heads, num_blocks, block_size, head_dim]     (one layer)
                    or [num_layers, num_kv_heads, num_blocks, block_size, head_dim]
                       with an int32 scalar `layer` naming the layer to use;
-                      plain arrays or QuantizedPages (quantization.py), whose pages
+                      plain arrays or EncodedPages (quantization.py), whose pages
                       are dequantized to f32 as they are gathered
 
 Flat slot `s` is block `s // block_size`, offset `s % block_size`.
@@ -18,7 +18,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas.quantization import Pages, QuantizedPages, dequantize, quantize
+from kernels_pallas.quantization import EncodedPages, Pages, dequantize, encode
 
 DEFAULT_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 # Full f32 products on every backend (TPUs and GPUs would otherwise round f32 matmuls).
@@ -37,7 +37,7 @@ def write_kv_reference(
 
     k_cache, v_cache: [Hkv, num_blocks, block_size, D], or [L, Hkv, num_blocks,
                       block_size, D] with `layer` (int32 scalar) the layer written;
-                      plain or QuantizedPages (then each token is quantized with
+                      plain or EncodedPages (then each token is quantized with
                       its own scale per KV head)
     k, v:             [T, Hkv, D]
     slot_mapping:     int32 [T]
@@ -55,10 +55,11 @@ def write_kv_reference(
         return cache.at[layer, :, blocks, offsets].set(new, mode="drop")
 
     def scatter(cache: Pages, new) -> Pages:
-        if isinstance(cache, QuantizedPages):
-            values, scales = quantize(new, cache.dtype)
-            return QuantizedPages(scatter_array(cache.values, values),
-                                  scatter_array(cache.scales, scales), cache.format)
+        if isinstance(cache, EncodedPages):
+            values, scales = encode(new, cache.format)
+            if scales is not None:
+                scales = scatter_array(cache.scales, scales)
+            return EncodedPages(scatter_array(cache.values, values), scales, cache.format)
         return scatter_array(cache, new.astype(cache.dtype))
 
     return scatter(k_cache, k), scatter(v_cache, v)
@@ -78,7 +79,7 @@ def _gather_sequence(cache: Pages, layer: jax.Array, block_table: jax.Array) -> 
     (quantized pages dequantized to f32)."""
     # Index arrays apart from one another put the table axis first: [max_blocks, Hkv, bs, ...].
     pages = jax.tree.map(lambda x: x[layer, :, block_table].swapaxes(0, 1), cache)
-    if isinstance(pages, QuantizedPages):
+    if isinstance(pages, EncodedPages):
         pages = dequantize(pages.values, pages.scales, pages.format)
     return pages.reshape(cache.shape[1], -1, cache.shape[-1])
 

@@ -30,7 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kernels_pallas import online_softmax
-from kernels_pallas.quantization import QuantizedPages, as_format
+from kernels_pallas.quantization import EncodedPages, as_format
 from kernels_pallas.tiles import QueryTiles
 
 MIN_ROWS = 8
@@ -61,6 +61,7 @@ def _kernel(
     scale: float,
     soft_cap: float | None,
     value_format: jnp.dtype | None,
+    scaled: bool,
 ):
     """One grid step: query tile x KV head x key split.
 
@@ -71,16 +72,16 @@ def _kernel(
       window_ref:        int32 [1]  its sliding window (online_softmax.NO_WINDOW: none)
     q_ref:               [rows, D]  (VMEM) this tile's query rows for this KV head
     k_hbm_ref, v_hbm_ref: [L, Hkv, num_blocks, block_size, D]  (HBM) whole caches
-    value_format: the format of quantized caches' values (stored as its bits), None
+    value_format: the format of encoded caches' values (stored as its bits), None
       for plain caches
-    refs: if quantized, first their scales f32 [L, Hkv, num_blocks, block_size] (HBM);
+    scaled: whether the caches are quantized (have scales)
+    refs: if scaled, first their scales f32 [L, Hkv, num_blocks, block_size] (HBM);
       then the outputs as in the Triton kernel, then the scratch
       k_buf, v_buf: [2, pages_per_chunk, block_size, D]  (VMEM) two chunk buffers
-      if quantized, k_scale_buf, v_scale_buf: [2, pages_per_chunk, block_size] (VMEM)
+      if scaled, k_scale_buf, v_scale_buf: [2, pages_per_chunk, block_size] (VMEM)
       sems:         DMA semaphores [2 or 4 (keys, values, their scales), 2 (buffer)].
     """
-    quantized = value_format is not None
-    if quantized:
+    if scaled:
         (k_scales_hbm, v_scales_hbm, *out_refs, k_buf, v_buf, k_scale_buf, v_scale_buf,
          sems) = refs
         sources = (k_hbm_ref, v_hbm_ref, k_scales_hbm, v_scales_hbm)
@@ -140,8 +141,9 @@ def _kernel(
         k = k_buf[slot].reshape(chunk, head_dim)
         v = v_buf[slot].reshape(chunk, head_dim)
         k_scales = v_scales = None
-        if quantized:
+        if value_format is not None:
             k, v = as_format(k, value_format), as_format(v, value_format)
+        if scaled:
             k_scales, v_scales = (buffer[slot].reshape(1, chunk)
                                   for buffer in (k_scale_buf, v_scale_buf))
         return online_softmax.attend_chunk(
@@ -178,7 +180,7 @@ def tile_attention(
 
     q_tiles:      [NT, Hkv, rows, D]  (layout: tiles.py)
     k/v_cache:    [L, Hkv, num_blocks, block_size, D], block_size a multiple of
-                  sublane_count(dtype) (32 for 1-byte pages); plain or QuantizedPages
+                  sublane_count(dtype) (32 for 1-byte pages); plain or EncodedPages
     layer:        int32 scalar, the layer read
     window:       int32 scalar, its sliding window (online_softmax.NO_WINDOW: none)
     block_tables: int32 [B, max_blocks], max_blocks a multiple of pages_per_chunk
@@ -188,7 +190,8 @@ def tile_attention(
     num_tiles, num_kv_heads, rows, head_dim = q_tiles.shape
     block_size = k_cache.shape[3]
     pages_per_seq = block_tables.shape[1]
-    quantized = isinstance(k_cache, QuantizedPages)
+    encoded = isinstance(k_cache, EncodedPages)
+    scaled = encoded and k_cache.scales is not None
     kernel = functools.partial(
         _kernel,
         group=group,
@@ -198,16 +201,17 @@ def tile_attention(
         num_splits=num_splits,
         scale=scale,
         soft_cap=soft_cap,
-        value_format=k_cache.format if quantized else None,
+        value_format=k_cache.format if encoded else None,
+        scaled=scaled,
     )
     q_spec = online_softmax.tile_spec(rows, head_dim)
     out_shape, out_specs = online_softmax.kernel_outputs(q_tiles, num_splits)
-    stored_dtype = k_cache.values.dtype if quantized else k_cache.dtype
-    page_buffer = pltpu.VMEM((2, pages_per_chunk, block_size, head_dim), stored_dtype)
-    caches, buffers = [k_cache, v_cache], [page_buffer, page_buffer]
-    if quantized:
+    caches = [k_cache.values, v_cache.values] if encoded else [k_cache, v_cache]
+    page_buffer = pltpu.VMEM((2, pages_per_chunk, block_size, head_dim), caches[0].dtype)
+    buffers = [page_buffer, page_buffer]
+    if scaled:
         scale_buffer = pltpu.VMEM((2, pages_per_chunk, block_size), k_cache.scales.dtype)
-        caches = [k_cache.values, v_cache.values, k_cache.scales, v_cache.scales]
+        caches += [k_cache.scales, v_cache.scales]
         buffers += [scale_buffer, scale_buffer]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=6,

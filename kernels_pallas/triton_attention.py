@@ -34,7 +34,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from kernels_pallas import online_softmax
-from kernels_pallas.quantization import QuantizedPages, as_format
+from kernels_pallas.quantization import EncodedPages, as_format
 from kernels_pallas.tiles import QueryTiles
 
 MIN_ROWS = 16
@@ -69,6 +69,7 @@ def _kernel(
     scale: float,
     soft_cap: float | None,
     value_format: jnp.dtype | None,
+    scaled: bool,
 ):
     """One program: query tile x KV head x key split.
 
@@ -78,14 +79,14 @@ def _kernel(
     window_ref:             int32 [1]  its sliding window (online_softmax.NO_WINDOW: none)
     q_ref:                  [rows, D]  this tile's query rows for this KV head
     k_cache_ref, v_cache_ref: [L, Hkv, num_blocks, block_size, D]  whole caches
-    value_format: the format of quantized caches' values (stored as its bits), None
+    value_format: the format of encoded caches' values (stored as its bits), None
           for plain caches
-    refs: if quantized, first the scales of both, f32 [L, Hkv, num_blocks, block_size];
+    scaled: whether the caches are quantized (have scales)
+    refs: if scaled, first the scales of both, f32 [L, Hkv, num_blocks, block_size];
           then the [rows, D] output, or with key splits this split's
           (row_max, row_sum, acc) f32 [rows, 1], [rows, 1], [rows, D].
     """
-    quantized = value_format is not None
-    scale_refs, out_refs = (refs[:2], refs[2:]) if quantized else ((None, None), refs)
+    scale_refs, out_refs = (refs[:2], refs[2:]) if scaled else ((None, None), refs)
     tile, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     seq = seq_ref[tile]
     first_pos = first_pos_ref[tile]
@@ -105,10 +106,11 @@ def _kernel(
         """The chunk's keys or values [chunk, D] and their scales as score columns
         [1, chunk] (None if not quantized)."""
         pages = ref[layer, head, page_ids].reshape(chunk, head_dim)
+        if value_format is not None:
+            pages = as_format(pages, value_format)
         if scales_ref is None:
             return pages, None
-        return (as_format(pages, value_format),
-                scales_ref[layer, head, page_ids].reshape(1, chunk))
+        return pages, scales_ref[layer, head, page_ids].reshape(1, chunk)
 
     def visit_chunk(c, state):
         page_ids = block_tables_ref[seq, pl.ds(c * pages_per_chunk, pages_per_chunk)]
@@ -148,7 +150,7 @@ def tile_attention(
     """Attention of every query tile through its sequence's block table.
 
     q_tiles:      [NT, Hkv, rows, D]  (layout: tiles.py)
-    k/v_cache:    [L, Hkv, num_blocks, block_size, D], plain or QuantizedPages
+    k/v_cache:    [L, Hkv, num_blocks, block_size, D], plain or EncodedPages
     layer:        int32 scalar, the layer read
     window:       int32 scalar, its sliding window (online_softmax.NO_WINDOW: none)
     block_tables: int32 [B, max_blocks], max_blocks a multiple of pages_per_chunk
@@ -162,7 +164,8 @@ def tile_attention(
     num_tiles, num_kv_heads, rows, head_dim = q_tiles.shape
     chunk_bytes = pages_per_chunk * k_cache.shape[3] * head_dim * k_cache.dtype.itemsize
     num_stages = 2 if chunk_bytes <= PIPELINED_CHUNK_BYTES else 1
-    quantized = isinstance(k_cache, QuantizedPages)
+    encoded = isinstance(k_cache, EncodedPages)
+    scaled = encoded and k_cache.scales is not None
     kernel = functools.partial(
         _kernel,
         group=group,
@@ -171,11 +174,12 @@ def tile_attention(
         num_splits=num_splits,
         scale=scale,
         soft_cap=soft_cap,
-        value_format=k_cache.format if quantized else None,
+        value_format=k_cache.format if encoded else None,
+        scaled=scaled,
     )
-    caches = [k_cache, v_cache]
-    if quantized:
-        caches = [k_cache.values, v_cache.values, k_cache.scales, v_cache.scales]
+    caches = [k_cache.values, v_cache.values] if encoded else [k_cache, v_cache]
+    if scaled:
+        caches += [k_cache.scales, v_cache.scales]
     whole = pl.BlockSpec()
     q_spec = online_softmax.tile_spec(rows, head_dim)
     out_shape, out_specs = online_softmax.kernel_outputs(q_tiles, num_splits)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas.quantization import STORAGE_DTYPE, QuantizedPages
+from kernels_pallas.quantization import STORAGE_DTYPE, EncodedPages, is_quantized
 from kernels_pallas.reference import write_kv_reference
 
 
@@ -41,7 +41,7 @@ def write_kv(
 
     k_cache, v_cache: [Hkv, num_blocks, block_size, D], or the stacked cache of
                       every layer [L, Hkv, num_blocks, block_size, D]; plain, or
-                      QuantizedPages whose scales are laid out alike without D
+                      EncodedPages whose scales are laid out alike without D
     k, v:             [T, Hkv, D], cast to the cache dtype (quantized: scaled per
                       token and KV head, the scale stored beside the values)
     slot_mapping:     int32 [T], flat slot block * block_size + offset; padding
@@ -80,17 +80,19 @@ def check_cache_shapes(k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array 
         raise ValueError(
             f"k_cache and v_cache must both be {layout}, got {k_cache.shape} and {v_cache.shape}"
         )
-    quantized = [isinstance(cache, QuantizedPages) for cache in (k_cache, v_cache)]
-    if quantized[0] != quantized[1] or k_cache.dtype != v_cache.dtype:
+    encoded = [isinstance(cache, EncodedPages) for cache in (k_cache, v_cache)]
+    if encoded[0] != encoded[1] or k_cache.dtype != v_cache.dtype:
         raise TypeError(f"k_cache and v_cache must be of one kind and dtype, got "
                         f"{type(k_cache).__name__} {k_cache.dtype} and "
                         f"{type(v_cache).__name__} {v_cache.dtype}")
     for cache in (k_cache, v_cache):
-        if not isinstance(cache, QuantizedPages):
+        if not isinstance(cache, EncodedPages):
             continue
-        if cache.scales.shape != cache.shape[:-1]:
-            raise ValueError(f"quantized pages {cache.shape} need scales {cache.shape[:-1]}, "
-                             f"got {cache.scales.shape}")
+        scales = None if cache.scales is None else cache.scales.shape
+        if scales != (cache.shape[:-1] if is_quantized(cache.format) else None):
+            raise ValueError(f"{cache.format} pages {cache.shape} need scales "
+                             f"{cache.shape[:-1] if is_quantized(cache.format) else None}, "
+                             f"got {scales}")
         if cache.values.dtype != STORAGE_DTYPE.get(cache.format):
             raise TypeError(f"{cache.format} pages are stored as "
                             f"{STORAGE_DTYPE.get(cache.format)}, got {cache.values.dtype}")

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from kernels_pallas import online_softmax
-from kernels_pallas.quantization import QuantizedPages, as_format
+from kernels_pallas.quantization import EncodedPages, as_format
 from kernels_pallas.tiles import QueryTiles
 
 # Tiles per loop step. On CPU, decode and mixed steps ran fastest with 2:
@@ -54,7 +54,7 @@ def tile_attention(
     """Attention of every query tile through its sequence's block table.
 
     q_tiles:      [NT, Hkv, rows, D]  (layout: tiles.py)
-    k/v_cache:    [L, Hkv, num_blocks, block_size, D], plain or QuantizedPages
+    k/v_cache:    [L, Hkv, num_blocks, block_size, D], plain or EncodedPages
     layer:        int32 scalar, the layer read
     window:       int32 scalar, its sliding window (online_softmax.NO_WINDOW: none)
     block_tables: int32 [B, max_blocks], max_blocks a multiple of pages_per_chunk
@@ -116,8 +116,9 @@ def tile_attention(
     def gather_chunk(rows_, row_ids):
         """The chunk's keys or values [size, Hkv, chunk, D] and, if quantized, their
         scales as score columns [size, Hkv, 1, chunk] (else None)."""
-        if isinstance(rows_, QuantizedPages):
-            scales = rows_.scales[row_ids].reshape(size, num_kv_heads, 1, chunk)
+        if isinstance(rows_, EncodedPages):
+            scales = (None if rows_.scales is None
+                      else rows_.scales[row_ids].reshape(size, num_kv_heads, 1, chunk))
             values = as_format(rows_.values[row_ids], rows_.format)
             return values.reshape(size, num_kv_heads, chunk, -1), scales
         return rows_[row_ids].reshape(size, num_kv_heads, chunk, -1), None

@@ -35,7 +35,7 @@ from kernels_pallas.online_softmax import NO_WINDOW
 from kernels_pallas.reference import ragged_paged_attention_reference, write_kv_reference
 
 # (k_cache, v_cache), each [layers_per_block, num_kv_heads, num_blocks, block_size,
-# head_dim]: one array per kind (or QuantizedPages, values and scales), indexed by a
+# head_dim]: one array per kind (or EncodedPages, values and scales), indexed by a
 # layer's buffer inside the step (its layer index, or its slot in its KV cache group).
 KVCache = tuple[quantization.Pages, quantization.Pages]
 AttentionFn = Callable[..., jax.Array]
@@ -394,8 +394,8 @@ def init_kv_cache(
 ) -> KVCache:
     """A zeroed paged cache (k_cache, v_cache), each
     [layers_per_block, num_kv_heads, num_blocks, block_size, head_dim] in `dtype`
-    (layers_per_block of the KV cache groups; None: every layer's); a quantized dtype
-    gives QuantizedPages with zeroed scales."""
+    (layers_per_block of the KV cache groups; None: every layer's); a quantized or
+    2-byte float dtype gives EncodedPages (quantization.zeros)."""
     buffers = layers_per_block or config.num_layers
     shape = (buffers, config.num_kv_heads, num_blocks, block_size, config.head_dim)
     return quantization.zeros(shape, dtype), quantization.zeros(shape, dtype)

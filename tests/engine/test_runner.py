@@ -11,7 +11,7 @@ import pytest
 from jpaged.engine.runner import ModelRunner
 from jpaged.memory.allocator import BlockOps
 from jpaged.model.loader import load_model
-from kernels_pallas import QuantizedPages
+from kernels_pallas import EncodedPages
 
 NUM_BLOCKS, NUM_HOST_BLOCKS, BLOCK_SIZE = 12, 6, 4
 
@@ -52,11 +52,11 @@ def test_cache_stacks_every_layer(runner):
     pages = (config.num_layers, config.num_kv_heads)
     for cache, num_blocks in ((runner.kv_cache, NUM_BLOCKS), (runner.host_kv, NUM_HOST_BLOCKS)):
         for kind in cache:
-            values = kind.values if isinstance(kind, QuantizedPages) else kind
+            values = kind.values if isinstance(kind, EncodedPages) else kind
             chex.assert_shape(values, (*pages, num_blocks, BLOCK_SIZE, config.head_dim))
-            if isinstance(kind, QuantizedPages):
+            if isinstance(kind, EncodedPages):
                 chex.assert_shape(kind.scales, (*pages, num_blocks, BLOCK_SIZE))
-        assert isinstance(cache[0], QuantizedPages) == (runner.kv_cache[0].dtype == jnp.int8)
+        assert isinstance(cache[0], EncodedPages) == (runner.kv_cache[0].dtype == jnp.int8)
 
 
 def test_swap_out_swap_in_and_copies_move_whole_blocks(runner):

@@ -249,24 +249,33 @@ def test_ragged_matches_reference(
     assert_close(out, expected, dtype)
     assert not np.asarray(out[-batch.padding_tokens :].astype(F32)).any()
 
+def as_bits(pages: jax.Array) -> kp.EncodedPages:
+    """Plain 2-byte float pages as the engine stores them: their bits."""
+    return kp.EncodedPages(jax.lax.bitcast_convert_type(pages, jnp.uint16), None, pages.dtype)
+
+
+@pytest.mark.parametrize("stored", [lambda pages: pages, as_bits], ids=["plain", "bits"])
 @pytest.mark.parametrize("implementation", ["reference", "xla", "triton", "tpu"])
-def test_bfloat16_pages_read_into_float32_queries(implementation):
-    """A bfloat16 cache under a float32 model: every backend computes in float32 on the
-    pages' values, the float32 reference on the same pool widened (NaN-poisoned free
-    slots included)."""
+@pytest.mark.parametrize("q_dtype", [F32, BF16])
+def test_bfloat16_pages_plain_or_as_bits(implementation, stored, q_dtype):
+    """A bfloat16 cache, as an array or stored as its bits, under bfloat16 or float32
+    queries: every backend against the float32 reference on the same pool widened
+    (NaN-poisoned free slots included)."""
     rng = np.random.default_rng(12)
     batch = mixed_batch(16)
     pool = make_pool(rng, batch.context_lens, num_kv_heads=2, head_dim=64, block_size=16,
                      dtype=BF16)
-    q = jnp.asarray(rng.standard_normal((batch.num_tokens, 6, 64)), F32)
+    q = jnp.asarray(rng.standard_normal((batch.num_tokens, 6, 64)), q_dtype)
     query_start_loc = jnp.asarray(batch.query_start_loc, jnp.int32)
     expected = kp.ragged_paged_attention_reference(
-        q, f32(pool.k), f32(pool.v), pool.block_tables, pool.context_lens, query_start_loc)
+        f32(q), f32(pool.k), f32(pool.v), pool.block_tables, pool.context_lens,
+        query_start_loc)
     out = kp.ragged_paged_attention(
-        q, pool.k_nan, pool.v_nan, pool.block_tables, pool.context_lens, query_start_loc,
-        implementation=implementation, interpret=kernel_interpret(implementation))
-    assert out.dtype == F32
-    assert_close(out, expected, F32)
+        q, stored(pool.k_nan), stored(pool.v_nan), pool.block_tables, pool.context_lens,
+        query_start_loc, implementation=implementation,
+        interpret=kernel_interpret(implementation))
+    assert out.dtype == q_dtype
+    assert_close(out, expected, q_dtype)
 
 @pytest.mark.parametrize("implementation", ["triton", "tpu", "xla"])
 @pytest.mark.parametrize("op", ["decode", "ragged"])
@@ -489,7 +498,7 @@ def _decode_args(dtype=F32, block_size=8, num_q_heads=4):
 @pytest.mark.parametrize(
     "change,error,match",
     [
-        (dict(q_dtype=BF16), TypeError, "at least as wide as plain caches"),
+        (dict(q_dtype=BF16), TypeError, "at least as wide as unquantized caches"),
         (dict(num_q_heads=3), ValueError, "multiple of num_kv_heads"),
         (dict(implementation="cuda"), ValueError, "implementation must be one of"),
         (dict(implementation="tpu", block_size=4), ValueError, "multiple of 8 for float32"),

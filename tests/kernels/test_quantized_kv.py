@@ -17,9 +17,10 @@ from jax import lax
 import kernels_pallas as kp
 from kernels_pallas.quantization import (
     STORAGE_DTYPE,
-    QuantizedPages,
+    EncodedPages,
     as_float,
     as_format,
+    is_quantized,
     quantize,
     zeros,
 )
@@ -78,7 +79,7 @@ def attention_error_bound(q, k, v, lengths, dtype, scale) -> np.ndarray:
 
 
 def quantized_pool(pool, dtype, poison: bool):
-    """The pool's K and V as QuantizedPages; poison: every slot no sequence owns gets a
+    """The pool's K and V as EncodedPages; poison: every slot no sequence owns gets a
     NaN scale (and NaN values in the fp8 formats, which have a NaN)."""
     pages = []
     for clean, poisoned in ((pool.k, pool.k_nan), (pool.v, pool.v_nan)):
@@ -89,7 +90,7 @@ def quantized_pool(pool, dtype, poison: bool):
             if jnp.issubdtype(dtype, jnp.floating):
                 nan_bits = lax.bitcast_convert_type(jnp.asarray(jnp.nan, dtype), values.dtype)
                 values = jnp.where(unowned, nan_bits, values)
-        pages.append(QuantizedPages(values, scales, jnp.dtype(dtype)))
+        pages.append(EncodedPages(values, scales, jnp.dtype(dtype)))
     return pages
 
 
@@ -131,18 +132,30 @@ def test_write_kv_quantizes_each_token_as_numpy_does():
         assert new_k.scales.dtype == F32
 
 
-@pytest.mark.parametrize("dtype", QUANTIZED)
-def test_write_kv_into_a_donated_cache_needs_no_pool_sized_buffer(dtype):
-    """A step's write touches the rows written: XLA's CPU backend would compute a scatter
-    into an fp8-typed array in float16, converting the whole pool there and back."""
+@pytest.mark.parametrize("dtype", [*QUANTIZED, jnp.bfloat16, jnp.float16])
+def test_a_step_moves_only_the_rows_it_writes_and_reads(dtype):
+    """Writes into a donated cache and reads through a block table touch their rows
+    alone: XLA's CPU backend would compute a scatter into, or a gather from, an fp8,
+    bfloat16 or float16 array in a wider float, converting the whole pool there and
+    back."""
     cache = zeros((4, 2, 256, 16, 64), dtype)
+    pool_bytes = cache.values.nbytes
 
     def write(k_cache, v_cache, new, slots):
         return kp.write_kv(k_cache, v_cache, new, new, slots, jnp.int32(1))
 
     compiled = jax.jit(write, donate_argnums=(0, 1)).lower(
         cache, cache, jnp.ones((8, 2, 64), F32), jnp.arange(8, dtype=jnp.int32)).compile()
-    assert compiled.memory_analysis().temp_size_in_bytes < cache.values.nbytes // 64
+    assert compiled.memory_analysis().temp_size_in_bytes < pool_bytes // 64
+
+    def read(k_cache, v_cache, q, block_tables, context_lens):
+        return kp.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens,
+                                         layer=jnp.int32(1), implementation="xla")
+
+    compiled = jax.jit(read).lower(cache, cache, jnp.ones((4, 4, 64), F32),
+                                   jnp.ones((4, 8), jnp.int32),
+                                   jnp.full((4,), 100, jnp.int32)).compile()
+    assert compiled.memory_analysis().temp_size_in_bytes < pool_bytes // 8
 
 
 # (implementation, dtype, block size, gqa ratio, head_dim)
@@ -253,23 +266,28 @@ def test_tpu_kernel_copies_scales_without_races_or_out_of_bounds_dma():
 @pytest.mark.parametrize("platform,implementation,marker,dtype", [
     ("cuda", "triton", "paged_attention_triton", jnp.int8),
     ("cuda", "triton", "paged_attention_triton", jnp.float8_e4m3fn),
+    ("cuda", "triton", "paged_attention_triton", jnp.bfloat16),
     ("tpu", "tpu", "paged_attention_tpu", jnp.int8),
-    ("tpu", "tpu", "paged_attention_tpu", jnp.float8_e5m2)])
-def test_quantized_kernels_lower(platform, implementation, marker, dtype):
-    """Both ops over a stacked quantized cache with a traced layer, as the model runs them."""
+    ("tpu", "tpu", "paged_attention_tpu", jnp.float8_e5m2),
+    ("tpu", "tpu", "paged_attention_tpu", jnp.bfloat16)])
+def test_encoded_kernels_lower(platform, implementation, marker, dtype):
+    """Both ops over a stacked encoded cache (quantized, or bfloat16 bits) with a traced
+    layer, as the model runs them."""
     pages, scales = ((3, 2, 64, 32, 128), STORAGE_DTYPE[jnp.dtype(dtype)]), ((3, 2, 64, 32), F32)
     index_shapes = (((4, 9), jnp.int32), ((4,), jnp.int32))
 
+    def encoded(values, scales):
+        return EncodedPages(values, scales if is_quantized(dtype) else None, dtype)
+
     def decode(q, k, v, k_scales, v_scales, block_tables, context_lens, layer):
         return kp.paged_decode_attention(
-            q, QuantizedPages(k, k_scales, dtype), QuantizedPages(v, v_scales, dtype),
-            block_tables, context_lens, layer=layer, implementation=implementation)
+            q, encoded(k, k_scales), encoded(v, v_scales), block_tables, context_lens,
+            layer=layer, implementation=implementation)
 
     def ragged(q, k, v, k_scales, v_scales, block_tables, context_lens, query_start_loc, layer):
         return kp.ragged_paged_attention(
-            q, QuantizedPages(k, k_scales, dtype), QuantizedPages(v, v_scales, dtype),
-            block_tables, context_lens, query_start_loc, layer=layer,
-            implementation=implementation)
+            q, encoded(k, k_scales), encoded(v, v_scales), block_tables, context_lens,
+            query_start_loc, layer=layer, implementation=implementation)
 
     caches = (pages, pages, scales, scales)
     texts = (
@@ -299,12 +317,12 @@ def test_quantized_and_plain_caches_do_not_mix():
     with pytest.raises(TypeError, match="one kind"):
         kp.write_kv(k, v, jnp.zeros((1, 1, 16)), jnp.zeros((1, 1, 16)),
                     jnp.zeros(1, jnp.int32))
-    bad = kp.QuantizedPages(jnp.zeros((1, 4, 8, 16), jnp.int8), jnp.zeros((1, 4, 16), F32),
+    bad = kp.EncodedPages(jnp.zeros((1, 4, 8, 16), jnp.int8), jnp.zeros((1, 4, 16), F32),
                             jnp.dtype(jnp.int8))
     with pytest.raises(ValueError, match="need scales"):
         kp.write_kv(bad, bad, jnp.zeros((1, 1, 16)), jnp.zeros((1, 1, 16)),
                     jnp.zeros(1, jnp.int32))
-    unbitcast = kp.QuantizedPages(jnp.zeros((1, 4, 8, 16), jnp.float8_e4m3fn),
+    unbitcast = kp.EncodedPages(jnp.zeros((1, 4, 8, 16), jnp.float8_e4m3fn),
                                   jnp.zeros((1, 4, 8), F32), jnp.dtype(jnp.float8_e4m3fn))
     with pytest.raises(TypeError, match="stored as uint8"):
         kp.write_kv(unbitcast, unbitcast, jnp.zeros((1, 1, 16)), jnp.zeros((1, 1, 16)),

@@ -21,6 +21,7 @@ from jpaged.model.config import LlamaConfig
 from jpaged.model.llama import init_kv_cache
 from jpaged.model.loader import load_model
 from jpaged.model.rope import rope_inverse_frequencies
+from kernels_pallas.quantization import as_float
 from tests.plugins.hf_models import fed_logits
 from tests.plugins.paged_pool import model_step
 
@@ -234,5 +235,6 @@ def test_init_kv_caches_layout():
                          num_heads=4, num_kv_heads=2, head_dim=6)
     k_cache, v_cache = init_kv_cache(config, num_blocks=5, block_size=3, dtype=jnp.bfloat16)
     for cache in (k_cache, v_cache):
-        chex.assert_shape(cache, (3, 2, 5, 3, 6))
-        assert cache.dtype == jnp.bfloat16 and not np.asarray(cache, np.float32).any()
+        chex.assert_shape(cache.values, (3, 2, 5, 3, 6))
+        assert cache.dtype == jnp.bfloat16 and cache.scales is None
+        assert not np.asarray(as_float(cache)).any()

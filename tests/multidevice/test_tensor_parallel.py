@@ -382,7 +382,7 @@ def test_an_int8_cache_and_its_scales_split_by_head_match_one_device(loaded_mode
     per_device = (config.num_layers, config.num_kv_heads // 2, ENGINE["num_blocks"],
                   ENGINE["block_size"])
     for pages in llm.engine.runner.kv_cache:
-        assert isinstance(pages, kernels_pallas.QuantizedPages)
+        assert isinstance(pages, kernels_pallas.EncodedPages)
         for leaf, width in ((pages.values, config.head_dim), (pages.scales, 4)):
             assert leaf.sharding.spec == P(None, "model") and len(leaf.sharding.device_set) == 2
             assert bytes_per_device(leaf) == np.prod(per_device) * width
