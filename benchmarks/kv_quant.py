@@ -25,7 +25,11 @@ Capacity and speed, on SmolLM2: at one --pool-mib KV pool, --num-requests
 ShareGPT-like requests (lengths scaled by --length-scale) all at once, per dtype: the
 most sequences running at once, output tokens/s over the steps that compiled nothing.
 max_num_seqs is the number of requests, and the defaults give more requests than
-int8's pool holds at once, so memory binds every dtype, not the request count. Then the decode step
+int8's pool holds at once, so memory binds every dtype, not the request count; the
+step's token budget (--max-num-batched-tokens) admits a pool's worth of prompts in a
+few steps, so that the admission rate does not bind either (with the CPU default of
+256 tokens a step, early sequences grow while later ones are admitted, and the
+running peak stays far below what the pool holds). Then the decode step
 at equal batch: --decode-batch requests of --decode-context prompt tokens run
 on one engine per dtype, stepped in turn (alternating, so load changes hit all
 alike), timing the steps in which every sequence decodes: the dequantization's cost
@@ -214,7 +218,8 @@ def capacity(args, loaded) -> dict:
     for kv_cache_dtype in CAPACITY_DTYPES:
         progress(f"capacity: {kv_cache_dtype} cache...")
         llm = engine("smollm2", loaded, kv_cache_dtype, kv_cache_memory=args.pool_mib * 2**20,
-                     max_num_seqs=len(requests), max_model_len=max_len)
+                     max_num_seqs=len(requests), max_model_len=max_len,
+                     max_num_batched_tokens=args.max_num_batched_tokens)
         result["kv"][kv_cache_dtype] = serve(llm, requests)
         progress(f"  {json.dumps(result['kv'][kv_cache_dtype])}")
         del llm
@@ -273,6 +278,8 @@ def main() -> None:
     parser.add_argument("--pool-mib", type=int, default=64)
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--length-scale", type=float, default=0.25)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                        help="the capacity runs' token budget per step")
     parser.add_argument("--decode-batch", type=int, default=16)
     parser.add_argument("--decode-context", type=int, default=512)
     parser.add_argument("--decode-steps", type=int, default=48)
