@@ -19,7 +19,7 @@ Floats narrower than 4 bytes are stored as their bits because XLA's CPU backend
 cannot compute in them: it runs a scatter into an fp8, bfloat16 or float16 array
 (each step's write, each copy-on-write copy), and even a gather from one, by
 converting the whole array to a wider float and back, a pass over the pool for
-every layer of every step. An unsigned-integer scatter or gather touches only the
+every layer of every step. An integer scatter or gather touches only the
 rows it moves. Readers view the bits as the format after loading them
 (`as_format`), a free bitcast.
 
