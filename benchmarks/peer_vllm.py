@@ -180,11 +180,15 @@ def jpaged_process(args, loads: dict) -> dict:
 
 
 def vllm_process(args, loads: dict) -> dict:
+    from types import SimpleNamespace
+
     import vllm
+    from vllm.sampling_params import BeamSearchParams
 
     llm = vllm.LLM(model=str(args.model_dir), dtype="float32", max_model_len=MAX_MODEL_LEN,
                    kv_cache_memory_bytes=args.kv_cache_mib * 2**20, seed=0)
-    result = run_workloads(vllm, llm, loads, loads["timed"])
+    api = SimpleNamespace(SamplingParams=vllm.SamplingParams, BeamSearchParams=BeamSearchParams)
+    result = run_workloads(api, llm, loads, loads["timed"])
     scheduler = llm.llm_engine.vllm_config.scheduler_config
     cache = llm.llm_engine.vllm_config.cache_config
     result["settings"] = {
