@@ -6,7 +6,7 @@ These are the oracles the Pallas kernels are tested against. KV cache layout:
                    or [num_layers, num_kv_heads, num_blocks, block_size, head_dim]
                       with an int32 scalar `layer` naming the layer to use;
                       plain arrays or EncodedPages (quantization.py), whose pages
-                      are dequantized to f32 as they are gathered
+                      are decoded to f32 as they are gathered
 
 Flat slot `s` is block `s // block_size`, offset `s % block_size`.
 """
@@ -37,8 +37,8 @@ def write_kv_reference(
 
     k_cache, v_cache: [Hkv, num_blocks, block_size, D], or [L, Hkv, num_blocks,
                       block_size, D] with `layer` (int32 scalar) the layer written;
-                      plain or EncodedPages (then each token is quantized with
-                      its own scale per KV head)
+                      plain or EncodedPages (a quantized format scales each
+                      token per KV head; a 2-byte float stores its bits)
     k, v:             [T, Hkv, D]
     slot_mapping:     int32 [T]
     returns the updated (k_cache, v_cache).
@@ -76,7 +76,7 @@ def as_layered(k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array | None):
 
 def _gather_sequence(cache: Pages, layer: jax.Array, block_table: jax.Array) -> jax.Array:
     """cache [L, Hkv, N, bs, D], block_table [max_blocks] -> [Hkv, max_blocks * bs, D]
-    (quantized pages dequantized to f32)."""
+    (encoded pages decoded to f32)."""
     # Index arrays apart from one another put the table axis first: [max_blocks, Hkv, bs, ...].
     pages = jax.tree.map(lambda x: x[layer, :, block_table].swapaxes(0, 1), cache)
     if isinstance(pages, EncodedPages):

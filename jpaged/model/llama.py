@@ -35,8 +35,9 @@ from kernels_pallas.online_softmax import NO_WINDOW
 from kernels_pallas.reference import ragged_paged_attention_reference, write_kv_reference
 
 # (k_cache, v_cache), each [layers_per_block, num_kv_heads, num_blocks, block_size,
-# head_dim]: one array per kind (or EncodedPages, values and scales), indexed by a
-# layer's buffer inside the step (its layer index, or its slot in its KV cache group).
+# head_dim]: one array per kind (or EncodedPages: stored values, scales if quantized),
+# indexed by a layer's buffer inside the step (its layer index, or its slot in its KV
+# cache group).
 KVCache = tuple[quantization.Pages, quantization.Pages]
 AttentionFn = Callable[..., jax.Array]
 WriteKVFn = Callable[..., KVCache]
@@ -98,8 +99,8 @@ def dot(x: jax.Array, w: jax.Array, dtype: jnp.dtype | None = None) -> jax.Array
 
     Asking for the float32 result is what sends bfloat16 products to a CPU's
     bfloat16 dot-product instructions (AVX512-BF16): XLA's bfloat16-out product there
-    runs below the float32 rate, the float32-out one about twice above it. For float32
-    inputs it is the plain product."""
+    runs below the float32 rate, the float32-out one above it once a step has tens of
+    rows (`python -m benchmarks.matmul`). For float32 inputs it is the plain product."""
     product = jax.lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())),
                                   preferred_element_type=jnp.float32)
     return product.astype(dtype or x.dtype)
@@ -173,9 +174,9 @@ class Attention(nnx.Module):
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         k_cache, v_cache = write_kv_fn(*kv_cache, k, v, metadata.slot_mapping, layer)
         # Attention runs in the wider of the model's and the cache's dtypes: a float32
-        # cache keeps a bfloat16 model's attention in float32, and a bfloat16 cache is
-        # read into a float32 model's tiles (XLA's bfloat16 products on a CPU are
-        # several times slower than float32 ones). Quantized pages take any float dtype.
+        # cache keeps a bfloat16 model's attention in float32, and a float32 model
+        # reads a bfloat16 cache into float32 tiles instead of rounding its queries.
+        # Quantized pages take any float dtype.
         query_dtype = (q.dtype if quantization.is_quantized(k_cache.dtype)
                        else jnp.promote_types(q.dtype, k_cache.dtype))
         out = attention_fn(
