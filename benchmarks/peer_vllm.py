@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -238,7 +237,6 @@ PROCESSES = {"jpaged": jpaged_process, "vllm": vllm_process,
 def child(args) -> None:
     loads = json.loads(Path(args.workloads).read_text())
     result = PROCESSES[args.system](args, loads)
-    result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     result["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
     Path(args.out).write_text(json.dumps(result))
 
