@@ -195,7 +195,9 @@ def vllm_process(args, loads: dict) -> dict:
         "max_num_batched_tokens": scheduler.max_num_batched_tokens,
         "block_size": cache.block_size,
         "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
-        "LD_PRELOAD": os.environ.get("LD_PRELOAD"), "vllm": vllm.__version__}
+        "LD_PRELOAD": [Path(library).name
+                       for library in os.environ.get("LD_PRELOAD", "").split(":") if library],
+        "vllm": vllm.__version__}
     return result
 
 
@@ -288,7 +290,7 @@ def summarise(runs: dict[str, list[dict]], args) -> dict:
                      for name, value in medians[peer].items()}
               for peer in medians if peer != "jpaged"}
     summary = {"per_s_median": medians, "ratios_jpaged_over": ratios,
-               "settings": {system: rs[0]["settings"] for system, rs in runs.items()}}
+               "system_settings": {system: rs[0]["settings"] for system, rs in runs.items()}}
     if "vllm" in runs:
         ours, theirs = runs["jpaged"][0]["token_ids"], runs["vllm"][0]["token_ids"]
         n = args.agreement_requests
