@@ -379,7 +379,9 @@ def memory_study(args: argparse.Namespace) -> tuple[dict, dict]:
     cpu_seconds = sum(r["cpu_s"] for r in results)
     print(f"{len(runs)} simulations took {cpu_seconds:.0f} s CPU, {elapsed:.0f} s wall clock "
           f"with {args.jobs} jobs", flush=True)
-    return {"wall_s": elapsed, "simulation_cpu_s": cpu_seconds, "runs": results}, tables
+    # The KV dtype table's bytes per token and head, kept with the runs it describes.
+    return {"wall_s": elapsed, "simulation_cpu_s": cpu_seconds, "runs": results,
+            "kv_dtype_head_bytes": KV_DTYPE_HEAD_BYTES}, tables
 
 
 def main(argv: list[str] | None = None) -> None:
