@@ -7,18 +7,26 @@ import sys
 
 import pytest
 
+_STARTING_DIRECTORY: list[str | None] = []
+
+
+def pytest_sessionstart(session):
+    _STARTING_DIRECTORY.append(jax_compilation_cache_dir())
+
 
 @pytest.fixture(autouse=True)
 def restore_compilation_cache_dir():
-    """Undo a test's change of the process-wide persistent compilation cache: an engine
-    created with persistent_compilation_cache=True sets it, and it would then serve later
-    tests' compiles from disk (hiding recompilations they count).
+    """Undo a change of the process-wide persistent compilation cache: an engine created
+    with persistent_compilation_cache=True sets it, and it would then serve later tests'
+    compiles from disk (hiding recompilations they count).
 
+    The directory restored is the session's, not the one this test found: a module- or
+    session-scoped fixture that creates such an engine runs before this fixture does.
     JAX is not imported for this: a test that never loads it (the host-only tests)
     cannot change its cache, and one that loads it first finds the directory JAX
     starts with, its environment variable's."""
-    directory = jax_compilation_cache_dir()
     yield
+    directory = _STARTING_DIRECTORY[0]
     jax = sys.modules.get("jax")
     if jax is not None and jax.config.jax_compilation_cache_dir != directory:
         from jax.experimental.compilation_cache import compilation_cache
