@@ -46,7 +46,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import partial
+from functools import cache
 
 import chex
 import jax
@@ -318,12 +318,36 @@ def logprob_outputs(
     return target_lp, ranks, top_ids.astype(jnp.int32), top_logprobs
 
 
-@partial(jax.jit, static_argnames="num_top")
 def sample(logits: chex.Array, tensors: SamplingTensors, num_top: int) -> SamplerOutput:
-    """One token per row, and log-probabilities of the raw logits.
+    """One token per row, and log-probabilities of the raw logits; compiled, with the
+    options of the default backend (`backend_compiler_options`).
 
-    logits: [B, V] (any float dtype; computed in f32); num_top: static, <= V.
+    logits: [B, V] (any float dtype; computed in f32); num_top: static, <= V (0 when no
+    row asks for top log-probabilities: lax.top_k over the vocabulary is a third of a
+    greedy step's sampling on a CPU).
     """
+    return _compiled_sample()(logits, tensors, num_top)
+
+
+def backend_compiler_options() -> dict[str, str] | None:
+    """XLA options for the vocabulary-wide functions (sampling, log-probabilities) on
+    the default backend. XLA's CPU backend hands reductions and elementwise work to
+    YNNPACK by default, and over a [64, 49152] batch of logits that took a greedy
+    sampling step from about 6 ms to 16 ms (benchmarks/sampler.py): on a CPU these
+    functions compile with XLA's own loops. Read when first compiled, not at import, so
+    that importing jpaged does not pick the backend."""
+    if jax.default_backend() == "cpu":
+        return {"xla_cpu_experimental_ynn_fusion_type": ""}
+    return None
+
+
+@cache
+def _compiled_sample():
+    return jax.jit(_sample, static_argnames="num_top",
+                   compiler_options=backend_compiler_options())
+
+
+def _sample(logits: chex.Array, tensors: SamplingTensors, num_top: int) -> SamplerOutput:
     raw = logits.astype(jnp.float32)
     processed = process_logits(raw, tensors)
     tokens = _first_argmax(processed)
