@@ -28,9 +28,9 @@ def use_persistent_compilation_cache() -> None:
 def warmup(runner: ModelRunner, shapes: StepShapes, *, vocab_size: int, hidden_size: int,
            num_top: int) -> int:
     """Compile every step shape the limits allow, so serving never compiles: the model
-    steps, the logits and the sampler's eight variants (greedy or drawing, with or
-    without the dense inputs of penalties, logit bias and min_tokens, with or without
-    top log-probabilities) for every row count, and the prompt log-probabilities.
+    steps, the logits and the sampler's four variants (greedy or drawing, with or
+    without the dense inputs of penalties, logit bias and min_tokens) for every row
+    count, and the prompt log-probabilities.
 
     XLA compiles without holding the GIL, so the compiles run in one thread per
     core; each step shape then runs once, from the compiled cache, on the
@@ -74,8 +74,8 @@ def _sampling_calls(runner: ModelRunner, shapes: StepShapes, row_counts: list[in
     for padded in {shapes.sampler_rows(n) for n in range(1, row_counts[-1] + 1)}:
         logits = jnp.zeros((padded, vocab_size), jnp.float32)
         calls += [partial(runner.sample, logits, np.zeros(padded, np.int32),
-                          sampling_tensors([variant], padded, vocab_size), top)
-                  for variant in variants for top in (0, num_top)]
+                          sampling_tensors([variant], padded, vocab_size), num_top)
+                  for variant in variants]
     calls.append(partial(runner.token_logprobs, jnp.zeros((1, hidden_size), dtype),
                          np.zeros(1, np.int32), num_top))
     return calls

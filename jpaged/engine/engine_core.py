@@ -205,10 +205,7 @@ class EngineCore:
         sampling_rows = [self._sampling_row(group, plan.scheduled[row][0], index)
                          for group, row, index in draws]
         tensors = sampling_tensors(sampling_rows, num_rows, self.vocab_size)
-        wants_top = any(group.is_beam_search or group.params.logprobs
-                        for group, _, _ in draws)
-        return self.runner.sample(logits, row_array, tensors,
-                                  self.max_logprobs if wants_top else 0)
+        return self.runner.sample(logits, row_array, tensors, self.max_logprobs)
 
     @staticmethod
     def _sampling_row(group: SequenceGroup, seq: Sequence, sample_index: int) -> SamplingRow:

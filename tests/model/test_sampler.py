@@ -17,6 +17,7 @@ from jpaged.model.sampler import (
     CANDIDATES,
     SamplerOutput,
     SamplingRow,
+    chunked_top_k,
     filter_logits,
     logprob_outputs,
     nucleus_cutoffs,
@@ -351,6 +352,22 @@ def test_logprob_outputs_read_any_target():
         np.testing.assert_allclose(lp_got[i], lp[t], rtol=1e-5)
         assert ranks[i] == 1 + np.sum(lp > lp[t])
         np.testing.assert_array_equal(top_ids[i], np.argsort(-lp)[:2])
+
+
+@pytest.mark.parametrize("vocab", [1000, 3 * 128 + 5, 49152])
+@pytest.mark.parametrize("k", [1, 7, 20])
+def test_chunked_top_k_is_the_stable_sort_with_ties_and_minus_infinity(vocab, k):
+    """The k largest in numpy's stable order (ties: the lower index first), on rows of
+    a few distinct values with -inf among them, so that ties cross chunk boundaries."""
+    rng = np.random.default_rng(vocab + k)
+    x = rng.integers(-4, 4, (6, vocab)).astype(np.float32)
+    x[x < -2] = -np.inf
+    x[1] = -np.inf  # a row without a finite value
+    x[2] = rng.standard_normal(vocab)  # and one without ties
+    values, ids = jax.jit(chunked_top_k, static_argnums=1)(jnp.asarray(x), k)
+    expected = np.argsort(-x, axis=1, kind="stable")[:, :k]
+    np.testing.assert_array_equal(ids, expected)
+    np.testing.assert_array_equal(values, np.take_along_axis(x, expected, axis=1))
 
 
 def test_padding_rows_change_nothing():
