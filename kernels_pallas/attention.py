@@ -43,6 +43,14 @@ XLA_CHUNK_TOKENS = 64
 # (its page gathers and per-tile matmul calls), in query rows: measured on CPU,
 # a tile of r rows costs about as much as r + 16 rows of a large tile.
 XLA_TILE_COST_ROWS = 16
+# On CPU a sequence with at least XLA_LONG_QUERY new tokens in a step (a prefill
+# chunk) gets tiles of XLA_LONG_BLOCK_Q tokens that read XLA_LONG_CHUNK_TOKENS keys per
+# loop step, and the step's other sequences (decode rows, short chunks) the small tiles
+# their few tokens want: one tile size for both wastes rows on the decode rows or loop
+# steps on the prefill chunk, whose keys at long contexts outnumber its rows.
+XLA_LONG_QUERY = 128
+XLA_LONG_BLOCK_Q = 128
+XLA_LONG_CHUNK_TOKENS = 256
 # Kernel programs a decode step should have before key splitting stops paying:
 # a few per streaming multiprocessor of a large GPU.
 TRITON_TARGET_PROGRAMS = 512
@@ -401,7 +409,9 @@ def ragged_paged_attention(
     query_start_loc: int32 [B + 1], non-decreasing, query_start_loc[-1] <= T
     layer, sliding_window, scale, soft_cap, implementation, interpret: as
                      paged_decode_attention.
-    block_q:         tokens per query tile, a power of two (kernels only).
+    block_q:         tokens per query tile, a power of two (kernels only). The XLA
+                     loop, given neither block_q nor pages_per_chunk, tiles prefill
+                     chunks and the other sequences apart (XLA_LONG_QUERY).
     pages_per_chunk, num_kv_splits: as paged_decode_attention.
     returns          [T, Hq, D] in q.dtype; tokens owned by no sequence get 0.
     """
@@ -436,6 +446,9 @@ def ragged_paged_attention(
     num_tokens, num_q_heads, _ = q.shape
     _, num_kv_heads, _, block_size, head_dim = k_cache.shape
     group = num_q_heads // num_kv_heads
+    if implementation == "xla" and block_q is None and pages_per_chunk is None:
+        return _xla_ragged(q, k_cache, v_cache, layer, window, block_tables, context_lens,
+                           query_start_loc, scale=scale, soft_cap=soft_cap)
     block_q = block_q or _default_block_q(
         implementation, group, num_tokens, context_lens.shape[0]
     )
@@ -460,3 +473,35 @@ def ragged_paged_attention(
         num_splits=num_kv_splits,
         interpret=interpret,
     )
+
+
+def _xla_ragged(q, k_cache, v_cache, layer, window, block_tables, context_lens,
+                query_start_loc, *, scale, soft_cap) -> jax.Array:
+    """The XLA loop's ragged attention, prefill chunks (XLA_LONG_QUERY new tokens or
+    more) apart from the rest: two tilings of one token run, each token in one of them,
+    so the two outputs add up."""
+    num_tokens, num_q_heads, _ = q.shape
+    _, num_kv_heads, _, block_size, head_dim = k_cache.shape
+    group = num_q_heads // num_kv_heads
+    batch = context_lens.shape[0]
+    long = query_start_loc[1:] - query_start_loc[:-1] >= XLA_LONG_QUERY
+    # (sequences, tokens per tile, static tile count, keys per loop step)
+    parts = [(~long, _default_block_q("xla", group, num_tokens, batch), None,
+              XLA_CHUNK_TOKENS)]
+    if num_tokens >= XLA_LONG_QUERY:
+        long_block_q = min(XLA_LONG_BLOCK_Q, pl.next_power_of_2(num_tokens))
+        # At most num_tokens // XLA_LONG_QUERY sequences have that many new tokens.
+        num_tiles = num_tokens // long_block_q + num_tokens // XLA_LONG_QUERY
+        parts.append((long, long_block_q, num_tiles, XLA_LONG_CHUNK_TOKENS))
+    out = 0
+    for keep, block_q, num_tiles, chunk_tokens in parts:
+        pages_per_chunk = max(1, min(chunk_tokens // block_size, block_tables.shape[1]))
+        _check_kernel_shapes("xla", k_cache.dtype, block_size, head_dim, pages_per_chunk,
+                             block_q)
+        query_tiles = tiles.ragged_tiles(context_lens, query_start_loc, num_tokens, block_q,
+                                         keep, num_tiles)
+        out = out + _attend_tiles(
+            "xla", q, k_cache, v_cache, layer, window, block_tables, query_tiles,
+            block_q=block_q, scale=scale, soft_cap=soft_cap, pages_per_chunk=pages_per_chunk,
+            num_splits=1, interpret=False)
+    return out

@@ -69,18 +69,23 @@ def num_ragged_tiles(num_tokens: int, num_seqs: int, block_q: int) -> int:
 
 
 def ragged_tiles(
-    context_lens: jax.Array, query_start_loc: jax.Array, num_tokens: int, block_q: int
+    context_lens: jax.Array, query_start_loc: jax.Array, num_tokens: int, block_q: int,
+    keep: jax.Array | None = None, num_tiles: int | None = None,
 ) -> QueryTiles:
     """Cut each sequence's new tokens into tiles of block_q.
 
     context_lens:    int32 [B]
     query_start_loc: int32 [B + 1]
     num_tokens:      T, the (padded) length of the flat token run.
-    The tile count is static: num_ragged_tiles(T, B, block_q).
+    keep:            bool [B], the sequences to cut (None: all); the others get no tile.
+    num_tiles:       the static tile count, enough for the kept sequences (None:
+                     num_ragged_tiles(T, B, block_q), enough for any).
     """
     batch = context_lens.shape[0]
-    num_tiles = num_ragged_tiles(num_tokens, batch, block_q)
+    num_tiles = num_tiles or num_ragged_tiles(num_tokens, batch, block_q)
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    if keep is not None:
+        q_lens = jnp.where(keep, q_lens, 0)
     tiles_per_seq = (q_lens + block_q - 1) // block_q
     tiles_end = jnp.cumsum(tiles_per_seq)
     tile_ids = jnp.arange(num_tiles, dtype=jnp.int32)

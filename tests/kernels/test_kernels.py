@@ -437,6 +437,29 @@ def test_xla_work_list_matches_reference():
                                     implementation="xla", pages_per_chunk=1)
     assert_close(out, expected, F32)
 
+@pytest.mark.parametrize("window", [None, 50])
+def test_xla_long_chunks_beside_decode_rows_match_reference(window):
+    """The XLA loop's default tiling of a mixed step: prefill chunks of XLA_LONG_QUERY
+    tokens or more (one after a cached prefix, one fresh, one exactly at the limit) in
+    large tiles, decode rows and a short chunk in small ones, with padding sequences
+    and tokens, a sliding window and a soft cap."""
+    rng = np.random.default_rng(11)
+    long = kp.attention.XLA_LONG_QUERY
+    batch = RaggedBatch(((300, long + 2), (17, 1), (0, 0), (0, 200), (5, long - 1),
+                         (90, 1), (0, long), (0, 0)), padding_tokens=7)
+    pool = make_pool(rng, batch.context_lens, num_kv_heads=2, head_dim=32, block_size=16,
+                     dtype=F32)
+    q = jnp.asarray(rng.standard_normal((batch.num_tokens, 6, 32)), F32)
+    tables = (pool.block_tables, pool.context_lens,
+              jnp.asarray(batch.query_start_loc, jnp.int32))
+    knobs = dict(sliding_window=window, soft_cap=20.0)
+    expected = kp.ragged_paged_attention_reference(q, pool.k, pool.v, *tables, **knobs)
+    out = kp.ragged_paged_attention(q, pool.k_nan, pool.v_nan, *tables,
+                                    implementation="xla", **knobs)
+    assert_close(out, expected, F32)
+    assert not np.asarray(out[-batch.padding_tokens:]).any()
+
+
 def test_xla_tile_size_follows_the_mix():
     """On CPU, decode-heavy steps get small query tiles, prefill-heavy ones the largest."""
     # 64 sequences in 80 tokens: mostly decodes, a 64-row tile each would be wasted.
