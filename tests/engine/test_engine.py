@@ -131,8 +131,8 @@ def test_no_recompilation_after_warmup(loaded):
     rng = np.random.default_rng(1)
     vocab = llm.engine.model_config.vocab_size
     prompts = [rng.integers(0, vocab, rng.integers(1, 40)).tolist() for _ in range(100)]
-    # Greedy, drawing, penalised and biased rows, with and without top log-probabilities,
-    # alone and mixed: every sampler variant.
+    # Greedy, drawing, penalised and biased rows, alone and mixed: every sampler variant
+    # (a row asking for top log-probabilities among them).
     kinds = [dict(temperature=0.0), dict(temperature=0.8, top_p=0.9, seed=3, logprobs=2),
              dict(temperature=0.0, repetition_penalty=1.2),
              dict(temperature=1.0, presence_penalty=0.5),

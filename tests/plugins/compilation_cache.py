@@ -7,15 +7,16 @@ import sys
 
 import pytest
 
-_STARTING_DIRECTORY: list[str | None] = []
 
-
-def pytest_sessionstart(session):
-    _STARTING_DIRECTORY.append(jax_compilation_cache_dir())
+@pytest.fixture(scope="session", autouse=True)
+def starting_compilation_cache_dir() -> str | None:
+    """The directory the session starts with (a session fixture runs before any
+    module fixture)."""
+    return jax_compilation_cache_dir()
 
 
 @pytest.fixture(autouse=True)
-def restore_compilation_cache_dir():
+def restore_compilation_cache_dir(starting_compilation_cache_dir):
     """Undo a change of the process-wide persistent compilation cache: an engine created
     with persistent_compilation_cache=True sets it, and it would then serve later tests'
     compiles from disk (hiding recompilations they count).
@@ -26,7 +27,7 @@ def restore_compilation_cache_dir():
     cannot change its cache, and one that loads it first finds the directory JAX
     starts with, its environment variable's."""
     yield
-    directory = _STARTING_DIRECTORY[0]
+    directory = starting_compilation_cache_dir
     jax = sys.modules.get("jax")
     if jax is not None and jax.config.jax_compilation_cache_dir != directory:
         from jax.experimental.compilation_cache import compilation_cache
