@@ -18,7 +18,9 @@ def decoding(engine) -> bool:
 def serve(llm, requests) -> dict:
     """Run `requests` [(prompt ids, output length)], greedy and to their length, to the
     end. kv_bytes_per_seq: the pool bytes the tables hold per running sequence, the mean
-    over the steps in which every running sequence decodes."""
+    over the steps in which every running sequence decodes. running_mean_while_waiting:
+    the sequences running at once, the mean over the steps that left requests waiting
+    (with max_num_seqs above the request count, the steps the pool bound)."""
     from jpaged import SamplingParams
     from jpaged.engine.stats import num_compilations
 
@@ -28,7 +30,7 @@ def serve(llm, requests) -> dict:
                                                           ignore_eos=True))
     block_bytes = engine.kv_cache_info.block_bytes
     lengths: dict[str, int] = {}
-    running_peak, per_seq_bytes = 0, []
+    running_peak, per_seq_bytes, running_while_waiting = 0, [], []
     steady_s, steady_tokens, compile_steps = 0.0, 0, 0
     while engine.has_unfinished_requests():
         compiled, started = num_compilations(), time.perf_counter()
@@ -45,12 +47,16 @@ def serve(llm, requests) -> dict:
             compile_steps += 1
         running = engine.scheduler.num_running
         running_peak = max(running_peak, running)
+        if engine.scheduler.num_waiting:
+            running_while_waiting.append(running)
         if running and decoding(engine):
             per_seq_bytes.append(engine.block_manager.physical_blocks_used * block_bytes / running)
     assert sum(lengths.values()) == sum(o for _, o in requests), "a request lost tokens"
     return {
         "kv_bytes_per_seq": float(np.mean(per_seq_bytes)) if per_seq_bytes else None,
         "running_peak": running_peak,
+        "running_mean_while_waiting": (float(np.mean(running_while_waiting))
+                                       if running_while_waiting else None),
         "output_tokens_per_s": steady_tokens / steady_s if steady_s else None,
         "compile_steps": compile_steps,
         "preemptions": engine.scheduler.num_preemptions,

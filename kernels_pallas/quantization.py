@@ -23,6 +23,14 @@ every layer of every step. An integer scatter or gather touches only the
 rows it moves. Readers view the bits as the format after loading them
 (`as_format`), a free bitcast.
 
+An int8 cache holds keys and values in a rotated basis (`rotation`, applied by the
+model): int8's steps are uniform, so a token whose absmax one outlier channel sets
+(the keys of Llama- and Gemma-style models have such channels) loses its small
+channels to rounding; rotated by an orthonormal Hadamard matrix, every channel
+carries a share of the outlier and the absmax falls towards the token's norm over
+sqrt(head_dim). fp8's steps are relative to each value, so its small channels keep
+their precision unrotated.
+
 A token's scale is computed when it is written (symmetric absmax over head_dim):
 scale = max|x| / QMAX, values = x / scale rounded (int8) or cast (fp8) after clipping
 to +-QMAX. Reading dequantizes to values * scale. The error of one element is at
@@ -38,6 +46,7 @@ from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 # The largest magnitude each format stores: the absmax of a token maps onto it.
@@ -46,6 +55,8 @@ QMAX = {
     jnp.dtype(jnp.float8_e4m3fn): float(jnp.finfo(jnp.float8_e4m3fn).max),  # 448
     jnp.dtype(jnp.float8_e5m2): float(jnp.finfo(jnp.float8_e5m2).max),  # 57,344
 }
+# The formats whose caches hold K and V rotated (module docstring).
+ROTATED_FORMATS = frozenset({jnp.dtype(jnp.int8)})
 SCALE_DTYPE = jnp.float32
 # The dtype that holds each encoded format's values in a cache.
 STORAGE_DTYPE = {
@@ -65,6 +76,23 @@ def is_encoded(dtype) -> bool:
 def is_quantized(dtype) -> bool:
     """Whether a cache of `dtype` holds scaled 1-byte values."""
     return jnp.dtype(dtype) in QMAX
+
+
+def is_rotated(dtype) -> bool:
+    """Whether a cache of `dtype` holds its keys and values in `rotation`'s basis."""
+    return jnp.dtype(dtype) in ROTATED_FORMATS
+
+
+def rotation(head_dim: int) -> np.ndarray:
+    """R f32 [head_dim, head_dim], orthonormal: the normalized Walsh-Hadamard matrix of
+    the largest power of two dividing head_dim, repeated along the diagonal (96 -> three
+    blocks of 32). Rotating queries, keys and values by R changes no score,
+    (q R)(k R)^T = q k^T, and attention's output comes back as (p V R) R^T = p V."""
+    size = head_dim & -head_dim
+    block = np.ones((1, 1))
+    while len(block) < size:
+        block = np.block([[block, block], [block, -block]])
+    return np.kron(np.eye(head_dim // size), block / np.sqrt(size)).astype(np.float32)
 
 
 @jax.tree_util.register_dataclass

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax import lax
 
 from jpaged._deprecation import moved_names
 from jpaged.core.attention_metadata import AttentionMetadata
@@ -172,6 +173,9 @@ class Attention(nnx.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        rotated = quantization.is_rotated(kv_cache[0].dtype)
+        if rotated:
+            q, k, v = (rotate(x, self.head_dim) for x in (q, k, v))
         k_cache, v_cache = write_kv_fn(*kv_cache, k, v, metadata.slot_mapping, layer)
         # Attention runs in the wider of the model's and the cache's dtypes: a float32
         # cache keeps a bfloat16 model's attention in float32, and a float32 model
@@ -184,7 +188,18 @@ class Attention(nnx.Module):
             metadata.context_lens, metadata.query_start_loc, layer=layer,
             sliding_window=window, scale=self.scale, soft_cap=self.soft_cap,
         )
+        if rotated:
+            out = rotate(out, self.head_dim, back=True)
         return self.o_proj(out.reshape(num_tokens, -1).astype(x.dtype)), (k_cache, v_cache)
+
+
+def rotate(x: jax.Array, head_dim: int, back: bool = False) -> jax.Array:
+    """x [..., head_dim] times quantization.rotation(head_dim) (or its transpose, back),
+    in f32 at full precision (a TPU's default would round to bfloat16), in x's dtype."""
+    r = quantization.rotation(head_dim)
+    product = jnp.matmul(x.astype(jnp.float32), r.T if back else r,
+                         precision=lax.Precision.HIGHEST)
+    return product.astype(x.dtype)
 
 
 class MLP(nnx.Module):

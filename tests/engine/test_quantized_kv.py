@@ -24,6 +24,13 @@ from jpaged.entrypoints.llm import LLM
 from jpaged.model.loader import load_model
 from jpaged.sampling_params import SamplingParams
 from tests.engine.test_faults import fail_consuming_the_cache, serve
+from tests.plugins.hf_models import (
+    fed_logits,
+    oracle_torch,
+    oracle_transformers,
+    randomize,
+    tiny_tokenizer,
+)
 
 KV_DTYPES = ["int8", "fp8_e4m3"]
 BUCKETS = BucketSizes(min_num_tokens=8, min_num_seqs=4, min_blocks_per_seq=2)
@@ -205,3 +212,50 @@ def test_the_tpu_kernel_reads_int8_pages_in_its_default_blocks(loaded, prompts, 
     (output,) = llm.generate([{"prompt_token_ids": prompts[0]}],
                              SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     assert output.outputs[0].token_ids == unmoved["int8"][0].token_ids[:4]
+
+
+def wide_head_llama_dir(directory, outlier: float):
+    """A random Llama with SmolLM2's head_dim of 64, one channel of every key (and its
+    RoPE pair) `outlier` times larger than the rest, as in Llama's and Gemma's real keys."""
+    torch, transformers = oracle_torch(), oracle_transformers()
+    tokenizer = tiny_tokenizer()
+    config = transformers.LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    model = randomize(transformers.LlamaForCausalLM(config), seed=4)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.k_proj.weight[[3, 35]] *= outlier
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def int8_prompt_logprob_error(model_dir, prompts) -> float:
+    """The mean difference between an int8 cache's prompt log-probabilities and
+    transformers' (float32, no cache quantization) on the same weights."""
+    torch, transformers = oracle_torch(), oracle_transformers()
+    oracle = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    llm = _llm(load_model(model_dir), kv_cache_dtype="int8")
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    errors = []
+    for prompt, output in zip(prompts, outputs, strict=True):
+        expected = torch.log_softmax(torch.from_numpy(fed_logits(oracle, prompt, [len(prompt)])),
+                                     dim=-1).numpy()
+        entries = zip(prompt[1:], output.prompt_logprobs[1:], strict=True)
+        errors += [abs(entry[token].logprob - expected[position, token])
+                   for position, (token, entry) in enumerate(entries)]
+    return float(np.mean(errors))
+
+
+def test_an_outlier_key_channel_costs_int8_no_more_than_twice_its_error_without(
+        tmp_path, prompts):
+    """Uniform int8 steps set by one large channel would round the small ones away (the
+    unrotated cache's error grows about 4x with this outlier); in the rotated basis every channel
+    shares the outlier, so the error stays about what it is without one."""
+    without = int8_prompt_logprob_error(wide_head_llama_dir(tmp_path / "plain", 1.0), prompts)
+    with_outlier = int8_prompt_logprob_error(wide_head_llama_dir(tmp_path / "outlier", 20.0),
+                                             prompts)
+    assert 0.0 < with_outlier <= 2 * without

@@ -22,6 +22,7 @@ from kernels_pallas.quantization import (
     as_format,
     is_quantized,
     quantize,
+    rotation,
     zeros,
 )
 from tests.kernels.test_kernels import assert_close, decode_lengths, make_pool, mixed_batch
@@ -338,3 +339,16 @@ def test_fp8_values_clip_to_the_format():
         assert np.isfinite(np.asarray(values)).all()
         assert float(values[0, 0]) == float(jnp.finfo(dtype).max)
         np.testing.assert_allclose(np.asarray(scales), [1e30 / QMAX[dtype]], rtol=1e-6)
+
+
+@pytest.mark.parametrize("head_dim", [64, 96, 256])
+def test_the_rotation_is_orthonormal_and_spreads_a_channel_over_its_block(head_dim):
+    r = rotation(head_dim)
+    np.testing.assert_allclose(r @ r.T, np.eye(head_dim), atol=1e-6)
+    block = 32 if head_dim == 96 else head_dim
+    one_channel = np.zeros(head_dim, np.float32)
+    one_channel[5] = 1.0
+    rotated = one_channel @ r
+    # A one-hot channel becomes a flat row over its Hadamard block, zero elsewhere.
+    np.testing.assert_allclose(np.abs(rotated[:block]), 1 / np.sqrt(block), rtol=1e-6)
+    assert not rotated[block:].any()
