@@ -7,7 +7,8 @@ tolerance. Recompute preemption and a cache rebuilt after a failed step compute
 K/V again, in steps of other shapes, and a last-bit difference may move a value by
 one quantization step (twice the largest rounding error): their greedy tokens must
 equal the unpreempted engine's and their log-probabilities differ from them by at
-most twice what quantizing the cache moves them from a float32 cache's.
+most twice what quantizing the cache moves them from a float32 cache's. An int8 cache's
+rotated basis is measured against transformers on keys with an outlier channel.
 """
 
 from __future__ import annotations
@@ -253,8 +254,8 @@ def int8_prompt_logprob_error(model_dir, prompts) -> float:
 def test_an_outlier_key_channel_costs_int8_no_more_than_twice_its_error_without(
         tmp_path, prompts):
     """Uniform int8 steps set by one large channel would round the small ones away (the
-    unrotated cache's error grows about 4x with this outlier); in the rotated basis every channel
-    shares the outlier, so the error stays about what it is without one."""
+    unrotated cache's error grows about 4x with this outlier); in the rotated basis every
+    channel shares the outlier, so the error stays about what it is without one."""
     without = int8_prompt_logprob_error(wide_head_llama_dir(tmp_path / "plain", 1.0), prompts)
     with_outlier = int8_prompt_logprob_error(wide_head_llama_dir(tmp_path / "outlier", 20.0),
                                              prompts)
