@@ -51,6 +51,11 @@ XLA_TILE_COST_ROWS = 16
 XLA_LONG_QUERY = 128
 XLA_LONG_BLOCK_Q = 128
 XLA_LONG_CHUNK_TOKENS = 256
+# Only steps of at least XLA_LONG_STEP_TOKENS tokens (the CPU default budget's step)
+# get the second tiling: each step shape that has it compiles a second loop, and the
+# token buckets from 128 to 224 would add four of them to warm-up for chunks that long
+# prompts' prefills (whole 256-token steps) rarely make.
+XLA_LONG_STEP_TOKENS = 256
 # Kernel programs a decode step should have before key splitting stops paying:
 # a few per streaming multiprocessor of a large GPU.
 TRITON_TARGET_PROGRAMS = 512
@@ -478,17 +483,19 @@ def ragged_paged_attention(
 def _xla_ragged(q, k_cache, v_cache, layer, window, block_tables, context_lens,
                 query_start_loc, *, scale, soft_cap) -> jax.Array:
     """The XLA loop's ragged attention, prefill chunks (XLA_LONG_QUERY new tokens or
-    more) apart from the rest: two tilings of one token run, each token in one of them,
-    so the two outputs add up."""
+    more, in steps of XLA_LONG_STEP_TOKENS or more) apart from the rest: two tilings of
+    one token run, each token in one of them, so the two outputs add up."""
     num_tokens, num_q_heads, _ = q.shape
     _, num_kv_heads, _, block_size, head_dim = k_cache.shape
     group = num_q_heads // num_kv_heads
     batch = context_lens.shape[0]
     long = query_start_loc[1:] - query_start_loc[:-1] >= XLA_LONG_QUERY
+    if num_tokens < XLA_LONG_STEP_TOKENS:
+        long = jnp.zeros_like(long)
     # (sequences, tokens per tile, static tile count, keys per loop step)
     parts = [(~long, _default_block_q("xla", group, num_tokens, batch), None,
               XLA_CHUNK_TOKENS)]
-    if num_tokens >= XLA_LONG_QUERY:
+    if num_tokens >= XLA_LONG_STEP_TOKENS:
         long_block_q = min(XLA_LONG_BLOCK_Q, pl.next_power_of_2(num_tokens))
         # At most num_tokens // XLA_LONG_QUERY sequences have that many new tokens.
         num_tiles = num_tokens // long_block_q + num_tokens // XLA_LONG_QUERY

@@ -438,15 +438,19 @@ def test_xla_work_list_matches_reference():
     assert_close(out, expected, F32)
 
 @pytest.mark.parametrize("window", [None, 50])
-def test_xla_long_chunks_beside_decode_rows_match_reference(window):
+@pytest.mark.parametrize("long_step", [True, False])
+def test_xla_long_chunks_beside_decode_rows_match_reference(window, long_step):
     """The XLA loop's default tiling of a mixed step: prefill chunks of XLA_LONG_QUERY
     tokens or more (one after a cached prefix, one fresh, one exactly at the limit) in
     large tiles, decode rows and a short chunk in small ones, with padding sequences
-    and tokens, a sliding window and a soft cap."""
+    and tokens, a sliding window and a soft cap; in a step of fewer than
+    XLA_LONG_STEP_TOKENS tokens, a long chunk beside a decode row in small tiles."""
     rng = np.random.default_rng(11)
     long = kp.attention.XLA_LONG_QUERY
-    batch = RaggedBatch(((300, long + 2), (17, 1), (0, 0), (0, 200), (5, long - 1),
-                         (90, 1), (0, long), (0, 0)), padding_tokens=7)
+    rows = ((300, long + 2), (17, 1), (0, 0), (0, 200), (5, long - 1), (90, 1), (0, long),
+            (0, 0))
+    batch = RaggedBatch(rows if long_step else rows[:3], padding_tokens=7)
+    assert (batch.num_tokens >= kp.attention.XLA_LONG_STEP_TOKENS) == long_step
     pool = make_pool(rng, batch.context_lens, num_kv_heads=2, head_dim=32, block_size=16,
                      dtype=F32)
     q = jnp.asarray(rng.standard_normal((batch.num_tokens, 6, 32)), F32)
