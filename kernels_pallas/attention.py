@@ -489,13 +489,13 @@ def _xla_ragged(q, k_cache, v_cache, layer, window, block_tables, context_lens,
     _, num_kv_heads, _, block_size, head_dim = k_cache.shape
     group = num_q_heads // num_kv_heads
     batch = context_lens.shape[0]
-    long = query_start_loc[1:] - query_start_loc[:-1] >= XLA_LONG_QUERY
-    if num_tokens < XLA_LONG_STEP_TOKENS:
-        long = jnp.zeros_like(long)
+    long_step = num_tokens >= XLA_LONG_STEP_TOKENS
+    long = ((query_start_loc[1:] - query_start_loc[:-1] >= XLA_LONG_QUERY) if long_step
+            else jnp.zeros(batch, bool))
     # (sequences, tokens per tile, static tile count, keys per loop step)
     parts = [(~long, _default_block_q("xla", group, num_tokens, batch), None,
               XLA_CHUNK_TOKENS)]
-    if num_tokens >= XLA_LONG_STEP_TOKENS:
+    if long_step:
         long_block_q = min(XLA_LONG_BLOCK_Q, pl.next_power_of_2(num_tokens))
         # At most num_tokens // XLA_LONG_QUERY sequences have that many new tokens.
         num_tiles = num_tokens // long_block_q + num_tokens // XLA_LONG_QUERY
