@@ -99,9 +99,25 @@ def _parser() -> argparse.ArgumentParser:
                          choices=["tpu", "triton", "xla", "reference", "pallas"],
                          default=None, help="default: the device's own (tpu on a TPU, triton "
                          "on a GPU, xla on a CPU); 'pallas' is a deprecated name for it")
+        sub.add_argument("--speculative-config", type=_json_object, default=None,
+                         metavar="JSON",
+                         help="speculative decoding, as vLLM's JSON: '{\"method\": \"ngram\", "
+                         "\"num_speculative_tokens\": 4}' (also prompt_lookup_min and "
+                         "prompt_lookup_max)")
         sub.add_argument("--debug", action="store_true",
                          help="show the traceback of an error instead of one line")
     return parser
+
+
+def _json_object(text: str) -> dict:
+    """A JSON object from the command line (argparse names the flag on an error)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object is needed, got {text!r}")
+    return value
 
 
 def _llm(args: argparse.Namespace) -> LLM:
@@ -116,7 +132,8 @@ def _llm(args: argparse.Namespace) -> LLM:
                attention_backend=args.attention_backend, allocation=args.allocation,
                disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
                tensor_parallel_size=args.tensor_parallel_size,
-               data_parallel_size=args.data_parallel_size, **(_batch_limit(args) | limits))
+               data_parallel_size=args.data_parallel_size,
+               speculative_config=args.speculative_config, **(_batch_limit(args) | limits))
 
 
 def _batch_limit(args: argparse.Namespace) -> dict[str, int]:

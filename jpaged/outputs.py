@@ -64,6 +64,9 @@ class RequestMetrics:
     device blocks, the sum of its sequences' block-table lengths, and of the
     distinct blocks among them. Their ratio is the memory its sequences saved by
     sharing blocks (parallel samples, beams).
+
+    num_draft_tokens / num_accepted_tokens: with speculative decoding, the tokens
+    proposed for the request's sequences and those the target model accepted.
     """
 
     arrival_time: float
@@ -71,6 +74,8 @@ class RequestMetrics:
     finished_time: float | None = None
     logical_block_steps: int = 0
     physical_block_steps: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def ttft(self) -> float | None:

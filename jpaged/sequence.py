@@ -41,6 +41,9 @@ class Sequence:
     """One token stream. `num_computed_tokens` counts tokens whose K/V are in the cache.
 
     seq_id: given by the scheduler when it admits or forks the sequence.
+    spec_token_ids: tokens proposed to follow it (speculative decoding), which the next
+    step computes after its last token and the target model accepts or rejects; never
+    part of the sequence until accepted.
     """
 
     seq_id: int
@@ -48,6 +51,7 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)

@@ -44,8 +44,10 @@ class ModelInput:
     input_ids: int32 [T]  token ids (0 for padding tokens).
     metadata:  the step's AttentionMetadata (numpy int32 arrays).
     num_tokens, num_seqs: the real (unpadded) counts.
-    num_rows:  the padded rows of logits the step needs (<= B): the first
+    num_rows:  the padded rows of logits the step needs (<= R): the first
                num_rows entries of metadata.logits_indices.
+    proposal_rows: int32 [num_seqs] the logits row of each sequence's first
+               proposal (its others follow it), -1 where it has none.
     """
 
     input_ids: np.ndarray
@@ -53,6 +55,7 @@ class ModelInput:
     num_tokens: int
     num_seqs: int
     num_rows: int
+    proposal_rows: np.ndarray
 
     @property
     def decode_only(self) -> bool:
@@ -65,14 +68,20 @@ def build_model_input(
     block_tables: BlockTables,
     buckets: BucketSizes = DEFAULT_BUCKETS,
     min_rows: int = 0,
+    num_speculative_tokens: int = 0,
 ) -> ModelInput:
     """Padded device inputs for one step.
 
     scheduled: (seq, num_new_tokens) pairs; seq feeds its tokens
-               seq.num_computed_tokens .. + num_new_tokens - 1, and its block
-               table already holds slots for them (BlockManager.append_slots).
+               seq.num_computed_tokens .. + num_new_tokens - 1 (past its end, its
+               proposals: seq.spec_token_ids), and its block table already holds
+               slots for them (BlockManager.append_slots).
     min_rows:  sequence rows to pad to at least: the step's draws when parallel
                samples draw several tokens from one sequence's logits.
+    num_speculative_tokens: k of speculative decoding (0: off). A step of decodes
+               with proposals among them takes the shape of its rows' bucket times
+               1 + k tokens; every step then has logits rows for proposals after
+               those of the sequences' last tokens (`ModelInput.proposal_rows`).
     """
     block_size = block_tables.block_size
     num_seqs = len(scheduled)
@@ -84,9 +93,14 @@ def build_model_input(
     num_blocks = -(-context_lens // block_size)
     num_tokens = int(q_lens.sum())
 
+    num_proposals = q_lens - np.maximum(
+        np.fromiter((len(seq) for seq in seqs), np.int32, num_seqs) - starts, 0)
+    num_proposals = np.maximum(num_proposals, 0)
+    verifying = bool(num_proposals.any())
     padded_tokens, padded_seqs, padded_rows = padded_sizes(
-        num_tokens, max(num_seqs, min_rows), buckets, decode_only=num_tokens == num_seqs
-    )
+        num_tokens, max(num_seqs, min_rows), buckets, decode_only=num_tokens == num_seqs,
+        speculative_tokens=num_speculative_tokens if verifying and _all_decodes(
+            seqs, starts) else 0)
     padded_blocks = bucket(int(num_blocks.max(initial=0)), buckets.min_blocks_per_seq)
 
     tables = np.zeros((block_tables.num_groups, padded_seqs, padded_blocks), np.int32)
@@ -113,15 +127,24 @@ def build_model_input(
 
     input_ids = np.zeros(padded_tokens, np.int32)
     input_ids[:num_tokens] = np.fromiter(
-        itertools.chain.from_iterable(
-            seq.token_slice(seq.num_computed_tokens, seq.num_computed_tokens + n)
-            for seq, n in scheduled
-        ),
+        itertools.chain.from_iterable(_new_token_ids(seq, n) for seq, n in scheduled),
         np.int32,
         num_tokens,
     )
-    logits_indices = np.zeros(padded_seqs, np.int32)
+    num_logit_rows = padded_seqs * (1 + num_speculative_tokens) if num_speculative_tokens \
+        else padded_seqs
+    logits_indices = np.zeros(num_logit_rows, np.int32)
     logits_indices[:num_seqs] = query_start_loc[1 : num_seqs + 1] - 1
+    # A sequence's proposals are its new tokens 1 .. p; the logits at token j (its
+    # last computed token, then each proposal) check proposal j + 1.
+    proposal_rows = np.full(num_seqs, -1, np.int32)
+    if verifying:
+        first_rows = padded_rows + np.cumsum(num_proposals) - num_proposals
+        proposal_rows[num_proposals > 0] = first_rows[num_proposals > 0]
+        checked = np.repeat(query_start_loc[:num_seqs], num_proposals)
+        offsets = np.arange(len(checked)) - np.repeat(first_rows - padded_rows, num_proposals)
+        logits_indices[padded_rows : padded_rows + len(checked)] = checked + offsets
+        padded_rows = min(bucket(padded_rows + len(checked), 1), num_logit_rows)
     padded_context_lens = np.zeros(padded_seqs, np.int32)
     padded_context_lens[:num_seqs] = context_lens
 
@@ -133,4 +156,17 @@ def build_model_input(
         query_start_loc=query_start_loc,
         logits_indices=logits_indices,
     )
-    return ModelInput(input_ids, metadata, num_tokens, num_seqs, padded_rows)
+    return ModelInput(input_ids, metadata, num_tokens, num_seqs, padded_rows, proposal_rows)
+
+
+def _all_decodes(seqs: list[Sequence], starts: np.ndarray) -> bool:
+    """Whether every sequence computes its last token (and any proposals) only."""
+    return all(len(seq) - 1 == start for seq, start in zip(seqs, starts.tolist(), strict=True))
+
+
+def _new_token_ids(seq: Sequence, num_new_tokens: int) -> list[int]:
+    """The ids of seq's next num_new_tokens tokens: its own, then its proposals."""
+    start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new_tokens
+    if end <= len(seq):
+        return seq.token_slice(start, end)
+    return seq.token_slice(start, len(seq)) + seq.spec_token_ids[: end - len(seq)]

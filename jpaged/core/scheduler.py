@@ -123,15 +123,23 @@ class Scheduler:
         self._end(request_id, SequenceStatus.FINISHED_ERROR)
 
     def finish_seq(self, group: SequenceGroup, seq: Sequence,
-                   status: SequenceStatus = _STOPPED) -> None:
+                   status: SequenceStatus = _STOPPED, num_output_tokens: int | None = None
+                   ) -> None:
         """End a running sequence of `group` (by default as stopped: a stop string in its
-        text) and free its blocks."""
+        text) and free its blocks; with num_output_tokens, keep only that many of its
+        output tokens (a stop string inside a step's accepted proposals ends it there,
+        even if a later token of them ended it already)."""
         if not status.is_finished:
             raise ValueError(f"status must be a finished status, got {status.name}")
-        if seq.status is not _RUNNING or seq not in group.seqs:
+        ended = seq.is_finished and num_output_tokens is not None
+        if not (seq.status is _RUNNING or ended) or seq not in group.seqs:
             raise ValueError(
                 f"sequence {seq.seq_id} is not a running sequence of {group.request_id!r}"
             )
+        if num_output_tokens is not None:
+            del seq.output_token_ids[num_output_tokens:]
+        if ended:
+            return
         self._release(group, seq, status)
         if group.is_finished:
             self.running.remove(group)
@@ -144,6 +152,7 @@ class Scheduler:
             for seq in group.unfinished_seqs():
                 self.block_manager.free(seq)
                 seq.num_computed_tokens = 0
+                seq.spec_token_ids = []
                 seq.status = _WAITING
             self.waiting.appendleft(group)
 
@@ -228,8 +237,10 @@ class Scheduler:
         mark_computed = self.block_manager.mark_computed
         for seq, num_new_tokens in scheduled:
             seq.num_computed_tokens += num_new_tokens
-            mark_computed(seq)
+            if not seq.spec_token_ids:  # a speculating one once it knows what it keeps
+                mark_computed(seq)
         tokens = sampled.tokens.tolist()
+        num_accepted = None if sampled.num_accepted is None else sampled.num_accepted.tolist()
         all_finite = bool(sampled.finite.all())
         first, ended = 0, False
         for group, rows in plan.draws:
@@ -242,28 +253,48 @@ class Scheduler:
                 ended = True
             elif group.is_beam_search:
                 ended |= self._continue_beams(group, sampled.beams[group.request_id])
-            elif end - first == 1:  # the common case: one sequence, one token
+            elif end - first == 1 and num_accepted is None:  # the common case
                 ended |= self._append(group, scheduled[rows[0]][0], tokens[first])
             else:
+                accepted = [0] * (end - first) if num_accepted is None else num_accepted[first:end]
                 ended |= self._append_samples(group, [scheduled[row][0] for row in rows],
-                                              tokens[first:end])
+                                              tokens[first:end], accepted)
             first = end
         if ended:
             self.running = deque(group for group in self.running if not group.is_finished)
         return self.stats()
 
     def _append_samples(self, group: SequenceGroup, seqs: list[Sequence],
-                        tokens: list[int]) -> bool:
-        """Give seqs[i] tokens[i]; a prompt drawing n tokens (from its one row, so `seqs`
-        is its sequence n times) first forks into n samples. Whether any ended."""
-        if len(group.seqs) == 1:
+                        tokens: list[int], num_accepted: list[int]) -> bool:
+        """Give seqs[i] its first num_accepted[i] proposals and tokens[i]; a prompt
+        drawing n tokens (from its one row, so `seqs` is its sequence n times) first
+        forks into n samples. Whether any ended."""
+        if len(group.seqs) == 1 and len(tokens) > 1:
             parent = group.seqs[0]
             group.seqs += [self._fork(parent) for _ in range(len(tokens) - 1)]
             seqs = group.seqs
         ended = False
-        for seq, token in zip(seqs, tokens, strict=True):
-            ended |= self._append(group, seq, token)
+        for seq, token, accepted in zip(seqs, tokens, num_accepted, strict=True):
+            if seq.spec_token_ids:
+                ended |= self._accept(group, seq, accepted, token)
+            else:
+                ended |= self._append(group, seq, token)
         return ended
+
+    def _accept(self, group: SequenceGroup, seq: Sequence, num_accepted: int,
+                token: int) -> bool:
+        """Verification's result for a speculating sequence: its first `num_accepted`
+        proposals, then `token`, appended one by one with every stop check (what
+        follows a stop is dropped). The rejected proposals leave num_computed_tokens;
+        their slots stay in the table for the next proposals, and only accepted tokens
+        reach the prefix cache. Whether it ended."""
+        proposals, seq.spec_token_ids = seq.spec_token_ids, []
+        seq.num_computed_tokens -= len(proposals) - num_accepted
+        for new_token in (*proposals[:num_accepted], token):
+            if self._append(group, seq, new_token):
+                return True
+        self.block_manager.mark_computed(seq)
+        return False
 
     def _append(self, group: SequenceGroup, seq: Sequence, token: int) -> bool:
         """Append `token` to `seq` and end it at a stop; whether it ended."""
@@ -315,7 +346,8 @@ class Scheduler:
     def _fork(self, parent: Sequence) -> Sequence:
         """A new running sequence with the parent's tokens, sharing its blocks."""
         child = dataclasses.replace(parent, seq_id=self._new_seq_id(),
-                                    output_token_ids=list(parent.output_token_ids))
+                                    output_token_ids=list(parent.output_token_ids),
+                                    spec_token_ids=[])
         self.block_manager.fork(parent, child)
         return child
 
@@ -348,6 +380,7 @@ class Scheduler:
         if (
             seq.status is not _RUNNING
             or len(seq) - seq.num_computed_tokens != 1
+            or seq.spec_token_ids
             or plan.seqs_left < 1
             or plan.tokens_left < 1
             or not self.block_manager.has_decode_slot(seq)
@@ -443,6 +476,7 @@ class Scheduler:
             for seq in seqs:
                 self.block_manager.free(seq)
                 seq.num_computed_tokens = 0
+                seq.spec_token_ids = []
                 seq.status = _WAITING
             self.waiting.appendleft(group)
         plan.preempted.append(group)

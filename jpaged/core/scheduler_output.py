@@ -92,8 +92,11 @@ class SampledTokens:
                       non-finite draw ends with FINISHED_ERROR.
     beams:  request id -> BeamChoice of each beam-search group that drew (its
             tokens are then unused).
+    num_accepted: int [D]  proposals of the draw's sequence the verification accepted:
+            the sequence takes them, then the draw's token (None: no proposals).
     """
 
     tokens: np.ndarray
     finite: np.ndarray
     beams: dict[str, BeamChoice] = field(default_factory=dict)
+    num_accepted: np.ndarray | None = None

@@ -54,8 +54,14 @@ class StepPlan:
         only its last token uncomputed (decode) they take it together. Before
         that (a recomputed group), one lagging sequence at a time catches up and
         keeps its last token back, so the group still samples in one step.
+        A group whose sequences carry proposals (speculative decoding) verifies all of
+        them, each sequence's last token and its proposals, or waits: how far a
+        sequence speculates never depends on the rest of the batch.
         None if the plan has no room for the chunk.
         """
+        num_proposed = _num_proposed(seqs)
+        if num_proposed:
+            return self._speculate(seqs, 1 + num_proposed)
         if len(seqs) == 1:
             fanout = group.max_seqs if len(group.seqs) == 1 else 1
             return self._fit(seqs, seqs[0].num_uncomputed_tokens, fanout)
@@ -64,6 +70,12 @@ class StepPlan:
             return self._fit([lagging], lagging.num_uncomputed_tokens - 1)
         if len(seqs) <= min(self.seqs_left, self.tokens_left):
             return Chunk(seqs, 1, len(seqs))
+        return None
+
+    def _speculate(self, seqs: list[Sequence], num_tokens: int) -> Chunk | None:
+        """Each sequence's last token and its proposals, all or nothing."""
+        if len(seqs) <= self.seqs_left and len(seqs) * num_tokens <= self.tokens_left:
+            return Chunk(seqs, num_tokens, len(seqs))
         return None
 
     def _fit(self, seqs: list[Sequence], num_tokens: int, fanout: int = 1) -> Chunk | None:
@@ -102,10 +114,20 @@ class StepPlan:
             self.groups.append(group)
         self.tokens_left -= num_new_tokens * len(seqs)
         self.seqs_left -= chunk.num_rows
-        if seqs[0].num_computed_tokens + num_new_tokens == len(seqs[0]):
+        # Past the end: the last token and the proposals after it.
+        if seqs[0].num_computed_tokens + num_new_tokens >= len(seqs[0]):
             rows = _draw_rows(group, first_row, len(seqs))
             self.draws.append((group, rows))
             self.num_draws += len(rows)
+
+
+def _num_proposed(seqs: list[Sequence]) -> int:
+    """Proposals each of `seqs` verifies in its next step: those of the first (a group's
+    sequences carry as many each), once all have only their last token to compute."""
+    proposals = seqs[0].spec_token_ids
+    if proposals and all(seq.num_uncomputed_tokens == 1 for seq in seqs):
+        return len(proposals)
+    return 0
 
 
 def _draw_rows(group: SequenceGroup, first_row: int, num_seqs: int) -> tuple[int, ...]:

@@ -67,15 +67,20 @@ def bucket(n: int, minimum: int, linear_step: int = 0) -> int:
 
 
 def padded_sizes(
-    num_tokens: int, num_rows: int, buckets: BucketSizes, decode_only: bool
+    num_tokens: int, num_rows: int, buckets: BucketSizes, decode_only: bool,
+    speculative_tokens: int = 0,
 ) -> tuple[int, int, int]:
     """(padded tokens, padded sequence rows, padded logit rows) of a step.
 
     Logit rows are the bucket of num_rows. A decode-only step has as many token
-    rows as sequence rows; a mixed step pads its tokens on their own, and its
-    sequence rows to at least buckets.mixed_num_seqs.
+    rows as sequence rows; a step of decodes verifying up to speculative_tokens
+    proposals each (> 0) has the decode step's rows and 1 + speculative_tokens
+    tokens per row; a mixed step pads its tokens on their own, and its sequence
+    rows to at least buckets.mixed_num_seqs.
     """
     logit_rows = bucket(num_rows, buckets.min_num_seqs, buckets.linear_step)
+    if speculative_tokens:
+        return logit_rows * (1 + speculative_tokens), logit_rows, logit_rows
     if decode_only:
         tokens = bucket(max(num_tokens, logit_rows), buckets.min_num_tokens, buckets.linear_step)
         return tokens, logit_rows, logit_rows
@@ -158,12 +163,14 @@ def step_shapes(
 
 @dataclass(frozen=True)
 class StepShapes:
-    """An engine's buckets and the limits its steps stay within."""
+    """An engine's buckets and the limits its steps stay within; num_speculative_tokens:
+    the k proposals a sequence may verify per step (0: no speculative decoding)."""
 
     buckets: BucketSizes
     max_num_seqs: int
     max_num_batched_tokens: int
     max_blocks_per_seq: int
+    num_speculative_tokens: int = 0
 
     @property
     def max_rows(self) -> int:
@@ -171,15 +178,38 @@ class StepShapes:
         return bucket(self.max_num_seqs, self.buckets.min_num_seqs, self.buckets.linear_step)
 
     def sampler_rows(self, num_draws: int) -> int:
-        return sampler_rows(num_draws, self.max_rows)
+        """Padded sampler rows; a verifying sequence draws once per proposal and once more."""
+        return sampler_rows(num_draws, self.max_rows * (1 + self.num_speculative_tokens))
+
+    def logit_rows(self, num_seqs: int) -> int:
+        """Rows of logits a step of num_seqs padded sequence rows can take: one per row,
+        and with speculative decoding one per proposal too."""
+        return num_seqs * (1 + self.num_speculative_tokens)
 
     def warmup_shapes(self) -> list[tuple[int, int, int, bool]]:
-        """Every (tokens, sequences, blocks per sequence, decode_only) a step can take."""
-        return step_shapes(self.buckets, self.max_num_batched_tokens, self.max_num_seqs,
-                           self.max_blocks_per_seq)
+        """Every (tokens, sequences, blocks per sequence, decode_only) a step can take:
+        with speculative decoding, also the verifying steps (1 + k tokens a row) of every
+        row bucket that fits the token budget."""
+        shapes = step_shapes(self.buckets, self.max_num_batched_tokens, self.max_num_seqs,
+                             self.max_blocks_per_seq)
+        k = self.num_speculative_tokens
+        if not k:
+            return shapes
+        decode = {(rows, blocks) for _, rows, blocks, decode_only in shapes if decode_only}
+        verifying = {(rows * (1 + k), rows, blocks, False) for rows, blocks in decode
+                     if self._verifies(rows)}
+        return sorted(set(shapes) | verifying)
+
+    def _verifies(self, rows: int) -> bool:
+        """Whether a verifying step can have `rows` padded rows: the fewest sequences that
+        pad to it, plus one proposal, fit the token budget."""
+        fewest = min(n for n in range(1, self.max_num_seqs + 1)
+                     if bucket(n, self.buckets.min_num_seqs, self.buckets.linear_step) == rows)
+        return fewest + 1 <= self.max_num_batched_tokens
 
     def smallest(self, decode_only: bool) -> tuple[int, int, int, bool]:
         """The smallest step shape of its kind: the one a kernel check at start-up runs."""
         num_tokens, num_seqs, _ = padded_sizes(1 if decode_only else 2, 1, self.buckets,
                                                decode_only)
         return num_tokens, num_seqs, bucket(1, self.buckets.min_blocks_per_seq), decode_only
+

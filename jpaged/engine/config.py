@@ -16,6 +16,7 @@ from jpaged.core.step_shapes import BucketSizes
 from jpaged.engine.machine import MachineDefaults
 from jpaged.memory.reservation import Allocation, check_allocation
 from jpaged.model.sharding import replica_meshes
+from jpaged.speculative.config import SpeculativeConfig
 
 # The KV cache dtypes by name (None: the model's dtype), and vLLM's other names for them.
 KV_CACHE_DTYPES = {
@@ -82,6 +83,10 @@ class EngineConfig:
     `LLMEngine` is one replica). mesh: a `jax.sharding.Mesh` with axes
     ("model",) or ("data", "model") to place them on chosen devices instead of
     the first of `jax.devices()`.
+
+    speculative_config: speculative decoding, as vLLM's dict
+    ({"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": m,
+    "prompt_lookup_max": M}) or a SpeculativeConfig; None decodes one token per step.
     """
 
     model: str = "smollm2"
@@ -110,9 +115,12 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     mesh: Mesh | None = None
+    speculative_config: SpeculativeConfig | dict | None = None
 
     def __post_init__(self):
         check_allocation(self.allocation)
+        object.__setattr__(self, "speculative_config",
+                           SpeculativeConfig.of(self.speculative_config))
         name = KV_CACHE_DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
         if not isinstance(name, str) or name not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of "
@@ -165,10 +173,23 @@ class EngineConfig:
         size from the attention backend and the KV dtype."""
         backend = self.attention_backend or kernels_pallas.default_implementation(self.interpret)
         block_size = self.block_size or kernels_pallas.default_block_size(backend, self.kv_dtype)
-        return dataclasses.replace(self, block_size=block_size, **{
+        config = dataclasses.replace(self, block_size=block_size, **{
             name: getattr(defaults, name) if getattr(self, name) is None else getattr(self, name)
             for name in ("max_num_seqs", "max_num_batched_tokens")
         })
+        k = config.num_speculative_tokens
+        if k and k + 1 > config.max_num_batched_tokens:
+            raise ValueError(
+                f"speculative_config['num_speculative_tokens']={k}: a sequence's last token "
+                f"and its proposals must fit max_num_batched_tokens="
+                f"{config.max_num_batched_tokens}")
+        return config
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        """k of speculative decoding; 0 without it."""
+        spec = self.speculative_config
+        return 0 if spec is None else spec.num_speculative_tokens
 
     def replica_meshes(self) -> list[Mesh | None]:
         """The mesh of each data-parallel replica; [None] for one replica on one device."""

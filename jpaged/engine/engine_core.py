@@ -1,11 +1,13 @@
 """EngineCore: one step of the serving loop, in one direction.
 
+    proposer.propose(...)                    host: speculative decoding's proposals, if on
     plan = scheduler.schedule()              host: who runs, how many tokens each, who draws;
                                              block tables grown (copy-on-write, swaps)
     runner.apply_block_ops(plan.block_ops)   device: block copies and swaps
     build_model_input(plan.scheduled, ...)   host: padded int32 gather indices
     runner.execute(...)                      device: the jit-compiled model step
     runner.sample(...)                       device: a token and log-probabilities per draw
+                                             (and per proposal, accepted or replaced)
     beam searches choose their beams         host (jpaged.engine.beam_search)
     scheduler.update_from_output(plan, ...)  host: the one call back: tokens appended,
                                              stops, forks, beams, blocks freed
@@ -17,6 +19,7 @@ lost KV cache is allocated again) so that every other request goes on.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 
@@ -39,6 +42,7 @@ from jpaged.memory.reserving_block_manager import ReservingBlockManager
 from jpaged.model.sampler import SamplerOutput, SamplingRow, sampling_tensors
 from jpaged.sampling_params import GREEDY_TEMPERATURE
 from jpaged.sequence import Sequence, SequenceGroup, SequenceStatus
+from jpaged.speculative.proposer import Proposer
 
 logger = logging.getLogger("jpaged")
 
@@ -60,12 +64,17 @@ class PromptLogprobs:
 class CoreOutput:
     """What one step did, for the output processor.
 
-    plan:     the step's SchedulerOutput (its draws, in order, index `sampled`).
+    plan:     the step's SchedulerOutput.
     stats:    the scheduler's queues once the step is over.
     kv_blocks: the pool's blocks as the step runs (after scheduling, before sampling).
     block_usage: (request id, logical, physical) blocks of each running request as
               the step runs: its tables' total length, and the distinct blocks in them.
-    sampled:  the sampler's numpy outputs, one row per draw; None if nothing drew.
+    sampled:  the sampler's numpy outputs; None if nothing drew.
+    draw_rows: for each draw of plan.draws, in order, the rows of `sampled` holding the
+              tokens it gave its sequence: one, or a verifying sequence's accepted
+              proposals and the token after them.
+    proposals: for each draw, (tokens proposed, tokens accepted); (0, 0) without
+              speculative decoding.
     failed:   groups whose step failed (they finished with FINISHED_ERROR).
     beam_results: request id -> best hypotheses, for beam searches that ended.
     error:    the exception of a failed step.
@@ -76,6 +85,8 @@ class CoreOutput:
     kv_blocks: KVBlockCounts
     block_usage: list[tuple[str, int, int]] = field(default_factory=list)
     sampled: SamplerOutput | None = None
+    draw_rows: list[range] = field(default_factory=list)
+    proposals: list[tuple[int, int]] = field(default_factory=list)
     prompt_logprobs: PromptLogprobs = field(default_factory=lambda: PromptLogprobs([]))
     failed: list[SequenceGroup] = field(default_factory=list)
     beam_results: dict[str, list[Hypothesis]] = field(default_factory=dict)
@@ -123,16 +134,20 @@ class EngineCore:
 
     max_logprobs: top tokens the sampler returns per row (logprobs, prompt
     logprobs and beam candidates read them); vocab_size: the model's.
+    proposer: speculative decoding's, proposing up to shapes.num_speculative_tokens
+    tokens per sequence and step (None: no speculative decoding).
     """
 
     def __init__(self, scheduler: Scheduler, kv_manager: KVManager, runner: ModelRunner,
-                 shapes: StepShapes, *, vocab_size: int, max_logprobs: int):
+                 shapes: StepShapes, *, vocab_size: int, max_logprobs: int,
+                 proposer: Proposer | None = None):
         self.scheduler = scheduler
         self.kv_manager = kv_manager
         self.runner = runner
         self.shapes = shapes
         self.vocab_size = vocab_size
         self.max_logprobs = max_logprobs
+        self.proposer = proposer
         self.beam_searches: dict[str, BeamSearch] = {}
 
     def add_request(self, group: SequenceGroup, beam_search: BeamSearch | None) -> None:
@@ -148,6 +163,8 @@ class EngineCore:
     def step(self) -> CoreOutput:
         """Schedule, run, sample and update once. A step that raises (an interrupt too)
         ends its requests and returns its error, with the core consistent again."""
+        if self.proposer is not None:
+            self._propose()
         plan = self.scheduler.schedule()
         output = CoreOutput(plan, plan.stats, self._kv_blocks())
         if plan.is_empty:
@@ -180,55 +197,103 @@ class EngineCore:
     def _run(self, plan: SchedulerOutput, output: CoreOutput) -> None:
         self.runner.apply_block_ops(plan.block_ops)
         model_input = build_model_input(plan.scheduled, self.kv_manager, self.shapes.buckets,
-                                        plan.num_draws)
+                                        plan.num_draws, self.shapes.num_speculative_tokens)
         logits, hidden = self.runner.execute(model_input.input_ids, model_input.metadata,
                                              decode_only=model_input.decode_only,
                                              num_rows=model_input.num_rows)
         prompt_logprobs = self._prompt_logprobs(plan, model_input.metadata.query_start_loc,
                                                 hidden)
-        sampled = self._sample(plan, logits) if plan.draws else None
-        beams, output.beam_results = self._choose_beams(plan, sampled)
         tokens = SampledTokens(np.zeros(0, np.int32), np.ones(0, bool))
-        if sampled is not None:
-            tokens = SampledTokens(sampled.tokens, sampled.finite, beams)
+        if plan.draws:
+            sampled, draw_sizes = self._sample(plan, logits, model_input.proposal_rows)
+            tokens, output.draw_rows, output.proposals = _verified(sampled, draw_sizes)
+            beams, output.beam_results = self._choose_beams(plan, sampled, output.draw_rows)
+            tokens = dataclasses.replace(tokens, beams=beams)
+            output.sampled = sampled
         output.stats = self.scheduler.update_from_output(plan, tokens)
-        output.sampled, output.prompt_logprobs = sampled, prompt_logprobs
+        output.prompt_logprobs = prompt_logprobs
+
+    # Speculative decoding's proposals.
+
+    def _propose(self) -> None:
+        """Proposals for every sequence that decodes next (running or swapped): as many
+        for each sequence of a group (the fewest any of them has), none for beams."""
+        k = self.shapes.num_speculative_tokens
+        for queue in (self.scheduler.running, self.scheduler.swapped):
+            for group in queue:
+                seqs = group.unfinished_seqs()
+                if group.is_beam_search:
+                    continue
+                proposals = [self._proposals(group, seq, k) for seq in seqs]
+                num_proposals = min(map(len, proposals), default=0)
+                for seq, proposed in zip(seqs, proposals, strict=True):
+                    seq.spec_token_ids = proposed[:num_proposals]
+
+    def _proposals(self, group: SequenceGroup, seq: Sequence, k: int) -> list[int]:
+        """Up to k tokens to follow seq if it decodes next, within max_model_len and
+        leaving its last max_tokens token to the target model."""
+        if seq.num_uncomputed_tokens != 1:
+            return []
+        limit = min(k, self.scheduler.config.max_model_len - len(seq))
+        if group.max_tokens is not None:
+            limit = min(limit, group.max_tokens - len(seq.output_token_ids) - 1)
+        return self.proposer.propose(seq, limit) if limit > 0 else []
 
     # Sampling.
 
-    def _sample(self, plan: SchedulerOutput, logits: jax.Array) -> SamplerOutput:
-        draws = [(group, row, index) for group, rows in plan.draws
-                 for index, row in _sample_indices(group, plan, rows)]
-        num_rows = self.shapes.sampler_rows(len(draws))
+    def _sample(self, plan: SchedulerOutput, logits: jax.Array, proposal_rows: np.ndarray
+                ) -> tuple[SamplerOutput, list[int]]:
+        """The sampler's outputs, and each draw's rows in them: a verifying sequence's
+        draw has a row per proposal (the logits before it) and one after them."""
+        logit_rows, sampling_rows, draw_sizes = [], [], []
+        for group, rows in plan.draws:
+            for index, row in _sample_indices(group, plan, rows):
+                seq = plan.scheduled[row][0]
+                proposals = seq.spec_token_ids if proposal_rows[row] >= 0 else []
+                for j, proposal in enumerate(proposals):
+                    logit_rows.append(proposal_rows[row] + j)
+                    sampling_rows.append(
+                        self._sampling_row(group, seq, index, proposals[:j], proposal))
+                logit_rows.append(row)
+                sampling_rows.append(self._sampling_row(group, seq, index, proposals))
+                draw_sizes.append(len(proposals) + 1)
+        num_rows = self.shapes.sampler_rows(len(sampling_rows))
         row_array = np.zeros(num_rows, np.int32)
-        row_array[: len(draws)] = [row for _, row, _ in draws]
-        sampling_rows = [self._sampling_row(group, plan.scheduled[row][0], index)
-                         for group, row, index in draws]
+        row_array[: len(logit_rows)] = logit_rows
         tensors = sampling_tensors(sampling_rows, num_rows, self.vocab_size)
-        return self.runner.sample(logits, row_array, tensors, self.max_logprobs)
+        return self.runner.sample(logits, row_array, tensors, self.max_logprobs), draw_sizes
 
     @staticmethod
-    def _sampling_row(group: SequenceGroup, seq: Sequence, sample_index: int) -> SamplingRow:
+    def _sampling_row(group: SequenceGroup, seq: Sequence, sample_index: int,
+                      before: list[int] = (), proposal: int = -1) -> SamplingRow:
+        """The row that draws seq's token after its proposals `before` (penalties and
+        min_tokens count them as output), checking `proposal` if one is given."""
         params = group.params
+        position = len(seq) + len(before)
         if group.is_beam_search:
             # Beams are chosen on the host from the candidates' log-probabilities.
             temperature = params.temperature if params.temperature >= GREEDY_TEMPERATURE else 1.0
-            return SamplingRow.greedy(position=len(seq), logprob_temperature=temperature)
+            return SamplingRow.greedy(position=position, logprob_temperature=temperature)
+        output = seq.output_token_ids
+        if before:
+            output = [*output, *before]
         suppressed = ()
-        if len(seq.output_token_ids) < params.min_tokens:
+        if len(output) < params.min_tokens:
             suppressed = tuple(group.stop_token_ids)
         return SamplingRow.of(
-            params, seed=group.seed, sample_index=sample_index, position=len(seq),
-            prompt_token_ids=seq.prompt_token_ids, output_token_ids=seq.output_token_ids,
-            suppressed_token_ids=suppressed,
+            params, seed=group.seed, sample_index=sample_index, position=position,
+            prompt_token_ids=seq.prompt_token_ids, output_token_ids=output,
+            suppressed_token_ids=suppressed, proposal=proposal,
         )
 
-    def _choose_beams(self, plan: SchedulerOutput, sampled: SamplerOutput | None
+    def _choose_beams(self, plan: SchedulerOutput, sampled: SamplerOutput,
+                      draw_rows: list[range]
                       ) -> tuple[dict[str, BeamChoice], dict[str, list[Hypothesis]]]:
         """Each drawing beam search's next beams; the results of those that ended."""
         choices, results, first = {}, {}, 0
         for group, rows in plan.draws:
-            draws = slice(first, first + len(rows))
+            # A beam's draw is one row: the group's rows follow each other.
+            draws = slice(draw_rows[first].start, draw_rows[first + len(rows) - 1].stop)
             first += len(rows)
             if not group.is_beam_search:
                 continue
@@ -309,6 +374,35 @@ class EngineCore:
         running = [s for g in scheduler.running for s in g.seqs_with(SequenceStatus.RUNNING)]
         swapped = [s for g in scheduler.swapped for s in g.seqs_with(SequenceStatus.SWAPPED)]
         self.kv_manager.check_invariants(running, swapped)
+
+
+def _verified(sampled: SamplerOutput, draw_sizes: list[int]
+              ) -> tuple[SampledTokens, list[range], list[tuple[int, int]]]:
+    """Each draw's outcome from its rows: the proposals accepted before the first
+    rejection, and the token of the row after them (a replacement, or the target's next
+    token once all were accepted). -> (what the scheduler takes, each draw's rows of the
+    tokens it gave, each draw's (proposed, accepted))."""
+    num_draws = len(draw_sizes)
+    if len(sampled.tokens) >= num_draws and all(size == 1 for size in draw_sizes):
+        return (SampledTokens(sampled.tokens[:num_draws], sampled.finite[:num_draws]),
+                [range(i, i + 1) for i in range(num_draws)], [(0, 0)] * num_draws)
+    ends = np.cumsum(draw_sizes)
+    starts = ends - draw_sizes
+    accepted = sampled.accepted.tolist()
+    num_accepted = []
+    for start, end in zip(starts.tolist(), ends.tolist(), strict=True):
+        count = 0
+        while start + count < end - 1 and accepted[start + count]:
+            count += 1
+        num_accepted.append(count)
+    taken = starts + np.array(num_accepted, np.int64)
+    finite = np.logical_and.reduceat(sampled.finite[: ends[-1]], starts)
+    tokens = SampledTokens(sampled.tokens[taken], finite,
+                           num_accepted=np.array(num_accepted, np.int32))
+    rows = [range(start, start + count + 1)
+            for start, count in zip(starts.tolist(), num_accepted, strict=True)]
+    proposals = [(size - 1, count) for size, count in zip(draw_sizes, num_accepted, strict=True)]
+    return tokens, rows, proposals
 
 
 def _sample_indices(group: SequenceGroup, plan: SchedulerOutput, rows: tuple[int, ...]

@@ -15,6 +15,7 @@ KV cache manager for `allocation` and starts the runner on its backend.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import warnings
@@ -42,6 +43,7 @@ from jpaged.model.sharding import shard_model
 from jpaged.outputs import RequestOutput
 from jpaged.sampling_params import BeamSearchParams, SamplingParams
 from jpaged.sequence import Sequence, SequenceGroup
+from jpaged.speculative.proposer import make_proposer
 
 logger = logging.getLogger("jpaged")
 
@@ -95,7 +97,8 @@ class LLMEngine:
                                       groups=groups)
         vocab_size = self.model_config.vocab_size
         self.core = EngineCore(scheduler, kv_manager, runner, shapes, vocab_size=vocab_size,
-                               max_logprobs=config.max_logprobs)
+                               max_logprobs=config.max_logprobs,
+                               proposer=make_proposer(config.speculative_config))
         eos, tokenizer_eos = self.model_config.eos_token_ids, self.tokenizer.eos_token_id
         self.eos_token_ids = eos if tokenizer_eos in (None, *eos) else (*eos, tokenizer_eos)
         limits = RequestLimits(vocab_size, min(config.max_num_seqs, config.max_num_batched_tokens),
@@ -213,10 +216,11 @@ class LLMEngine:
         outputs, stops = self.output_processor.process(core, self.stats)
         queues = core.stats
         if stops:
-            for group, seq in stops:
-                self.core.scheduler.finish_seq(group, seq)
+            for group, seq, num_output_tokens in stops:
+                self.core.scheduler.finish_seq(group, seq, num_output_tokens=num_output_tokens)
             queues = self.core.scheduler.stats()
         self.stats.record_blocks(core.kv_blocks)
+        self.stats.spec_decode.record(core.proposals)
         self.stats.record_step(core.plan, queues, self.core.kv_manager.prefix_cache_stats,
                                started, time.perf_counter())
         if core.error is not None:
@@ -254,4 +258,6 @@ class LLMEngine:
             prefix_cache_hit_tokens=stats.hit_tokens, num_preemptions=scheduler.num_preemptions,
             kv_group_blocks_used=manager.group_blocks_used,
             kv_cache_dtype=self.kv_cache_info.dtype,
-            kv_bytes_per_token=self.kv_cache_info.bytes_per_token)
+            kv_bytes_per_token=self.kv_cache_info.bytes_per_token,
+            spec_decode=dataclasses.replace(self.stats.spec_decode, num_accepted_tokens_per_pos=list(
+                self.stats.spec_decode.num_accepted_tokens_per_pos)))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from jpaged.engine.beam_search import Hypothesis
 from jpaged.engine.detokenizer import IncrementalDetokenizer, find_stop_string, held_back_length
@@ -39,6 +40,7 @@ class SampleState:
     text:        the visible text: stop strings cut, text that may still become
                  a stop string held back.
     stopped:     a stop string ended it.
+    num_tokens:  its sequence's output tokens taken so far.
     num_*_sent:  how many tokens, characters, logprob entries went out as deltas.
     """
 
@@ -49,10 +51,20 @@ class SampleState:
     text: str = ""
     stop_reason: int | str | None = None
     stopped: bool = False
+    num_tokens: int = 0
     num_tokens_sent: int = 0
     num_chars_sent: int = 0
     num_logprobs_sent: int = 0
     finish_sent: bool = False
+
+
+class StringStop(NamedTuple):
+    """A sample a stop string ended: its sequence keeps num_output_tokens tokens (a
+    verified run can go on past the stop string)."""
+
+    group: SequenceGroup
+    seq: Sequence
+    num_output_tokens: int
 
 
 @dataclass
@@ -117,11 +129,11 @@ class OutputProcessor:
 
     # One step.
 
-    def process(self, core: CoreOutput, stats: EngineStats
-                ) -> tuple[list[RequestOutput], list[tuple[SequenceGroup, Sequence]]]:
+    def process(self, core: CoreOutput, stats: EngineStats) -> tuple[list[RequestOutput],
+                                                                     list[StringStop]]:
         """The outputs of the requests the step touched (finished ones leave, their
-        latencies and lengths recorded in `stats`), and the running sequences a stop
-        string ended, for the scheduler to end."""
+        latencies and lengths recorded in `stats`), and the sequences a stop string
+        ended, for the scheduler to end."""
         for request_id, logical, physical in core.block_usage:
             metrics = self.requests[request_id].metrics
             metrics.logical_block_steps += logical
@@ -139,7 +151,12 @@ class OutputProcessor:
                 first += len(rows)
                 touched.append(state)
                 state.metrics.first_token_time = state.metrics.first_token_time or now
-                if group.is_beam_search or not core.sampled.finite[draws].all():
+                for draw in draws:
+                    proposed, accepted = core.proposals[draw]
+                    state.metrics.num_draft_tokens += proposed
+                    state.metrics.num_accepted_tokens += accepted
+                if group.is_beam_search or not all(
+                        core.sampled.finite[core.draw_rows[draw]].all() for draw in draws):
                     continue
                 stops += self._add_tokens(state, core, rows, draws)
         for request_id, results in core.beam_results.items():
@@ -147,7 +164,9 @@ class OutputProcessor:
         return [output for state in touched if (output := self._output(state, stats))], stops
 
     def _add_tokens(self, state: RequestState, core: CoreOutput, rows: tuple[int, ...],
-                    draws: range) -> list[tuple[SequenceGroup, Sequence]]:
+                    draws: range) -> list[StringStop]:
+        """The tokens each draw gave its sequence (one, or a verified run), as text and
+        logprob entries; the sequences a stop string ended."""
         group, sampled = state.group, core.sampled
         if len(state.samples) < len(group.seqs):  # the prompt forked its samples
             state.samples += [self._new_sample(i, group)
@@ -159,22 +178,27 @@ class OutputProcessor:
         stops = []
         for seq, draw in zip(seqs, draws, strict=True):
             sample = state.samples[0 if index_of is None else index_of[id(seq)]]
-            token = int(sampled.tokens[draw])
-            sample.cumulative_logprob += float(sampled.logprobs[draw])
-            if sample.logprobs is not None:
-                k = state.params.logprobs
-                sample.logprobs.append(self._logprob_entry(
-                    token, sampled.logprobs[draw], sampled.ranks[draw],
-                    sampled.top_ids[draw, :k], sampled.top_logprobs[draw, :k]))
-            stopped = self._add_text(sample, seq, token, state.params)
-            if stopped and seq.status is SequenceStatus.RUNNING:
-                stops.append((group, seq))
+            # What the scheduler appended: it stopped at a stop token or a length limit.
+            new_tokens = seq.output_token_ids[sample.num_tokens:]
+            for token, row in zip(new_tokens, core.draw_rows[draw], strict=False):
+                sample.num_tokens += 1
+                sample.cumulative_logprob += float(sampled.logprobs[row])
+                if sample.logprobs is not None:
+                    k = state.params.logprobs
+                    sample.logprobs.append(self._logprob_entry(
+                        token, sampled.logprobs[row], sampled.ranks[row],
+                        sampled.top_ids[row, :k], sampled.top_logprobs[row, :k]))
+                ended = sample.num_tokens == len(seq.output_token_ids) and seq.is_finished
+                if self._add_text(sample, seq, token, state.params, ended):
+                    stops.append(StringStop(group, seq, sample.num_tokens))
+                    break
         return stops
 
     @staticmethod
     def _add_text(sample: SampleState, seq: Sequence, token: int,
-                  params: SamplingParams) -> bool:
+                  params: SamplingParams, ended: bool) -> bool:
         """Detokenize `token` into the sample's text; True if a stop string ended it.
+        ended: the sequence ended at this token (the scheduler's stop, or a limit).
 
         vLLM's order: a stop token (the scheduler ended the sequence) leaves its text
         out unless include_stop_str_in_output; a stop string (once min_tokens are
@@ -182,7 +206,7 @@ class OutputProcessor:
         held-back text is released.
         """
         detokenizer = sample.detokenizer
-        if seq.status is SequenceStatus.FINISHED_STOPPED:  # EOS or a stop token
+        if ended and seq.status is SequenceStatus.FINISHED_STOPPED:  # EOS or a stop token
             sample.stop_reason = token if token in params.stop_token_ids else None
             if params.include_stop_str_in_output:
                 detokenizer.append(token)
@@ -191,14 +215,14 @@ class OutputProcessor:
             return False
         new_text = detokenizer.append(token)
         text = detokenizer.text
-        if params.stop and len(seq.output_token_ids) >= params.min_tokens:
+        if params.stop and sample.num_tokens >= params.min_tokens:
             match = find_stop_string(text, len(new_text), params.stop,
                                      params.include_stop_str_in_output)
             if match is not None:
                 cut, sample.stop_reason = match
                 sample.text, sample.stopped = text[:cut], True
                 return True
-        if seq.is_finished:
+        if ended:
             detokenizer.finish()
             sample.text = detokenizer.text
         else:

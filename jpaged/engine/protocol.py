@@ -3,12 +3,14 @@ several data-parallel replicas behind a `DataParallelEngine`."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from jpaged.engine.config import EngineConfig
 from jpaged.engine.input_processor import EngineRequest
+from jpaged.engine.stats import SpecDecodeCounts
 from jpaged.inputs import PromptType
 from jpaged.outputs import RequestOutput
 from jpaged.sampling_params import BeamSearchParams, SamplingParams
@@ -32,6 +34,8 @@ class EngineState:
     """What the pool's pages store (KVCacheInfo.dtype); the same in every replica."""
     kv_bytes_per_token: int = 0
     """KV bytes of one token on one device, scales included (KVCacheInfo.bytes_per_token)."""
+    spec_decode: SpecDecodeCounts = field(default_factory=SpecDecodeCounts)
+    """Speculative decoding's proposals and acceptances so far."""
 
     @property
     def kv_usage(self) -> float:
@@ -55,7 +59,9 @@ class EngineState:
             for s in states), strict=True)),
             kv_group_blocks_used=tuple(sum(group) for group in zip(*groups, strict=True)),
             kv_cache_dtype=states[0].kv_cache_dtype if states else "",
-            kv_bytes_per_token=states[0].kv_bytes_per_token if states else 0)
+            kv_bytes_per_token=states[0].kv_bytes_per_token if states else 0,
+            spec_decode=functools.reduce(SpecDecodeCounts.add, (s.spec_decode for s in states),
+                                         SpecDecodeCounts()))
 
 
 class Engine(Protocol):

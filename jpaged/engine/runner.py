@@ -186,8 +186,12 @@ class ModelRunner:
         interpret: bool = False,
         mesh: Mesh | None = None,
         groups: KVCacheGroups | None = None,
+        logit_rows_per_seq: int = 1,
     ):
         self.config = config
+        # Rows of logits a step gathers per padded sequence row (1 + k with speculative
+        # decoding: a row's proposals are checked too).
+        self.logit_rows_per_seq = logit_rows_per_seq
         # The model's activations (hidden states); the cache may hold another dtype.
         self.hidden_dtype = model.embed_tokens.embedding.get_value().dtype
         self.groups = groups or KVCacheGroups.of(config.layer_windows, free_windows=False)
@@ -337,7 +341,7 @@ class ModelRunner:
             block_tables=np.zeros((num_groups, num_seqs, num_blocks), np.int32),
             context_lens=np.zeros(num_seqs, np.int32),
             query_start_loc=np.zeros(num_seqs + 1, np.int32),
-            logits_indices=np.zeros(num_seqs, np.int32),
+            logits_indices=np.zeros(num_seqs * self.logit_rows_per_seq, np.int32),
         )
         return np.zeros(num_tokens, np.int32), metadata
 
@@ -405,10 +409,12 @@ def _runner_on(backend: AttentionBackend, config: EngineConfig, model, model_con
         model, model_config, num_blocks=num_blocks, block_size=config.block_size,
         num_host_blocks=config.num_host_blocks, kv_dtype=dtype, attention_backend=backend,
         interpret=config.interpret, mesh=mesh, groups=groups,
+        logit_rows_per_seq=1 + config.num_speculative_tokens,
     )
     max_blocks = blocks_per_seq(max_model_len, config.block_size)
     buckets = config.buckets or default_buckets(backend, max_blocks, config.max_num_seqs)
-    shapes = StepShapes(buckets, config.max_num_seqs, config.max_num_batched_tokens, max_blocks)
+    shapes = StepShapes(buckets, config.max_num_seqs, config.max_num_batched_tokens, max_blocks,
+                        config.num_speculative_tokens)
     if pallas:
         for decode_only in (True, False):
             runner.run_padding_step(*shapes.smallest(decode_only))

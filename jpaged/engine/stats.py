@@ -2,7 +2,7 @@
 
 Step-level: KV utilization, logical beside physical KV blocks (what sharing
 saves), running / waiting sequences, preemptions, prefix-cache hit rate,
-compilations. Request-level: output tokens/s, TTFT and TPOT percentiles.
+compilations, speculative decoding's proposals and acceptances. Request-level: output tokens/s, TTFT and TPOT percentiles.
 
 Memory stays constant however long the engine runs (a server runs for days):
 step series keep running aggregates, and TTFT / TPOT keep the last
@@ -11,6 +11,8 @@ LATENCY_WINDOW finished requests.
 
 from __future__ import annotations
 
+import functools
+import itertools
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -121,6 +123,7 @@ class EngineStats:
     num_kv_blocks: int = 0
     kv_cache_dtype: str = ""
     kv_bytes_per_token: int = 0
+    spec_decode: SpecDecodeCounts = field(default_factory=lambda: SpecDecodeCounts())
 
     def record_blocks(self, blocks: KVBlockCounts) -> None:
         """The KV blocks a step runs with: counted after scheduling (appends and their
@@ -170,6 +173,59 @@ class EngineStats:
 
     def summary(self) -> dict:
         return summarize([self])
+
+
+@dataclass
+class SpecDecodeCounts:
+    """Speculative decoding's counters, with vLLM's names.
+
+    num_drafts: verifications (a sequence with proposals, in one step);
+    num_draft_tokens / num_accepted_tokens: tokens proposed, and accepted;
+    num_accepted_tokens_per_pos[j]: verifications that accepted proposal j (0-based).
+    """
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def record(self, proposals: Iterable[tuple[int, int]]) -> None:
+        """One step's (proposed, accepted) per draw."""
+        per_pos = self.num_accepted_tokens_per_pos
+        for proposed, accepted in proposals:
+            if not proposed:
+                continue
+            self.num_drafts += 1
+            self.num_draft_tokens += proposed
+            self.num_accepted_tokens += accepted
+            per_pos.extend([0] * (proposed - len(per_pos)))
+            for position in range(accepted):
+                per_pos[position] += 1
+
+    def add(self, other: SpecDecodeCounts) -> SpecDecodeCounts:
+        per_pos = [a + b for a, b in itertools.zip_longest(
+            self.num_accepted_tokens_per_pos, other.num_accepted_tokens_per_pos, fillvalue=0)]
+        return SpecDecodeCounts(self.num_drafts + other.num_drafts,
+                                self.num_draft_tokens + other.num_draft_tokens,
+                                self.num_accepted_tokens + other.num_accepted_tokens, per_pos)
+
+    @property
+    def draft_acceptance_rate(self) -> float:
+        """Accepted over proposed tokens."""
+        return _ratio(self.num_accepted_tokens, self.num_draft_tokens)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a verification gives its sequence, on average: the accepted proposals
+        and the target model's own token after them (vLLM's definition)."""
+        return 1.0 + _ratio(self.num_accepted_tokens, self.num_drafts)
+
+    def summary(self) -> dict:
+        return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
+                "num_accepted_tokens": self.num_accepted_tokens,
+                "num_accepted_tokens_per_pos": list(self.num_accepted_tokens_per_pos),
+                "draft_acceptance_rate": self.draft_acceptance_rate,
+                "mean_acceptance_length": self.mean_acceptance_length}
 
 
 @dataclass(frozen=True)
@@ -229,6 +285,8 @@ def summarize(replicas: Sequence[EngineStats]) -> dict:
         "kv_bytes_per_token": replicas[0].kv_bytes_per_token if replicas else 0,
         "ttft_s": percentiles(value for r in replicas for value in r.ttft),
         "tpot_s": percentiles(value for r in replicas for value in r.tpot),
+        "spec_decode": functools.reduce(SpecDecodeCounts.add, (r.spec_decode for r in replicas),
+                                        SpecDecodeCounts()).summary(),
     }
 
 

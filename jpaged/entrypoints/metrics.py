@@ -11,6 +11,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from jpaged.engine.async_engine import AsyncLLMEngine
+from jpaged.engine.stats import SpecDecodeCounts
 from jpaged.entrypoints.protocol import PromptRun
 from jpaged.outputs import RequestOutput
 
@@ -54,6 +55,24 @@ class EngineCollector:
                                   labels=["dtype"])
         dtype.add_metric([state.kv_cache_dtype], 1)
         yield dtype
+        yield from _spec_decode_metrics(state.spec_decode)
+
+
+def _spec_decode_metrics(counts: SpecDecodeCounts):
+    """Speculative decoding's counters, with vLLM's names (all 0 without it)."""
+    for name, documentation, value in (
+            ("spec_decode_num_drafts", "Verifications of a sequence's proposals.",
+             counts.num_drafts),
+            ("spec_decode_num_draft_tokens", "Tokens proposed.", counts.num_draft_tokens),
+            ("spec_decode_num_accepted_tokens", "Proposed tokens the target model accepted.",
+             counts.num_accepted_tokens)):
+        yield CounterMetricFamily(f"jpaged:{name}", documentation, value=value)
+    per_pos = CounterMetricFamily("jpaged:spec_decode_num_accepted_tokens_per_pos",
+                                  "Verifications that accepted the proposal at each position.",
+                                  labels=["position"])
+    for position, value in enumerate(counts.num_accepted_tokens_per_pos):
+        per_pos.add_metric([str(position)], value)
+    yield per_pos
 
 
 class ServerMetrics:

@@ -22,6 +22,14 @@ Per row, from the model's raw logits l (f32 [V]), `sample` applies in this order
    token whatever shares its batch. A 64-bit seed outside [0, 2^32) is key(its low 32
    bits) with its high 32 bits folded in; a seed inside keeps key(seed).
 
+Speculative decoding verifies proposals with the same rows: a row with a proposal d
+(the token proposed for its position, one-hot in the proposer's distribution) accepts
+it if greedy and d is the argmax of 2, else with probability p(d) under the
+distribution 4 to 7 leave (Leviathan et al.'s min(1, p(d) / q(d)) with q(d) = 1),
+from a uniform drawn with the key fold_in(row key, ACCEPT_STREAM); a row that rejects
+draws from that distribution with d removed (the residual max(0, p - q),
+normalised), with the row's key. A row without a proposal draws as in 8.
+
 Log-probabilities come from the raw logits (before 1 and 2):
 log_softmax(l / logprob_temperature), with the sampled token's rank and the top ones.
 
@@ -65,6 +73,9 @@ ESCALATION = 8
 TOP_K_CHUNK = 128
 # (repetition, presence, frequency) that leave logits bit-identical.
 NEUTRAL_PENALTIES = (1.0, 0.0, 0.0)
+# The stream folded into a row's key for the uniform that accepts or rejects its
+# proposal, apart from the Gumbel noise of its draw.
+ACCEPT_STREAM = 1
 
 
 @jax.tree_util.register_dataclass
@@ -89,6 +100,8 @@ class SamplingTensors:
     prompt_mask:         bool [B, V]  token occurs in the prompt
     bias:                f32 [B, V]  added to the logits: the logit_bias, and -inf on
                                      suppressed tokens (min_tokens not reached)
+    proposals:           int32 [B]   the token proposed for the row's position, -1 for
+                                     none; None unless some row has one
 
     draws (static): some row has temperature > 0. A batch of greedy rows compiles
     without the draw and its filters, a fraction of the sampler's compile time.
@@ -107,6 +120,7 @@ class SamplingTensors:
     output_counts: chex.Array | None = None
     prompt_mask: chex.Array | None = None
     bias: chex.Array | None = None
+    proposals: chex.Array | None = None
     draws: bool = field(default=True, metadata=dict(static=True))
 
 
@@ -122,6 +136,8 @@ class SamplerOutput:
     top_logprobs: f32 [B, K]
     finite:       bool [B]    every raw logit of the row is finite (else the row's
                   token means nothing)
+    accepted:     bool [B]    the row accepted its proposal (then its token is the
+                  proposal); False for rows without one
     """
 
     tokens: chex.Array
@@ -130,6 +146,7 @@ class SamplerOutput:
     top_ids: chex.Array
     top_logprobs: chex.Array
     finite: chex.Array
+    accepted: chex.Array
 
 
 def process_logits(logits: chex.Array, tensors: SamplingTensors) -> chex.Array:
@@ -289,8 +306,31 @@ def _categorical(seed: chex.Array, seed_high: chex.Array, sample_index: chex.Arr
     return _first_argmax(logits + jax.random.gumbel(key, logits.shape))
 
 
-def _draw(processed: chex.Array, tensors: SamplingTensors) -> chex.Array:
-    """Steps 4 to 8 for every row (greedy rows' draws are discarded). -> int32 [B]."""
+def _verify(seed: chex.Array, seed_high: chex.Array, sample_index: chex.Array,
+            position: chex.Array, logits: chex.Array, proposal: chex.Array
+            ) -> tuple[chex.Array, chex.Array]:
+    """One row's proposal (-1: none) accepted with probability p(proposal), else a draw
+    from p without it; a row without a proposal draws as `_categorical` does.
+    logits: f32 [V], filtered. -> (token int32 [], accepted bool [])."""
+    key = jax.random.fold_in(jax.random.fold_in(_seed_key(seed, seed_high), sample_index),
+                             position)
+    has_proposal = proposal >= 0
+    proposed = jnp.maximum(proposal, 0)
+    p_proposed = jnp.exp(logits[proposed] - jax.nn.logsumexp(logits))
+    accepted = has_proposal & (
+        jax.random.uniform(jax.random.fold_in(key, ACCEPT_STREAM)) < p_proposed)
+    is_proposed = has_proposal & (jnp.arange(logits.shape[-1]) == proposed)
+    residual = jnp.where(is_proposed, -jnp.inf, logits)
+    # p(proposal) = 1 leaves no residual; such a row always accepts.
+    residual = jnp.where(jnp.isfinite(residual).any(), residual, logits)
+    drawn = _first_argmax(residual + jax.random.gumbel(key, logits.shape))
+    return jnp.where(accepted, proposed, drawn), accepted
+
+
+def _draw(processed: chex.Array, tensors: SamplingTensors
+          ) -> tuple[chex.Array, chex.Array | None]:
+    """Steps 4 to 8 for every row (greedy rows' draws are discarded), verifying the rows'
+    proposals if they have any. -> (int32 [B], accepted bool [B] or None)."""
     sampled = tensors.temperature > 0
     scaled = processed / jnp.where(sampled, tensors.temperature, 1.0)[:, None]
     # Greedy rows ignore the filters; off, they cannot send the batch down a slow path.
@@ -300,8 +340,10 @@ def _draw(processed: chex.Array, tensors: SamplingTensors) -> chex.Array:
     filters = (top_k > 0) | (top_p < 1.0) | (min_p > 0.0)
     masked = jax.lax.cond(filters.any(), filter_logits, lambda s, *_: s,
                           scaled, top_k, top_p, min_p)
-    return jax.vmap(_categorical)(tensors.seeds, tensors.seed_high, tensors.sample_indices,
-                                  tensors.positions, masked)
+    streams = (tensors.seeds, tensors.seed_high, tensors.sample_indices, tensors.positions)
+    if tensors.proposals is None:
+        return jax.vmap(_categorical)(*streams, masked), None
+    return jax.vmap(_verify)(*streams, masked, tensors.proposals)
 
 
 def logprob_outputs(
@@ -378,11 +420,18 @@ def _sample(logits: chex.Array, tensors: SamplingTensors, num_top: int) -> Sampl
     raw = logits.astype(jnp.float32)
     processed = process_logits(raw, tensors)
     tokens = _first_argmax(processed)
+    accepted = jnp.zeros(tokens.shape, bool)
+    if tensors.proposals is not None:  # greedy rows accept their argmax
+        accepted = tokens == tensors.proposals
     if tensors.draws:
-        tokens = jnp.where(tensors.temperature > 0, _draw(processed, tensors), tokens)
+        sampled = tensors.temperature > 0
+        drawn, drawn_accepted = _draw(processed, tensors)
+        tokens = jnp.where(sampled, drawn, tokens)
+        if drawn_accepted is not None:
+            accepted = jnp.where(sampled, drawn_accepted, accepted)
     scaled = raw / tensors.logprob_temperature[:, None]
     finite = jnp.isfinite(raw).all(axis=-1)
-    return SamplerOutput(tokens, *logprob_outputs(scaled, tokens, num_top), finite)
+    return SamplerOutput(tokens, *logprob_outputs(scaled, tokens, num_top), finite, accepted)
 
 
 @dataclass(frozen=True)
@@ -405,11 +454,12 @@ class SamplingRow:
     output_token_ids: Sequence[int] = ()
     suppressed_token_ids: tuple[int, ...] = ()
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
+    proposal: int = -1  # the token proposed for `position`, -1 for none
 
     @classmethod
     def of(cls, params: SamplingParams, *, seed: int, sample_index: int, position: int,
            prompt_token_ids: Sequence[int], output_token_ids: Sequence[int],
-           suppressed_token_ids: tuple[int, ...] = ()) -> SamplingRow:
+           suppressed_token_ids: tuple[int, ...] = (), proposal: int = -1) -> SamplingRow:
         """A row of a request: temperature < 1e-5 becomes 0 (greedy), top_k -1 becomes 0."""
         return cls(
             temperature=0.0 if params.greedy else params.temperature,
@@ -421,6 +471,7 @@ class SamplingRow:
             prompt_token_ids=prompt_token_ids, output_token_ids=output_token_ids,
             suppressed_token_ids=tuple(suppressed_token_ids),
             logit_bias=tuple((params.logit_bias or {}).items()),
+            proposal=proposal,
         )
 
     @classmethod
@@ -489,5 +540,7 @@ def sampling_tensors(
         positions=column("position", 0, np.int32),
         logprob_temperature=column("logprob_temperature", 1.0, np.float32),
         **(_dense(rows, num_rows, vocab_size) if any(r.dense for r in rows) else {}),
+        proposals=(column("proposal", -1, np.int32) if any(r.proposal >= 0 for r in rows)
+                   else None),
         draws=any(r.temperature > 0 for r in rows),
     )

@@ -1,6 +1,8 @@
 """BlockManager against brute-force models of its tables and of the KV it addresses.
 
-The state machine drives admissions, chunked prefills and decodes, forks
+The state machine drives admissions, chunked prefills and decodes, verifying
+steps of speculative decoding (a decode with k proposals, of which any number is
+accepted and the rest rolled back), forks
 (shared or copied), beam-search steps, frees, aborts (also of sequences with
 slots in the open step), swaps and recompute preemptions in any order, and
 checks them against two oracles: a recount of every block table (refcounts,
@@ -41,6 +43,7 @@ LAYER_WINDOWS = [(None,), (None,), (1,), (3,), (7,), (None, 3), (None, 3, 3, 7),
 """Models' layer windows: one group without a window or with one, global and windowed
 groups (Gemma-like), and two windows with no global group."""
 MAX_CHUNK = 9  # the most tokens a `schedule` rule computes of a sequence in one step
+MAX_PROPOSALS = 4  # the most proposals a `speculate` rule verifies per sequence
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
@@ -78,7 +81,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
     # Helpers ---------------------------------------------------------------------
 
     def kv(self, group, seq, position):
-        return group.cache_salt, tuple(seq.token_slice(0, position + 1))
+        """What position's slot holds: its prefix, proposals included (a verifying step
+        writes their K/V before it knows which it keeps)."""
+        return group.cache_salt, tuple((seq.token_ids + seq.spec_token_ids)[: position + 1])
 
     def tables(self, seq):
         """seq's device table in each KV cache group, as lists."""
@@ -111,6 +116,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     def groups_with(self, status, idle=True):
         return [g for g in self.groups if g.seqs_with(status) and not (idle and self.busy(g))]
+
+    def decoding_groups(self):
+        """Idle groups whose running sequences all have only their last token to compute."""
+        return [g for g in self.groups_with(RUNNING)
+                if all(s.num_uncomputed_tokens == 1 for s in g.seqs_with(RUNNING))]
 
     def beam_groups(self):
         """Idle groups with at least two running sequences: room for a beam-search step."""
@@ -261,6 +271,25 @@ class BlockManagerMachine(RuleBasedStateMachine):
                     assert held <= cdiv(window - 1 + n, self.bs) + 1, (g, held, n)
             self.pending.append((seq, n))
 
+    @precondition(lambda self: self.decoding_groups())
+    @rule(data=st.data(), k=st.integers(1, MAX_PROPOSALS))
+    def speculate(self, data, k):
+        """A verifying step: every running sequence of a group gets slots for its last
+        token and k proposals (the engine gives a group's sequences as many each)."""
+        group = data.draw(st.sampled_from(self.decoding_groups()))
+        seqs = group.seqs_with(RUNNING)
+        fits = self.expected_append_blocks(seqs, [1 + k] * len(seqs)) <= self.bm.num_free_blocks
+        assert self.bm.can_append_slots(group, 1 + k) == fits
+        if not fits:
+            return
+        for seq in seqs:
+            seq.spec_token_ids = data.draw(st.lists(st.integers(0, 2), min_size=k, max_size=k))
+            tables_before = self.tables(seq)
+            self.bm.append_slots(seq, 1 + k)
+            self.owing.discard(seq.seq_id)
+            self.note_copies(seq, tables_before)
+            self.pending.append((seq, 1 + k))
+
     @precondition(lambda self: self.groups_with(RUNNING))
     @rule(data=st.data())
     def fork(self, data):
@@ -367,7 +396,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
                     assert self.bm.state.device.refcounts[block] == 1, "write into a shared block"
                     slot = block * self.bs + position % self.bs
                     self.device_kv[slot] = self.kv(group, seq, position)
-            seq.num_computed_tokens += n
+            if seq.spec_token_ids:  # the first `accepted` proposals stay, then a new token
+                accepted = data.draw(st.integers(0, len(seq.spec_token_ids)))
+                seq.num_computed_tokens += 1 + accepted
+                seq.output_token_ids += seq.spec_token_ids[:accepted]
+                seq.spec_token_ids = []
+            else:
+                seq.num_computed_tokens += n
             if seq.num_computed_tokens == len(seq):
                 seq.append_token(data.draw(st.integers(0, 2)))
             self.bm.mark_computed(seq)
@@ -428,6 +463,18 @@ class BlockManagerMachine(RuleBasedStateMachine):
         host_used = np.bincount(sum(self.host_tables(), []), minlength=self.num_host_blocks)
         np.testing.assert_array_equal(state.host.refcounts, host_used)
         assert state.host.num_free == np.count_nonzero(host_used == 0)
+
+    @invariant()
+    def no_blocks_past_the_proposals(self):
+        """A table reaches no further than the sequence's last token and the most
+        proposals a step verifies: rejected proposals leave their blocks for the next
+        ones, never more."""
+        if not hasattr(self, "bm"):
+            return
+        for _, seq in self.live(RUNNING):
+            for table in self.tables(seq):
+                assert len(table) <= cdiv(len(seq) + MAX_PROPOSALS, self.bs), (
+                    seq.seq_id, len(table), len(seq))
 
     @invariant()
     def decode_slot_claims_hold(self):
