@@ -15,7 +15,6 @@ KV cache manager for `allocation` and starts the runner on its backend.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 import warnings
@@ -35,7 +34,7 @@ from jpaged.engine.kv_cache_sizing import size_kv_cache
 from jpaged.engine.output_processor import OutputProcessor
 from jpaged.engine.protocol import EngineState
 from jpaged.engine.runner import start_runner
-from jpaged.engine.stats import EngineStats
+from jpaged.engine.stats import EngineStats, SpecDecodeCounts
 from jpaged.inputs import PromptType
 from jpaged.model.config import LlamaConfig
 from jpaged.model.loader import load_model
@@ -259,5 +258,4 @@ class LLMEngine:
             kv_group_blocks_used=manager.group_blocks_used,
             kv_cache_dtype=self.kv_cache_info.dtype,
             kv_bytes_per_token=self.kv_cache_info.bytes_per_token,
-            spec_decode=dataclasses.replace(self.stats.spec_decode, num_accepted_tokens_per_pos=list(
-                self.stats.spec_decode.num_accepted_tokens_per_pos)))
+            spec_decode=SpecDecodeCounts().add(self.stats.spec_decode))

@@ -2,7 +2,8 @@
 
 Step-level: KV utilization, logical beside physical KV blocks (what sharing
 saves), running / waiting sequences, preemptions, prefix-cache hit rate,
-compilations, speculative decoding's proposals and acceptances. Request-level: output tokens/s, TTFT and TPOT percentiles.
+compilations, speculative decoding's proposals and acceptances. Request-level:
+output tokens/s, TTFT and TPOT percentiles.
 
 Memory stays constant however long the engine runs (a server runs for days):
 step series keep running aggregates, and TTFT / TPOT keep the last
