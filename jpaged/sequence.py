@@ -151,6 +151,11 @@ class SequenceGroup:
                       DeprecationWarning, stacklevel=2)
         return self.max_seqs
 
+    @property
+    def forks_at_next_draw(self) -> bool:
+        """Its one sequence, a prompt, becomes max_seqs parallel samples when it draws."""
+        return len(self.seqs) == 1 and not self.is_beam_search and self.max_seqs > 1
+
     def seqs_with(self, status: SequenceStatus) -> list[Sequence]:
         return [s for s in self.seqs if s.status is status]
 

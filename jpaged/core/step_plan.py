@@ -133,6 +133,6 @@ def _num_proposed(seqs: list[Sequence]) -> int:
 def _draw_rows(group: SequenceGroup, first_row: int, num_seqs: int) -> tuple[int, ...]:
     """The rows a group completing in this step draws from: a prompt that becomes n
     samples draws n times from its row, any other group once per sequence."""
-    if len(group.seqs) == 1 and not group.is_beam_search and group.max_seqs > 1:
+    if group.forks_at_next_draw:
         return (first_row,) * group.max_seqs
     return tuple(range(first_row, first_row + num_seqs))

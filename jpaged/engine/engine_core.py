@@ -231,8 +231,9 @@ class EngineCore:
 
     def _proposals(self, group: SequenceGroup, seq: Sequence, k: int) -> list[int]:
         """Up to k tokens to follow seq if it decodes next, within max_model_len and
-        leaving its last max_tokens token to the target model."""
-        if seq.num_uncomputed_tokens != 1:
+        leaving its last max_tokens token to the target model. A prompt's first token is
+        drawn without proposals: where its last chunk ends depends on the batch."""
+        if seq.num_uncomputed_tokens != 1 or seq.num_computed_tokens < seq.num_prompt_tokens:
             return []
         limit = min(k, self.scheduler.config.max_model_len - len(seq))
         if group.max_tokens is not None:

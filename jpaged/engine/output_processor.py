@@ -40,7 +40,8 @@ class SampleState:
     text:        the visible text: stop strings cut, text that may still become
                  a stop string held back.
     stopped:     a stop string ended it.
-    num_tokens:  its sequence's output tokens taken so far.
+    num_tokens:  its sequence's output tokens taken so far: its output (a stop string
+                 drops what a verified run accepted after it).
     num_*_sent:  how many tokens, characters, logprob entries went out as deltas.
     """
 
@@ -317,7 +318,7 @@ def _output_lengths(state: RequestState) -> list[int]:
     """Output tokens of each sample, or of each returned beam."""
     if state.group.is_beam_search:
         return [len(h.beam.output_token_ids) for h in state.beam_results or ()]
-    return [len(seq.output_token_ids) for seq in state.group.seqs]
+    return [sample.num_tokens for sample in state.samples]
 
 
 def _finish_reason(seq: Sequence, sample: SampleState) -> str | None:
@@ -329,7 +330,7 @@ def _sample_completion(state: RequestState, seq: Sequence, sample: SampleState
     return CompletionOutput(
         index=sample.index,
         text=sample.text,
-        token_ids=list(seq.output_token_ids),
+        token_ids=seq.output_token_ids[:sample.num_tokens],
         cumulative_logprob=sample.cumulative_logprob,
         logprobs=None if sample.logprobs is None else list(sample.logprobs),
         finish_reason=_finish_reason(seq, sample),
@@ -342,7 +343,7 @@ def _sample_deltas(state: RequestState) -> list[CompletionOutput]:
     deltas = []
     for seq, sample in zip(state.group.seqs, state.samples, strict=True):
         finish_reason = _finish_reason(seq, sample)
-        new_tokens = seq.output_token_ids[sample.num_tokens_sent:]
+        new_tokens = seq.output_token_ids[sample.num_tokens_sent:sample.num_tokens]
         new_text = sample.text[sample.num_chars_sent:]
         reports_finish = finish_reason is not None and not sample.finish_sent
         if not new_tokens and not new_text and not reports_finish:
@@ -355,7 +356,7 @@ def _sample_deltas(state: RequestState) -> list[CompletionOutput]:
             cumulative_logprob=sample.cumulative_logprob, logprobs=logprobs,
             finish_reason=finish_reason, stop_reason=sample.stop_reason,
         ))
-        sample.num_tokens_sent = len(seq.output_token_ids)
+        sample.num_tokens_sent = sample.num_tokens
         sample.num_chars_sent = len(sample.text)
         sample.num_logprobs_sent = len(sample.logprobs or ())
         sample.finish_sent = finish_reason is not None

@@ -10,6 +10,7 @@ limits after every `schedule()`.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
 
@@ -202,6 +203,112 @@ def test_no_request_or_token_lost_under_memory_pressure(block_size, mode, chunke
     assert driver.scheduler.num_preemptions > 0, "the pool was meant to be too small"
     assert all(not output.ignored for output in driver.outputs)
     assert_finished_exactly(driver, reqs)
+    assert_all_free(manager)
+
+
+class SpeculativeDriver(Driver):
+    """A Driver whose decoding sequences carry up to k proposals each step, as the engine
+    gives them (as many for every sequence of a group, none for a prompt's first token,
+    none past max_tokens' last token or max_model_len): the oracle's next tokens with one wrong at a random place, or
+    none. It verifies them as greedy decoding does: the leading proposals equal to the
+    oracle's tokens are accepted, then the oracle's next token."""
+
+    def __init__(self, scheduler: Scheduler, k: int, seed: int):
+        super().__init__(scheduler)
+        self.k, self.rng = k, random.Random(seed)
+        self.num_accepted = 0
+
+    def step(self) -> SchedulerOutput:
+        self._propose()
+        output = self.scheduler.schedule()
+        self._check(output)
+        tokens, accepted = self._verify(output)
+        self.scheduler.update_from_output(output, SampledTokens(
+            np.array(tokens, np.int64), np.ones(len(tokens), bool),
+            num_accepted=np.array(accepted, np.int64)))
+        self.outputs.append(output)
+        return output
+
+    def _propose(self) -> None:
+        for group in [*self.scheduler.running, *self.scheduler.swapped]:
+            req, seqs = self.reqs[group.request_id], group.unfinished_seqs()
+            proposals = [self._proposals(req, group, seq) for seq in seqs]
+            num = min(map(len, proposals), default=0)
+            for seq, proposed in zip(seqs, proposals, strict=True):
+                seq.spec_token_ids = proposed[:num]
+
+    def _proposals(self, req: Req, group: SequenceGroup, seq: Sequence) -> list[int]:
+        if seq.num_uncomputed_tokens != 1 or seq.num_computed_tokens < seq.num_prompt_tokens:
+            return []
+        position = len(seq.output_token_ids)
+        limit = min(self.k, self.config.max_model_len - len(seq), req.output_len - position - 1)
+        sample = group.seqs.index(seq)
+        proposed = [token_of(req.index, sample, position + j) for j in range(max(limit, 0))]
+        if proposed and self.rng.random() < 0.5:
+            proposed[self.rng.randrange(len(proposed))] = -1  # a wrong guess
+        return proposed
+
+    def _check(self, output: SchedulerOutput) -> None:
+        for seq, num_new in output.scheduled:
+            if seq.spec_token_ids:  # all of its proposals, or it would not run
+                assert num_new == 1 + len(seq.spec_token_ids) and seq.num_uncomputed_tokens == 1
+        verifying = {id(seq) for seq, _ in output.scheduled if seq.spec_token_ids}
+        super()._check(dataclasses.replace(output, scheduled=[
+            (seq, 1 if id(seq) in verifying else n) for seq, n in output.scheduled]))
+
+    def _verify(self, output: SchedulerOutput) -> tuple[list[int], list[int]]:
+        tokens, accepted = [], []
+        for group, rows in output.draws:
+            req = self.reqs[group.request_id]
+            for index, row in enumerate(rows):
+                seq = output.scheduled[row][0]
+                sample = index if len(group.seqs) == 1 else group.seqs.index(seq)
+                position = len(seq.output_token_ids)
+                count = 0
+                for j, proposal in enumerate(seq.spec_token_ids):
+                    if proposal != token_of(req.index, sample, position + j):
+                        break
+                    count += 1
+                tokens.append(token_of(req.index, sample, position + count))
+                accepted.append(count)
+                self.num_accepted += count
+        return tokens, accepted
+
+
+@pytest.mark.parametrize("block_size,mode,chunked,prefix,max_n", PAGED_CASES)
+def test_speculation_loses_and_adds_no_token(block_size, mode, chunked, prefix, max_n):
+    """Verified proposals under memory pressure: every request ends with the oracle's
+    tokens exactly, rejected proposals leave nothing behind, every block is freed."""
+    manager = paged(block_size=block_size, num_blocks=128 // block_size + 1,
+                    num_host_blocks=256 // block_size if mode == "swap" else 0,
+                    prefix_caching=prefix)
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=24 if chunked else 64,
+                             max_model_len=64, enable_chunked_prefill=chunked,
+                             preemption_mode=mode)
+    driver = SpeculativeDriver(Scheduler(config, manager), k=3, seed=block_size)
+    reqs = random_reqs(seed=block_size, num=40, max_n=max_n, max_total=40)
+    for req in reqs:
+        driver.add(req)
+    driver.run()
+    assert driver.scheduler.num_preemptions > 0 and driver.num_accepted > 0
+    assert_finished_exactly(driver, reqs)
+    assert_all_free(manager)
+
+
+def test_a_stop_token_inside_a_verified_run_ends_it_there():
+    """A stop token among the accepted proposals ends the sequence at once: the accepted
+    proposals after it and the verification's token are dropped, its blocks freed."""
+    manager = paged()
+    driver = SpeculativeDriver(Scheduler(SchedulerConfig(8, 64, 64), manager), k=4, seed=0)
+    driver.rng.random = lambda: 1.0  # every proposal right: runs of five tokens
+    req = Req(0, (1, 2, 3), output_len=20)
+    group = driver.add(req)
+    stop = token_of(0, 0, 7)  # the third token of the second verified run
+    group.stop_token_ids = frozenset({stop})
+    driver.run()
+    assert driver.outputs_of("r0") == [req.expected()[0][:8]]
+    assert group.seqs[0].status is SequenceStatus.FINISHED_STOPPED
+    assert [n for output in driver.outputs for _, n in output.scheduled] == [3, 5, 5]
     assert_all_free(manager)
 
 
