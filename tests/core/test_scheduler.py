@@ -209,9 +209,10 @@ def test_no_request_or_token_lost_under_memory_pressure(block_size, mode, chunke
 class SpeculativeDriver(Driver):
     """A Driver whose decoding sequences carry up to k proposals each step, as the engine
     gives them (as many for every sequence of a group, none for a prompt's first token,
-    none past max_tokens' last token or max_model_len): the oracle's next tokens with one wrong at a random place, or
-    none. It verifies them as greedy decoding does: the leading proposals equal to the
-    oracle's tokens are accepted, then the oracle's next token."""
+    none past max_tokens' last token or max_model_len): the oracle's next tokens with
+    one wrong at a random place, or none. It verifies them as greedy decoding does:
+    the leading proposals equal to the oracle's tokens are accepted, then the oracle's
+    next token."""
 
     def __init__(self, scheduler: Scheduler, k: int, seed: int):
         super().__init__(scheduler)
