@@ -241,6 +241,43 @@ def test_sampled_frequencies_match_the_filtered_distribution(temperature, top_k,
     assert statistic < chi_square_critical(int(kept.sum()) - 1)
 
 
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p", FILTERS[1:5])
+@pytest.mark.parametrize("rank", [0, 2, VOCAB - 1])
+def test_verifying_a_proposal_keeps_the_filtered_distribution(temperature, top_k, top_p,
+                                                              min_p, rank):
+    """Speculative decoding's rule with a one-hot proposal d (an n-gram's): accept with
+    probability p(d), else draw from p without d. The tokens must follow p itself, for a
+    likely proposal, a less likely one and one the filters remove."""
+    num_draws = 20_000
+    logits = normal_logits(1, seed=4)[0]
+    proposal = int(np.argsort(-logits, kind="stable")[rank])
+    rows = [row(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=i,
+                proposal=proposal) for i in range(num_draws)]
+    out = run(np.tile(logits, (num_draws, 1)), rows, num_rows=num_draws)
+    probs = np_filtered_probs(logits, temperature, top_k, top_p, min_p)
+    expected, observed = probs * num_draws, np.bincount(out.tokens, minlength=VOCAB)
+    kept = expected > 0
+    assert not observed[~kept].any(), "drew a filtered-out token"
+    statistic = np.sum((observed[kept] - expected[kept]) ** 2 / expected[kept])
+    assert statistic < chi_square_critical(int(kept.sum()) - 1)
+    np.testing.assert_array_equal(out.tokens[out.accepted], proposal)
+    accepted = out.accepted.sum()  # binomial(num_draws, p(d)), within 4.5 sigma
+    sigma = np.sqrt(num_draws * probs[proposal] * (1 - probs[proposal]))
+    assert abs(accepted - num_draws * probs[proposal]) <= 4.5 * sigma + 1e-9
+
+
+def test_greedy_rows_accept_a_proposal_equal_to_their_argmax():
+    logits = normal_logits(4, seed=6)
+    best = logits.argmax(axis=1)
+    proposals = [int(best[0]), int(best[1]) ^ 1, -1, int(best[3])]
+    rows = [row(temperature=0.0, proposal=p) for p in proposals]
+    rows[3] = row(temperature=0.0, proposal=proposals[3], logit_bias=((int(best[3]), -50.0),))
+    out = run(logits, rows)
+    np.testing.assert_array_equal(out.accepted[:4], [True, False, False, False])
+    np.testing.assert_array_equal(out.tokens[:3], best[:3])  # the target's choice
+    assert out.tokens[3] != best[3]
+
+
 def test_the_draw_is_jax_random_categorical_from_the_documented_key():
     logits = normal_logits(ROWS, seed=5)
     rows = [row(temperature=0.8, seed=10 + i, sample_index=i % 3, position=5 * i)
