@@ -20,6 +20,7 @@ lost KV cache is allocated again) so that every other request goes on.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from dataclasses import dataclass, field
 
@@ -42,6 +43,7 @@ from jpaged.memory.reserving_block_manager import ReservingBlockManager
 from jpaged.model.sampler import SamplerOutput, SamplingRow, sampling_tensors
 from jpaged.sampling_params import GREEDY_TEMPERATURE
 from jpaged.sequence import Sequence, SequenceGroup, SequenceStatus
+from jpaged.speculative.draft_model import Drafts, RowOf, draft_rows
 from jpaged.speculative.proposer import Proposer
 
 logger = logging.getLogger("jpaged")
@@ -136,11 +138,13 @@ class EngineCore:
     logprobs and beam candidates read them); vocab_size: the model's.
     proposer: speculative decoding's, proposing up to shapes.num_speculative_tokens
     tokens per sequence and step (None: no speculative decoding).
+    draft_runner: a draft model's runner (its proposer's): it runs every step's input
+    after the target, so its cache holds what the target's does under the same blocks.
     """
 
     def __init__(self, scheduler: Scheduler, kv_manager: KVManager, runner: ModelRunner,
                  shapes: StepShapes, *, vocab_size: int, max_logprobs: int,
-                 proposer: Proposer | None = None):
+                 proposer: Proposer | None = None, draft_runner: ModelRunner | None = None):
         self.scheduler = scheduler
         self.kv_manager = kv_manager
         self.runner = runner
@@ -148,6 +152,8 @@ class EngineCore:
         self.vocab_size = vocab_size
         self.max_logprobs = max_logprobs
         self.proposer = proposer
+        self.draft_runner = draft_runner
+        self.runners = [runner] if draft_runner is None else [runner, draft_runner]
         self.beam_searches: dict[str, BeamSearch] = {}
 
     def add_request(self, group: SequenceGroup, beam_search: BeamSearch | None) -> None:
@@ -195,17 +201,22 @@ class EngineCore:
         return usage
 
     def _run(self, plan: SchedulerOutput, output: CoreOutput) -> None:
-        self.runner.apply_block_ops(plan.block_ops)
+        for runner in self.runners:
+            runner.apply_block_ops(plan.block_ops)
+        drafts = None if self.proposer is None else self.proposer.draft(self._verifying(plan))
         model_input = build_model_input(plan.scheduled, self.kv_manager, self.shapes.buckets,
                                         plan.num_draws, self.shapes.num_speculative_tokens)
         logits, hidden = self.runner.execute(model_input.input_ids, model_input.metadata,
                                              decode_only=model_input.decode_only,
                                              num_rows=model_input.num_rows)
+        if self.draft_runner is not None:
+            self.draft_runner.advance(model_input.input_ids, model_input.metadata,
+                                      decode_only=model_input.decode_only)
         prompt_logprobs = self._prompt_logprobs(plan, model_input.metadata.query_start_loc,
                                                 hidden)
         tokens = SampledTokens(np.zeros(0, np.int32), np.ones(0, bool))
         if plan.draws:
-            sampled, draw_sizes = self._sample(plan, logits, model_input.proposal_rows)
+            sampled, draw_sizes = self._sample(plan, logits, model_input.proposal_rows, drafts)
             tokens, output.draw_rows, output.proposals = _verified(sampled, draw_sizes)
             beams, output.beam_results = self._choose_beams(plan, sampled, output.draw_rows)
             tokens = dataclasses.replace(tokens, beams=beams)
@@ -240,13 +251,22 @@ class EngineCore:
             limit = min(limit, group.max_tokens - len(seq.output_token_ids) - 1)
         return self.proposer.propose(seq, limit) if limit > 0 else []
 
+    def _verifying(self, plan: SchedulerOutput) -> list[tuple[Sequence, RowOf]]:
+        """The sequences this step verifies proposals of, each with the maker of its
+        sampling rows."""
+        return [(plan.scheduled[row][0],
+                 functools.partial(self._sampling_row, group, plan.scheduled[row][0], index))
+                for group, rows in plan.draws
+                for index, row in _sample_indices(group, plan, rows)
+                if plan.scheduled[row][0].spec_token_ids]
+
     # Sampling.
 
-    def _sample(self, plan: SchedulerOutput, logits: jax.Array, proposal_rows: np.ndarray
-                ) -> tuple[SamplerOutput, list[int]]:
+    def _sample(self, plan: SchedulerOutput, logits: jax.Array, proposal_rows: np.ndarray,
+                drafts: Drafts | None) -> tuple[SamplerOutput, list[int]]:
         """The sampler's outputs, and each draw's rows in them: a verifying sequence's
         draw has a row per proposal (the logits before it) and one after them."""
-        logit_rows, sampling_rows, draw_sizes = [], [], []
+        logit_rows, sampling_rows, draw_sizes, draft_steps = [], [], [], []
         for group, rows in plan.draws:
             for index, row in _sample_indices(group, plan, rows):
                 seq = plan.scheduled[row][0]
@@ -255,6 +275,8 @@ class EngineCore:
                     logit_rows.append(proposal_rows[row] + j)
                     sampling_rows.append(
                         self._sampling_row(group, seq, index, proposals[:j], proposal))
+                    if drafts is not None:
+                        draft_steps.append((len(sampling_rows) - 1, j, drafts.rows[id(seq)]))
                 logit_rows.append(row)
                 sampling_rows.append(self._sampling_row(group, seq, index, proposals))
                 draw_sizes.append(len(proposals) + 1)
@@ -262,6 +284,9 @@ class EngineCore:
         row_array = np.zeros(num_rows, np.int32)
         row_array[: len(logit_rows)] = logit_rows
         tensors = sampling_tensors(sampling_rows, num_rows, self.vocab_size)
+        if drafts is not None:
+            tensors = dataclasses.replace(tensors, draft_probs=_draft_probs(
+                drafts, draft_steps, num_rows))
         return self.runner.sample(logits, row_array, tensors, self.max_logprobs), draw_sizes
 
     @staticmethod
@@ -361,10 +386,11 @@ class EngineCore:
             self.scheduler.fail(group.request_id)
         self.scheduler.recompute([g for g in plan.preempted
                                   if g.seqs_with(SequenceStatus.SWAPPED)])
-        if self.runner.kv_cache_lost():
+        if any(runner.kv_cache_lost() for runner in self.runners):
             logger.error("the KV cache was lost with the step: reallocating it; running "
                          "requests recompute their tokens")
-            self.runner.reset_kv_cache()
+            for runner in self.runners:
+                runner.reset_kv_cache()
             self.scheduler.recompute(list(self.scheduler.running))
             self.kv_manager.reset_prefix_cache()
         output.stats = self.scheduler.stats()
@@ -375,6 +401,16 @@ class EngineCore:
         running = [s for g in scheduler.running for s in g.seqs_with(SequenceStatus.RUNNING)]
         swapped = [s for g in scheduler.swapped for s in g.seqs_with(SequenceStatus.SWAPPED)]
         self.kv_manager.check_invariants(running, swapped)
+
+
+def _draft_probs(drafts: Drafts, draft_steps: list[tuple[int, int, int]], num_rows: int
+                 ) -> jax.Array:
+    """f32 [num_rows, V]: the draft's distribution of each sampling row's proposal
+    (draft_steps: (sampling row, draft step, draft row)); zeros elsewhere."""
+    steps, rows = np.zeros(num_rows, np.int32), np.zeros(num_rows, np.int32)
+    for sampling_row, step, row in draft_steps:
+        steps[sampling_row], rows[sampling_row] = step, row
+    return draft_rows(drafts.probs, steps, rows)
 
 
 def _verified(sampled: SamplerOutput, draw_sizes: list[int]

@@ -132,14 +132,20 @@ def weight_bytes(model) -> int:
 
 
 def size_kv_cache(config: EngineConfig, model_config, model, max_model_len: int,
-                  device: jax.Device | None, groups: KVCacheGroups) -> KVCacheInfo:
+                  device: jax.Device | None, groups: KVCacheGroups,
+                  draft: tuple | None = None) -> KVCacheInfo:
     """The pool of an engine whose model is loaded (on `device`, by default the default
     device), laid out for `groups`: `kv_cache_num_blocks` on the memory the machine
-    reports."""
+    reports. draft: (model, config) of a draft model, whose cache has a block for each
+    of the target's: its bytes count in every token's and its weights in the memory."""
     token_bytes = bytes_per_token(model_config, config.kv_dtype)
+    if draft is not None:
+        token_bytes += bytes_per_token(draft[1], config.kv_dtype)
     info = KVCacheInfo(0, config.block_size, token_bytes, groups, config.kv_dtype_name)
     memory = None if config.num_blocks is not None else MemoryFigures(
-        machine.free_device_memory(device), weight_bytes(model), machine.on_accelerator())
+        machine.free_device_memory(device),
+        weight_bytes(model) + (0 if draft is None else weight_bytes(draft[0])),
+        machine.on_accelerator())
     num_blocks = kv_cache_num_blocks(config, max_model_len, info.block_bytes, memory, groups)
     return dataclasses.replace(info, num_blocks=num_blocks)
 

@@ -33,16 +33,17 @@ from jpaged.engine.input_processor import EngineRequest, InputProcessor, Request
 from jpaged.engine.kv_cache_sizing import size_kv_cache
 from jpaged.engine.output_processor import OutputProcessor
 from jpaged.engine.protocol import EngineState
-from jpaged.engine.runner import start_runner
+from jpaged.engine.runner import ModelRunner, start_runner
 from jpaged.engine.stats import EngineStats, SpecDecodeCounts
 from jpaged.inputs import PromptType
 from jpaged.model.config import LlamaConfig
-from jpaged.model.loader import load_model
+from jpaged.model.loader import load_model, read_model_config
 from jpaged.model.sharding import shard_model
 from jpaged.outputs import RequestOutput
 from jpaged.sampling_params import BeamSearchParams, SamplingParams
 from jpaged.sequence import Sequence, SequenceGroup
-from jpaged.speculative.proposer import make_proposer
+from jpaged.speculative.draft_model import DraftModelProposer, check_draft_model
+from jpaged.speculative.ngram import NgramProposer
 
 logger = logging.getLogger("jpaged")
 
@@ -70,6 +71,10 @@ class LLMEngine:
             raise ValueError(f"an LLMEngine is one replica, got {len(meshes)} data-parallel "
                              "replicas; run them with LLM or DataParallelEngine")
         mesh = meshes[0]
+        spec = config.speculative_config
+        if spec is not None and spec.method == "draft_model":
+            check_draft_model(spec, loaded[1] if loaded else read_model_config(config.model),
+                              mesh)
         model, self.model_config, self.tokenizer = loaded or load_model(config.model, config.dtype)
         if mesh is not None:
             model, self.model_config = shard_model(model, self.model_config, mesh)
@@ -79,8 +84,12 @@ class LLMEngine:
         model_max = self.model_config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or min(model_max, 2048), model_max)
         groups = kv_cache_groups(config, self.model_config.layer_windows)
+        draft = None
+        if spec is not None and spec.method == "draft_model":
+            draft = load_model(spec.model, config.dtype)[:2]
         self.kv_cache_info = size_kv_cache(config, self.model_config, model, self.max_model_len,
-                                           None if mesh is None else mesh.devices.flat[0], groups)
+                                           None if mesh is None else mesh.devices.flat[0], groups,
+                                           draft)
         logger.info("%s", self.kv_cache_info)
         num_blocks = self.kv_cache_info.num_blocks
         kv_manager = make_kv_manager(config, num_blocks, self.max_model_len, groups)
@@ -95,9 +104,19 @@ class LLMEngine:
                                       max_model_len=self.max_model_len, mesh=mesh,
                                       groups=groups)
         vocab_size = self.model_config.vocab_size
+        draft_runner = proposer = None
+        if draft is not None:
+            draft_runner = ModelRunner(
+                *draft, num_blocks=num_blocks, block_size=config.block_size,
+                num_host_blocks=config.num_host_blocks, kv_dtype=config.kv_dtype,
+                attention_backend=runner.attention_backend, interpret=config.interpret,
+                logit_rows_per_seq=runner.logit_rows_per_seq)
+            proposer = DraftModelProposer(draft_runner, kv_manager, shapes, vocab_size)
+        elif spec is not None:
+            proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
         self.core = EngineCore(scheduler, kv_manager, runner, shapes, vocab_size=vocab_size,
-                               max_logprobs=config.max_logprobs,
-                               proposer=make_proposer(config.speculative_config))
+                               max_logprobs=config.max_logprobs, proposer=proposer,
+                               draft_runner=draft_runner)
         eos, tokenizer_eos = self.model_config.eos_token_ids, self.tokenizer.eos_token_id
         self.eos_token_ids = eos if tokenizer_eos in (None, *eos) else (*eos, tokenizer_eos)
         limits = RequestLimits(vocab_size, min(config.max_num_seqs, config.max_num_batched_tokens),
@@ -229,12 +248,13 @@ class LLMEngine:
         return outputs
 
     def warmup(self) -> int:
-        """Compile every step shape the limits allow (jpaged.engine.compilation.warmup);
-        returns the number of step shapes run."""
-        return compilation.warmup(self.core.runner, self.core.shapes,
-                                  vocab_size=self.model_config.vocab_size,
-                                  hidden_size=self.model_config.hidden_size,
-                                  num_top=self.config.max_logprobs)
+        """Compile every step shape the limits allow (jpaged.engine.compilation.warmup),
+        a draft model's too; returns the number of step shapes run."""
+        return max(compilation.warmup(runner, self.core.shapes,
+                                      vocab_size=self.model_config.vocab_size,
+                                      hidden_size=runner.config.hidden_size,
+                                      num_top=self.config.max_logprobs)
+                   for runner in self.core.runners)
 
     def check_invariants(self) -> None:
         """Check the KV blocks against the live sequences; RuntimeError on a violation.

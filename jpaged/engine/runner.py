@@ -265,14 +265,21 @@ class ModelRunner:
         self, input_ids: np.ndarray, metadata: AttentionMetadata, *, decode_only: bool,
         num_rows: int,
     ) -> tuple[jax.Array, jax.Array]:
-        """Run one step. input_ids int32 [T] -> (logits f32 [num_rows, vocab] at the last
-        new token of the first num_rows sequence rows, final hidden states [T, hidden]),
-        both still on the device."""
+        """Run one step. input_ids int32 [T] -> (logits f32 [num_rows, vocab] at the tokens
+        of the first num_rows entries of metadata.logits_indices, final hidden states
+        [T, hidden]), both still on the device."""
+        last_hidden, hidden = self.advance(input_ids, metadata, decode_only=decode_only)
+        return self.logits(last_hidden, num_rows), hidden
+
+    def advance(self, input_ids: np.ndarray, metadata: AttentionMetadata, *,
+                decode_only: bool) -> tuple[jax.Array, jax.Array]:
+        """Run one step for its K/V alone: (the hidden states at metadata.logits_indices,
+        final hidden states [T, hidden]) without logits."""
         step = self._decode_step if decode_only else self._mixed_step
         last_hidden, hidden, self.kv_cache = step(
             self._param_leaves, input_ids, self.kv_cache, metadata
         )
-        return self.logits(last_hidden, num_rows), hidden
+        return last_hidden, hidden
 
     def logits(self, last_hidden: jax.Array, num_rows: int) -> jax.Array:
         """Final-normed hidden states [B, hidden] -> logits f32 [num_rows, vocab] of the

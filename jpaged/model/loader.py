@@ -39,7 +39,7 @@ from jpaged.model.default_model import (
     default_model_directory,
     gemma3_gguf,
 )
-from jpaged.model.gguf import load_gguf
+from jpaged.model.gguf import load_gguf, read_gguf
 from jpaged.model.llama import LlamaForCausalLM
 from jpaged.model.tokenizer import Tokenizer, TokenizerError
 
@@ -77,6 +77,18 @@ def load_model(
         path, f"{problem}; expected {DEFAULT_MODEL!r}, {GEMMA3_MODEL!r}, a Hugging Face "
         "model directory (config.json + *.safetensors) or a .gguf file"
     )
+
+
+def read_model_config(name_or_path: str | os.PathLike) -> LlamaConfig:
+    """The config of what `load_model` would load, without reading any weights."""
+    if str(name_or_path) == DEFAULT_MODEL:
+        return read_hf_config(default_model_directory())
+    path = gemma3_gguf() if str(name_or_path) == GEMMA3_MODEL else Path(name_or_path)
+    if path.is_dir():
+        return read_hf_config(path)
+    if path.is_file() and path.suffix == ".gguf":
+        return llama_config(path, read_gguf(path)[0])
+    return load_model(path)[1]  # the error load_model raises for it
 
 
 def load_hf_directory(

@@ -23,12 +23,13 @@ Per row, from the model's raw logits l (f32 [V]), `sample` applies in this order
    bits) with its high 32 bits folded in; a seed inside keeps key(seed).
 
 Speculative decoding verifies proposals with the same rows: a row with a proposal d
-(the token proposed for its position, one-hot in the proposer's distribution) accepts
-it if greedy and d is the argmax of 2, else with probability p(d) under the
-distribution 4 to 7 leave (Leviathan et al.'s min(1, p(d) / q(d)) with q(d) = 1),
-from a uniform drawn with the key fold_in(row key, ACCEPT_STREAM); a row that rejects
-draws from that distribution with d removed (the residual max(0, p - q),
-normalised), with the row's key. A row without a proposal draws as in 8.
+drawn from a distribution q (a draft model's, or one-hot for an n-gram's) accepts it
+if greedy and d is the argmax of 2, else with probability min(1, p(d) / q(d))
+(Leviathan et al.), p the distribution 4 to 7 leave, from a uniform drawn with the
+key fold_in(row key, ACCEPT_STREAM); a row that rejects draws from the residual
+max(0, p - q), normalised, with the row's key. A row without a proposal draws as in
+8. A draft model draws its proposals with `draft_sample`: the same steps on its own
+logits, with the key fold_in(row key, DRAFT_STREAM).
 
 Log-probabilities come from the raw logits (before 1 and 2):
 log_softmax(l / logprob_temperature), with the sampled token's rank and the top ones.
@@ -76,6 +77,8 @@ NEUTRAL_PENALTIES = (1.0, 0.0, 0.0)
 # The stream folded into a row's key for the uniform that accepts or rejects its
 # proposal, apart from the Gumbel noise of its draw.
 ACCEPT_STREAM = 1
+# The stream of a draft model's draw for a row, independent of both of the above.
+DRAFT_STREAM = 2
 
 
 @jax.tree_util.register_dataclass
@@ -102,6 +105,8 @@ class SamplingTensors:
                                      suppressed tokens (min_tokens not reached)
     proposals:           int32 [B]   the token proposed for the row's position, -1 for
                                      none; None unless some row has one
+    draft_probs:         f32 [B, V]  the distribution each proposal was drawn from (a
+                                     draft model's); None: one-hot (an n-gram's)
 
     draws (static): some row has temperature > 0. A batch of greedy rows compiles
     without the draw and its filters, a fraction of the sampler's compile time.
@@ -121,6 +126,7 @@ class SamplingTensors:
     prompt_mask: chex.Array | None = None
     bias: chex.Array | None = None
     proposals: chex.Array | None = None
+    draft_probs: chex.Array | None = None
     draws: bool = field(default=True, metadata=dict(static=True))
 
 
@@ -306,25 +312,63 @@ def _categorical(seed: chex.Array, seed_high: chex.Array, sample_index: chex.Arr
     return _first_argmax(logits + jax.random.gumbel(key, logits.shape))
 
 
+def _row_key(seed: chex.Array, seed_high: chex.Array, sample_index: chex.Array,
+             position: chex.Array) -> chex.Array:
+    return jax.random.fold_in(jax.random.fold_in(_seed_key(seed, seed_high), sample_index),
+                              position)
+
+
 def _verify(seed: chex.Array, seed_high: chex.Array, sample_index: chex.Array,
-            position: chex.Array, logits: chex.Array, proposal: chex.Array
-            ) -> tuple[chex.Array, chex.Array]:
-    """One row's proposal (-1: none) accepted with probability p(proposal), else a draw
-    from p without it; a row without a proposal draws as `_categorical` does.
+            position: chex.Array, logits: chex.Array, proposal: chex.Array,
+            draft_probs: chex.Array | None) -> tuple[chex.Array, chex.Array]:
+    """One row's proposal (-1: none), drawn from draft_probs (f32 [V]; None: one-hot),
+    accepted with probability min(1, p / q) at it, else a draw from max(0, p - q); a row
+    without a proposal draws as `_categorical` does.
     logits: f32 [V], filtered. -> (token int32 [], accepted bool [])."""
-    key = jax.random.fold_in(jax.random.fold_in(_seed_key(seed, seed_high), sample_index),
-                             position)
+    key = _row_key(seed, seed_high, sample_index, position)
     has_proposal = proposal >= 0
     proposed = jnp.maximum(proposal, 0)
-    p_proposed = jnp.exp(logits[proposed] - jax.nn.logsumexp(logits))
+    probs = jnp.exp(logits - jax.nn.logsumexp(logits))
+    if draft_probs is None:
+        draft_probs = (jnp.arange(logits.shape[-1]) == proposed).astype(probs.dtype)
+    draft_probs = jnp.where(has_proposal, draft_probs, 0.0)
+    ratio = probs[proposed] / jnp.maximum(draft_probs[proposed], jnp.finfo(jnp.float32).tiny)
     accepted = has_proposal & (
-        jax.random.uniform(jax.random.fold_in(key, ACCEPT_STREAM)) < p_proposed)
-    is_proposed = has_proposal & (jnp.arange(logits.shape[-1]) == proposed)
-    residual = jnp.where(is_proposed, -jnp.inf, logits)
-    # p(proposal) = 1 leaves no residual; such a row always accepts.
-    residual = jnp.where(jnp.isfinite(residual).any(), residual, logits)
-    drawn = _first_argmax(residual + jax.random.gumbel(key, logits.shape))
+        jax.random.uniform(jax.random.fold_in(key, ACCEPT_STREAM)) < ratio)
+    residual = jnp.maximum(probs - draft_probs, 0.0)
+    # p <= q everywhere leaves no residual: such a row accepts (p = q) but for rounding.
+    residual = jnp.where(residual.sum() > 0, residual, probs)
+    drawn = _first_argmax(jnp.log(residual) + jax.random.gumbel(key, logits.shape))
     return jnp.where(accepted, proposed, drawn), accepted
+
+
+def draft_sample(logits: chex.Array, tensors: SamplingTensors) -> tuple[chex.Array, chex.Array]:
+    """A draft model's proposals: one token per row and the distribution it was drawn
+    from, by the steps of `sample` (greedy rows: the argmax, one-hot) with the key
+    fold_in(row key, DRAFT_STREAM). logits: [B, V] -> (int32 [B], f32 [B, V])."""
+    return _compiled_draft_sample()(logits, tensors)
+
+
+def _draft_sample(logits: chex.Array, tensors: SamplingTensors
+                  ) -> tuple[chex.Array, chex.Array]:
+    processed = process_logits(logits.astype(jnp.float32), tensors)
+    greedy_tokens = _first_argmax(processed)
+    sampled = tensors.temperature > 0
+    scaled = processed / jnp.where(sampled, tensors.temperature, 1.0)[:, None]
+    masked = filter_logits(scaled, jnp.where(sampled, tensors.top_k, 0),
+                           jnp.where(sampled, tensors.top_p, 1.0),
+                           jnp.where(sampled, tensors.min_p, 0.0))
+
+    def draw(seed, seed_high, sample_index, position, row):
+        key = jax.random.fold_in(_row_key(seed, seed_high, sample_index, position), DRAFT_STREAM)
+        return _first_argmax(row + jax.random.gumbel(key, row.shape))
+
+    drawn = jax.vmap(draw)(tensors.seeds, tensors.seed_high, tensors.sample_indices,
+                           tensors.positions, masked)
+    tokens = jnp.where(sampled, drawn, greedy_tokens)
+    one_hot = jax.nn.one_hot(greedy_tokens, logits.shape[-1], dtype=jnp.float32)
+    probs = jnp.where(sampled[:, None], jax.nn.softmax(masked, axis=-1), one_hot)
+    return tokens, probs
 
 
 def _draw(processed: chex.Array, tensors: SamplingTensors
@@ -343,7 +387,10 @@ def _draw(processed: chex.Array, tensors: SamplingTensors
     streams = (tensors.seeds, tensors.seed_high, tensors.sample_indices, tensors.positions)
     if tensors.proposals is None:
         return jax.vmap(_categorical)(*streams, masked), None
-    return jax.vmap(_verify)(*streams, masked, tensors.proposals)
+    if tensors.draft_probs is None:
+        return jax.vmap(lambda *args: _verify(*args, None))(*streams, masked,
+                                                             tensors.proposals)
+    return jax.vmap(_verify)(*streams, masked, tensors.proposals, tensors.draft_probs)
 
 
 def logprob_outputs(
@@ -414,6 +461,11 @@ def _compiler_options() -> dict[str, str] | None:
 def _compiled_sample():
     return jax.jit(_sample, static_argnames="num_top",
                    compiler_options=_compiler_options())
+
+
+@cache
+def _compiled_draft_sample():
+    return jax.jit(_draft_sample, compiler_options=_compiler_options())
 
 
 def _sample(logits: chex.Array, tensors: SamplingTensors, num_top: int) -> SamplerOutput:

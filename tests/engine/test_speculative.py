@@ -43,14 +43,18 @@ def loaded(model_dir):
     return load_model(model_dir)
 
 
-@pytest.fixture(scope="module")
-def prompts(loaded):
+def _prompt_set(loaded) -> list[list[int]]:
     """Prompts that repeat a phrase (n-grams recur at once) and prompts that do not."""
     rng = np.random.default_rng(3)
     vocab_size = loaded[1].vocab_size
     phrases = [rng.integers(0, vocab_size, n).tolist() for n in (5, 7, 4)]
     repeated = [phrase * 3 + rng.integers(0, vocab_size, 2).tolist() for phrase in phrases]
     return repeated + [rng.integers(0, vocab_size, n).tolist() for n in (3, 11, 19)]
+
+
+@pytest.fixture(scope="module")
+def prompts(loaded):
+    return _prompt_set(loaded)
 
 
 @pytest.fixture(scope="module")
@@ -230,3 +234,65 @@ def test_proposals_must_fit_the_step_budget(loaded):
     with pytest.raises(ValueError, match="max_num_batched_tokens=4"):
         LLM("tiny", loaded=loaded, speculative_config=NGRAM | {"num_speculative_tokens": 4},
             **_config(max_num_batched_tokens=4))
+
+
+# ---- a draft model -----------------------------------------------------------------
+
+
+def _draft(model_dir, k: int = K) -> dict:
+    return {"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": k}
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_llama_dir):
+    return tiny_llama_dir, load_model(tiny_llama_dir)
+
+
+def test_a_draft_model_that_disagrees_keeps_greedy_outputs(llama, tiny_qwen2_dir):
+    """A random Qwen2 with the target's vocabulary drafts for the tiny Llama: every
+    verification rejects most of its proposals, and the output is transformers'."""
+    model_dir, loaded = llama
+    prompts = [p[:12] for p in _prompt_set(loaded)]
+    expected = greedy_continuations(model_dir, prompts, MAX_TOKENS)
+    llm = LLM("tiny", loaded=loaded, speculative_config=_draft(tiny_qwen2_dir), **_config())
+    assert _tokens(llm.generate(prompts, GREEDY)) == expected
+    counts = llm.engine.stats.spec_decode
+    assert counts.num_drafts > 0 and counts.draft_acceptance_rate < 0.5
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_the_target_as_its_own_draft_accepts_everything(llama, mode):
+    """A draft equal to the target proposes the target's own tokens: greedy or sampled,
+    every proposal is accepted, through prefix-cache hits (the draft's K/V comes with the
+    target's blocks), preemption (swaps move the draft's blocks too) and forked samples."""
+    model_dir, loaded = llama
+    prompts = _prompt_set(loaded)
+    engine = LLMEngine(EngineConfig(speculative_config=_draft(model_dir), **_config(
+        num_blocks=40, preemption_mode=mode, num_host_blocks=160 if mode == "swap" else 0)),
+        loaded=loaded)
+    sampled = SamplingParams(n=2, temperature=0.9, max_tokens=MAX_TOKENS, seed=5,
+                             ignore_eos=True)
+    _run(engine, {str(i): (p, GREEDY if i % 2 else sampled) for i, p in enumerate(prompts)})
+    # Later requests on the blocks a finished one left in the prefix cache.
+    _run(engine, {"first": (prompts[5], GREEDY)})
+    _run(engine, {"hit": (prompts[5][:12] + [1, 2], GREEDY), "hit2": (prompts[5], sampled)})
+    counts = engine.stats.spec_decode
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.block_manager.prefix_cache_stats.hit_tokens > 0
+    assert counts.num_drafts > 0 and counts.num_accepted_tokens == counts.num_draft_tokens
+
+
+def test_a_draft_with_another_vocabulary_fails_before_weights_load(llama, tmp_path,
+                                                                   monkeypatch):
+    from jpaged.engine import llm_engine
+    from tests.plugins.hf_models import oracle_transformers, randomize, tiny_tokenizer
+
+    transformers = oracle_transformers()
+    config = transformers.LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=1, num_attention_heads=2,
+                                      num_key_value_heads=1)
+    randomize(transformers.LlamaForCausalLM(config), seed=2).save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    monkeypatch.setattr(llm_engine, "load_model", pytest.fail)
+    with pytest.raises(ValueError, match=r"speculative_config\['model'\].*300 tokens"):
+        LLMEngine(EngineConfig(model=str(llama[0]), speculative_config=_draft(tmp_path)))
