@@ -7,6 +7,8 @@ also held to the full sort bit for bit.
 
 from __future__ import annotations
 
+import dataclasses
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -18,6 +20,7 @@ from jpaged.model.sampler import (
     SamplerOutput,
     SamplingRow,
     chunked_top_k,
+    draft_sample,
     filter_logits,
     logprob_outputs,
     nucleus_cutoffs,
@@ -264,6 +267,37 @@ def test_verifying_a_proposal_keeps_the_filtered_distribution(temperature, top_k
     accepted = out.accepted.sum()  # binomial(num_draws, p(d)), within 4.5 sigma
     sigma = np.sqrt(num_draws * probs[proposal] * (1 - probs[proposal]))
     assert abs(accepted - num_draws * probs[proposal]) <= 4.5 * sigma + 1e-9
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p", FILTERS[1:5])
+def test_verifying_a_draft_models_proposal_keeps_the_filtered_distribution(
+        temperature, top_k, top_p, min_p):
+    """A draft model that disagrees with the target draws its proposal from its own
+    filtered distribution q (`draft_sample`); verified against q, the tokens follow the
+    target's p: accepted with min(1, p/q), else drawn from max(0, p - q)."""
+    num_draws = 20_000
+    logits, draft_logits = normal_logits(2, seed=7)
+    rows = [row(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=i)
+            for i in range(num_draws)]
+    tensors = sampling_tensors(rows, num_draws, VOCAB)
+    proposals, draft_probs = draft_sample(jnp.tile(draft_logits, (num_draws, 1)), tensors)
+    q = np_filtered_probs(draft_logits, temperature, top_k, top_p, min_p)
+    np.testing.assert_allclose(np.asarray(draft_probs[0]), q, atol=1e-6)
+    drafted = np.bincount(np.asarray(proposals), minlength=VOCAB)
+    kept = q > 0
+    statistic = np.sum((drafted[kept] - q[kept] * num_draws) ** 2 / (q[kept] * num_draws))
+    assert statistic < chi_square_critical(int(kept.sum()) - 1), "the draft's own draws"
+    verifying = dataclasses.replace(
+        tensors, proposals=np.asarray(proposals, np.int32), draft_probs=draft_probs)
+    out = jax.tree.map(np.asarray, sample(jnp.tile(logits, (num_draws, 1)), verifying,
+                                          num_top=NUM_TOP))
+    p = np_filtered_probs(logits, temperature, top_k, top_p, min_p)
+    expected, observed = p * num_draws, np.bincount(out.tokens, minlength=VOCAB)
+    kept = expected > 0
+    assert not observed[~kept].any(), "drew a filtered-out token"
+    statistic = np.sum((observed[kept] - expected[kept]) ** 2 / expected[kept])
+    assert statistic < chi_square_critical(int(kept.sum()) - 1)
+    assert 0 < out.accepted.mean() < 1
 
 
 def test_greedy_rows_accept_a_proposal_equal_to_their_argmax():
