@@ -97,9 +97,12 @@ def test_greedy_equals_transformers(loaded, prompts, expected, block_size, cachi
     llm = LLM("tiny", loaded=loaded, speculative_config=NGRAM, **_config(
         block_size=block_size, num_blocks=2 + 8 * 128 // block_size,
         enable_prefix_caching=caching))
-    assert _tokens(llm.generate(prompts, GREEDY)) == expected
+    outputs = llm.generate(prompts, GREEDY)
+    assert _tokens(outputs) == expected
     counts = llm.engine.stats.spec_decode
     assert counts.num_accepted_tokens > 0, "no proposal was ever accepted"
+    assert sum(o.metrics.num_accepted_tokens for o in outputs) == counts.num_accepted_tokens
+    assert sum(o.metrics.num_draft_tokens for o in outputs) == counts.num_draft_tokens
     assert counts.num_accepted_tokens < counts.num_draft_tokens
     assert sum(counts.num_accepted_tokens_per_pos) == counts.num_accepted_tokens
 
