@@ -13,7 +13,7 @@ each (ignore_eos, so every system generates the same count):
 - ordinary: questions on everyday topics, where they rarely do.
 
 Systems, each on the same prompts: jpaged's `LLM` without speculation, with n-gram
-proposals (k tokens, prompt_lookup 1 to 4), and with a draft model (the default model
+proposals (k tokens, the default prompt lookup bounds), and with a draft model (the default model
 cut to its first L layers, with its final norm and LM head: written by transformers
 into the cache once; no other model with its 49,152-token vocabulary installs without
 network); transformers' `generate`, with prompt lookup (`prompt_lookup_num_tokens=k`)
@@ -26,13 +26,18 @@ one short generation each.
 
 Reported: tokens/s, the ratios to jpaged without speculation and to transformers,
 acceptance (`EngineStats.spec_decode` over each measured run), whether greedy outputs
-equal jpaged's without speculation, and the targets: n-gram at least 1.8x at batch 1 on
-the repetitive prompts and at least 0.95x on the ordinary ones. One JSON object last.
+equal jpaged's without speculation, the targets (n-gram at least 1.8x at batch 1 on
+the repetitive prompts and at least 0.95x on the ordinary ones), and what a
+verification costs: the model step of one sequence at a 512-token context with 1
+token (a decode step) and with 1 + k (a verifying step), alternating, and the
+matrix products of those steps alone (the layers' weights times 1 and 1 + k rows).
+One JSON object last.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import inspect
 import json
 import pydoc_data.topics
@@ -42,10 +47,11 @@ import time
 from pathlib import Path
 
 from benchmarks.report import new_report, progress, record_end_load
+from jpaged.speculative.config import DEFAULT_LOOKUP_MAX as LOOKUP_MAX
+from jpaged.speculative.config import DEFAULT_LOOKUP_MIN as LOOKUP_MIN
 
 TOPICS = ["the moon", "rivers", "bread", "volcanoes", "chess", "honey bees", "glass",
           "rain"]
-NGRAM_LOOKUP = (1, 4)  # prompt_lookup_min, prompt_lookup_max
 BATCHES = (1, 8)
 
 
@@ -104,8 +110,7 @@ class Jpaged:
 
         self.args = args
         common = dict(max_num_seqs=max(BATCHES), max_model_len=2048)
-        ngram = {"method": "ngram", "num_speculative_tokens": args.k,
-                 "prompt_lookup_min": NGRAM_LOOKUP[0], "prompt_lookup_max": NGRAM_LOOKUP[1]}
+        ngram = {"method": "ngram", "num_speculative_tokens": args.k}
         self.engines = {
             "jpaged": LLM(args.model, **common),
             "jpaged_ngram": LLM(args.model, speculative_config=ngram, **common),
@@ -158,7 +163,7 @@ class Transformers:
         self.assistant = load(draft, dtype=torch.float32).eval()
         self.options = {"transformers": {},
                         "transformers_lookup": {"prompt_lookup_num_tokens": args.k,
-                                                "max_matching_ngram_size": NGRAM_LOOKUP[1]},
+                                                "max_matching_ngram_size": LOOKUP_MAX},
                         "transformers_assisted": {"assistant_model": self.assistant}}
         for options in self.options.values():
             self._generate([1, 2, 3, 4], 4, options)
@@ -212,7 +217,63 @@ def measure(args) -> dict:
             results[f"{workload}_batch{batch}"] = {
                 name: _summary(r, None if name == "jpaged" else reference)
                 for name, r in runs.items()}
-    return results
+    return results, verification_cost(jpaged.engines["jpaged_ngram"], args.k)
+
+
+def verification_cost(llm, k: int, context: int = 512, repeats: int = 15) -> dict:
+    """Milliseconds of the model step of one sequence at `context` tokens with 1 new token
+    and with 1 + k, alternating (medians), and of its matrix products alone: every layer's
+    weights and the vocabulary head times 1 and 1 + k rows, in one jitted function."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jpaged.core.attention_metadata import AttentionMetadata
+
+    runner, shapes = llm.engine.runner, llm.engine.shapes
+    block_size = runner.block_size
+    width = shapes.buckets.min_blocks_per_seq
+    table = np.zeros((runner.groups.num_groups, 1, width), np.int32)
+    table[:, 0, : context // block_size] = np.arange(1, context // block_size + 1)
+
+    def inputs(num_tokens: int):
+        positions = np.arange(context - num_tokens, context, dtype=np.int32)
+        slots = table[:, 0, positions // block_size] * block_size + positions % block_size
+        return np.zeros(num_tokens, np.int32), AttentionMetadata(
+            slot_mapping=slots.astype(np.int32), positions=positions, block_tables=table,
+            context_lens=np.array([context], np.int32),
+            query_start_loc=np.array([0, num_tokens], np.int32),
+            logits_indices=np.arange(1 + k, dtype=np.int32) % num_tokens)
+
+    # Every weight matrix (a stack of layers' counts each layer's), read once per call.
+    matrices = [matrix for leaf in jax.tree.leaves(runner.params) if leaf.ndim >= 2
+                for matrix in leaf.reshape(-1, *leaf.shape[-2:])]
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def products(num_rows, matrices):
+        return sum((jnp.ones((num_rows, m.shape[0]), m.dtype) @ m).sum() for m in matrices)
+
+    times = {"decode_step": [], "verifying_step": [], "products_1_row": [],
+             f"products_{1 + k}_rows": []}
+    calls = {
+        "decode_step": lambda: runner.execute(*inputs(1), decode_only=True, num_rows=1)[0],
+        "verifying_step": lambda: runner.execute(*inputs(1 + k), decode_only=False,
+                                                 num_rows=1 + k)[0],
+        "products_1_row": lambda: products(1, matrices),
+        f"products_{1 + k}_rows": lambda: products(1 + k, matrices),
+    }
+    for call in calls.values():
+        call().block_until_ready()
+    for _ in range(repeats):
+        for name, call in calls.items():
+            started = time.perf_counter()
+            call().block_until_ready()
+            times[name].append((time.perf_counter() - started) * 1e3)
+    medians = {f"{name}_ms": statistics.median(values) for name, values in times.items()}
+    medians["verifying_over_decode"] = medians["verifying_step_ms"] / medians["decode_step_ms"]
+    medians["products_ratio"] = (medians[f"products_{1 + k}_rows_ms"]
+                                 / medians["products_1_row_ms"])
+    return medians
 
 
 def _ratios(results: dict) -> dict:
@@ -245,13 +306,14 @@ def main() -> None:
     if args.quick:
         args.rounds, args.num_prompts, args.max_tokens = 1, 2, 8
     report = new_report("benchmarks.speculative", peers=("torch", "transformers"))
-    report["settings"] = {**vars(args), "ngram_lookup": list(NGRAM_LOOKUP),
+    report["settings"] = {**vars(args), "ngram_lookup": [LOOKUP_MIN, LOOKUP_MAX],
                           "batches": list(BATCHES), "greedy": True}
-    results = measure(args)
+    results, step_cost = measure(args)
     record_end_load(report)
     ratios = _ratios(results)
     report["results"] = results
     report["ratios"] = ratios
+    report["verification_cost"] = step_cost
     report["targets"] = {
         "ngram_repetitive_batch1_at_least_1.8x": ratios[
             "repetitive_batch1_jpaged_ngram_over_jpaged"] >= 1.8,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -57,7 +58,8 @@ def _sampling_calls(runner: ModelRunner, shapes: StepShapes, row_counts: list[in
                     ) -> list[Callable[[], Any]]:
     """Calls that compile what follows a step of each row count: its logits, the
     gathers of its rows for the sampler, the sampler's variants for each padded
-    row count, and the prompt log-probabilities. Each runs on its own zeros."""
+    row count (with speculative decoding, those that verify proposals too), and
+    the prompt log-probabilities. Each runs on its own zeros."""
     dtype = runner.hidden_dtype
     mixed_rows = shapes.buckets.mixed_num_seqs
     calls = []
@@ -71,7 +73,11 @@ def _sampling_calls(runner: ModelRunner, shapes: StepShapes, row_counts: list[in
     variants = [SamplingRow.greedy(position=0, temperature=temperature, **penalty)
                 for temperature in (0.0, 1.0)
                 for penalty in ({}, {"repetition_penalty": 1.5})]
-    for padded in {shapes.sampler_rows(n) for n in range(1, row_counts[-1] + 1)}:
+    k = shapes.num_speculative_tokens
+    if k:  # rows that verify a proposal
+        variants += [dataclasses.replace(variant, proposal=0) for variant in variants]
+    max_draws = row_counts[-1] * (1 + k)
+    for padded in {shapes.sampler_rows(n) for n in range(1, max_draws + 1)}:
         logits = jnp.zeros((padded, vocab_size), jnp.float32)
         calls += [partial(runner.sample, logits, np.zeros(padded, np.int32),
                           sampling_tensors([variant], padded, vocab_size), num_top)
