@@ -21,7 +21,7 @@ from jpaged.entrypoints.llm import LLM
 from jpaged.model.loader import load_model
 from jpaged.sampling_params import BeamSearchParams, SamplingParams
 from jpaged.sequence import SequenceStatus
-from tests.plugins.hf_models import greedy_continuations
+from tests.plugins.hf_models import greedy_continuations, oracle_torch
 
 MAX_TOKENS = 24
 K = 3
@@ -308,3 +308,26 @@ def test_a_draft_with_another_vocabulary_fails_before_weights_load(llama, tmp_pa
     monkeypatch.setattr(llm_engine, "load_model", pytest.fail)
     with pytest.raises(ValueError, match=r"speculative_config\['model'\].*300 tokens"):
         LLMEngine(EngineConfig(model=str(llama[0]), speculative_config=_draft(tmp_path)))
+
+
+def test_smollm2_speculates_to_transformers_greedy(smollm2, smollm2_oracle):
+    """The default model copying a sentence: n-gram proposals, and the model as its own
+    draft (every proposal accepted), give transformers' greedy tokens."""
+    torch = oracle_torch()
+    llm = LLM("smollm2", loaded=smollm2, speculative_config=NGRAM, **_config(
+        block_size=16, num_blocks=64, max_model_len=256))
+    prompt = llm.engine.apply_chat_template([{"role": "user", "content": (
+        "Repeat this sentence word for word: the quick brown fox jumps over the lazy dog "
+        "by the river, and the lazy dog sleeps on.")}])
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        expected = smollm2_oracle.generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=MAX_TOKENS,
+            min_new_tokens=MAX_TOKENS, pad_token_id=0)[0, len(prompt):].tolist()
+    assert _tokens(llm.generate([prompt], GREEDY)) == [expected]
+    assert llm.engine.stats.spec_decode.num_accepted_tokens > 0
+    own_draft = LLM("smollm2", loaded=smollm2, speculative_config=_draft("smollm2"), **_config(
+        block_size=16, num_blocks=64, max_model_len=256))
+    assert _tokens(own_draft.generate([prompt], GREEDY)) == [expected]
+    counts = own_draft.engine.stats.spec_decode
+    assert counts.num_drafts > 0 and counts.num_accepted_tokens == counts.num_draft_tokens
