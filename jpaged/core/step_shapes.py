@@ -181,11 +181,6 @@ class StepShapes:
         """Padded sampler rows; a verifying sequence draws once per proposal and once more."""
         return sampler_rows(num_draws, self.max_rows * (1 + self.num_speculative_tokens))
 
-    def logit_rows(self, num_seqs: int) -> int:
-        """Rows of logits a step of num_seqs padded sequence rows can take: one per row,
-        and with speculative decoding one per proposal too."""
-        return num_seqs * (1 + self.num_speculative_tokens)
-
     def warmup_shapes(self) -> list[tuple[int, int, int, bool]]:
         """Every (tokens, sequences, blocks per sequence, decode_only) a step can take:
         with speculative decoding, also the verifying steps (1 + k tokens a row) of every
