@@ -25,9 +25,8 @@ DATA_DIR = Path("docs/data")
 RESULTS_PAGE = Path("docs/results.md")
 RUN_KEYS = ("script", "command", "date", "machine", "versions")
 BENCHMARKS = ("accelerator", "cli_start", "kernels", "kv_quant", "matmul", "peer_vllm",
-              "sampler", "scheduler", "serving", "sharing", "sliding_window", "soak", "speculative",
-              "startup",
-              "throughput", "tp", "warmup")
+              "sampler", "scheduler", "serving", "sharing", "sliding_window", "soak",
+              "speculative", "startup", "throughput", "tp", "warmup")
 SCRIPTS = ("experiments.sweep",) + tuple(f"benchmarks.{name}" for name in BENCHMARKS)
 # What a benchmark's figures table leaves out: the run's description, or bulk that is
 # a run's raw material rather than its figures.
