@@ -108,6 +108,17 @@ def chi_square_critical(df: int, z: float = 3.72) -> float:
     return df * (1.0 - a + z * np.sqrt(a)) ** 3
 
 
+def assert_follows(tokens: np.ndarray, probs: np.ndarray) -> None:
+    """The tokens' frequencies fit probs (f64 [VOCAB]): none where probs is 0, and a
+    one-sample chi-square test at p = 1e-4 over the rest."""
+    expected = probs * len(tokens)
+    observed = np.bincount(tokens, minlength=len(probs))
+    kept = expected > 0
+    assert not observed[~kept].any(), "drew a filtered-out token"
+    statistic = np.sum((observed[kept] - expected[kept]) ** 2 / expected[kept])
+    assert statistic < chi_square_critical(int(kept.sum()) - 1)
+
+
 # ---- greedy, penalties, suppression --------------------------------------------------
 
 
@@ -236,12 +247,7 @@ def test_sampled_frequencies_match_the_filtered_distribution(temperature, top_k,
     rows = [row(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=i)
             for i in range(num_draws)]
     out = run(np.tile(logits, (num_draws, 1)), rows, num_rows=num_draws)
-    expected = np_filtered_probs(logits, temperature, top_k, top_p, min_p) * num_draws
-    observed = np.bincount(out.tokens, minlength=VOCAB)
-    kept = expected > 0
-    assert not observed[~kept].any(), "drew a filtered-out token"
-    statistic = np.sum((observed[kept] - expected[kept]) ** 2 / expected[kept])
-    assert statistic < chi_square_critical(int(kept.sum()) - 1)
+    assert_follows(out.tokens, np_filtered_probs(logits, temperature, top_k, top_p, min_p))
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p,min_p", FILTERS[1:5])
@@ -258,11 +264,7 @@ def test_verifying_a_proposal_keeps_the_filtered_distribution(temperature, top_k
                 proposal=proposal) for i in range(num_draws)]
     out = run(np.tile(logits, (num_draws, 1)), rows, num_rows=num_draws)
     probs = np_filtered_probs(logits, temperature, top_k, top_p, min_p)
-    expected, observed = probs * num_draws, np.bincount(out.tokens, minlength=VOCAB)
-    kept = expected > 0
-    assert not observed[~kept].any(), "drew a filtered-out token"
-    statistic = np.sum((observed[kept] - expected[kept]) ** 2 / expected[kept])
-    assert statistic < chi_square_critical(int(kept.sum()) - 1)
+    assert_follows(out.tokens, probs)
     np.testing.assert_array_equal(out.tokens[out.accepted], proposal)
     accepted = out.accepted.sum()  # binomial(num_draws, p(d)), within 4.5 sigma
     sigma = np.sqrt(num_draws * probs[proposal] * (1 - probs[proposal]))
@@ -283,20 +285,12 @@ def test_verifying_a_draft_models_proposal_keeps_the_filtered_distribution(
     proposals, draft_probs = draft_sample(jnp.tile(draft_logits, (num_draws, 1)), tensors)
     q = np_filtered_probs(draft_logits, temperature, top_k, top_p, min_p)
     np.testing.assert_allclose(np.asarray(draft_probs[0]), q, atol=1e-6)
-    drafted = np.bincount(np.asarray(proposals), minlength=VOCAB)
-    kept = q > 0
-    statistic = np.sum((drafted[kept] - q[kept] * num_draws) ** 2 / (q[kept] * num_draws))
-    assert statistic < chi_square_critical(int(kept.sum()) - 1), "the draft's own draws"
+    assert_follows(np.asarray(proposals), q)  # the draft's own draws
     verifying = dataclasses.replace(
         tensors, proposals=np.asarray(proposals, np.int32), draft_probs=draft_probs)
     out = jax.tree.map(np.asarray, sample(jnp.tile(logits, (num_draws, 1)), verifying,
                                           num_top=NUM_TOP))
-    p = np_filtered_probs(logits, temperature, top_k, top_p, min_p)
-    expected, observed = p * num_draws, np.bincount(out.tokens, minlength=VOCAB)
-    kept = expected > 0
-    assert not observed[~kept].any(), "drew a filtered-out token"
-    statistic = np.sum((observed[kept] - expected[kept]) ** 2 / expected[kept])
-    assert statistic < chi_square_critical(int(kept.sum()) - 1)
+    assert_follows(out.tokens, np_filtered_probs(logits, temperature, top_k, top_p, min_p))
     assert 0 < out.accepted.mean() < 1
 
 
