@@ -260,13 +260,17 @@ def llama(tiny_llama_dir):
     return tiny_llama_dir, load_model(tiny_llama_dir)
 
 
-def test_a_draft_model_that_disagrees_keeps_greedy_outputs(llama, tiny_qwen2_dir):
+@pytest.mark.parametrize(("block_size", "caching"), [(1, True), (16, False)])
+def test_a_draft_model_that_disagrees_keeps_greedy_outputs(llama, tiny_qwen2_dir, block_size,
+                                                            caching):
     """A random Qwen2 with the target's vocabulary drafts for the tiny Llama: every
     verification rejects most of its proposals, and the output is transformers'."""
     model_dir, loaded = llama
     prompts = [p[:12] for p in _prompt_set(loaded)]
     expected = greedy_continuations(model_dir, prompts, MAX_TOKENS)
-    llm = LLM("tiny", loaded=loaded, speculative_config=_draft(tiny_qwen2_dir), **_config())
+    llm = LLM("tiny", loaded=loaded, speculative_config=_draft(tiny_qwen2_dir), **_config(
+        block_size=block_size, num_blocks=2 + 8 * 128 // block_size,
+        enable_prefix_caching=caching))
     assert _tokens(llm.generate(prompts, GREEDY)) == expected
     counts = llm.engine.stats.spec_decode
     assert counts.num_drafts > 0 and counts.draft_acceptance_rate < 0.5
