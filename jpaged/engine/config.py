@@ -149,6 +149,11 @@ class EngineConfig:
             if value < minimum:
                 unit = " bytes" if name == "kv_cache_memory" else ""
                 raise ValueError(f"{name} must be >= {minimum}{unit}, got {value}")
+        spec = self.speculative_config
+        if spec is not None and spec.method == "draft_model" and (
+                self.tensor_parallel_size, self.data_parallel_size, self.mesh) != (1, 1, None):
+            raise ValueError("speculative_config['method']='draft_model' runs on one device: "
+                             "tensor_parallel_size and data_parallel_size must be 1, no mesh")
         fraction = self.kv_cache_fraction
         if self.mesh is not None and not isinstance(self.mesh, Mesh):
             raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(self.mesh).__name__}")

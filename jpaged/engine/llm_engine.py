@@ -73,8 +73,7 @@ class LLMEngine:
         mesh = meshes[0]
         spec = config.speculative_config
         if spec is not None and spec.method == "draft_model":
-            check_draft_model(spec, loaded[1] if loaded else read_model_config(config.model),
-                              mesh)
+            check_draft_model(spec, loaded[1] if loaded else read_model_config(config.model))
         model, self.model_config, self.tokenizer = loaded or load_model(config.model, config.dtype)
         if mesh is not None:
             model, self.model_config = shard_model(model, self.model_config, mesh)

@@ -39,12 +39,9 @@ UNDRAFTED = -1
 RowOf = Callable[[list[int]], SamplingRow]
 
 
-def check_draft_model(config: SpeculativeConfig, target: LlamaConfig, mesh) -> None:
-    """ValueError unless the draft model can propose for `target`: the same vocabulary
-    (read from its config, before any weights load), on one device."""
-    if mesh is not None:
-        raise ValueError("speculative_config['method']='draft_model' runs on one device: "
-                         "tensor_parallel_size must be 1")
+def check_draft_model(config: SpeculativeConfig, target: LlamaConfig) -> None:
+    """ValueError unless the draft model shares `target`'s vocabulary (read from its
+    config, before any weights load)."""
     draft = read_model_config(config.model)
     if draft.vocab_size != target.vocab_size:
         raise ValueError(

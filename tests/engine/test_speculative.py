@@ -242,6 +242,12 @@ def test_bad_config_fails_before_weights_load(config, message):
         LLM("/no/such/model/directory", speculative_config=config)
 
 
+def test_a_draft_model_runs_on_one_device():
+    with pytest.raises(ValueError, match="tensor_parallel_size and data_parallel_size"):
+        EngineConfig(speculative_config={"method": "draft_model", "model": "smollm2",
+                                         "num_speculative_tokens": 2}, data_parallel_size=2)
+
+
 def test_proposals_must_fit_the_step_budget(loaded):
     with pytest.raises(ValueError, match="max_num_batched_tokens=4"):
         LLM("tiny", loaded=loaded, speculative_config=NGRAM | {"num_speculative_tokens": 4},
