@@ -13,10 +13,11 @@ METHODS = ("ngram", "draft_model")
 class SpeculativeConfig:
     """vLLM's `speculative_config`, for the methods jpaged runs.
 
-    method: "ngram" proposes the tokens that followed the latest earlier match of a
+    method: "ngram" proposes the tokens that followed an earlier occurrence of a
             sequence's last n tokens (prompt_lookup_max >= n >= prompt_lookup_min,
-            longest first) in its own prompt and output; "draft_model" runs `model`, a
-            smaller model with the target's vocabulary, autoregressively.
+            longest first) in its own prompt and output (jpaged.speculative.ngram);
+            "draft_model" runs `model`, a smaller model with the target's vocabulary,
+            autoregressively (jpaged.speculative.draft_model).
     num_speculative_tokens: k, the most tokens proposed per sequence and step.
     """
 
