@@ -93,9 +93,11 @@ def build_model_input(
     num_blocks = -(-context_lens // block_size)
     num_tokens = int(q_lens.sum())
 
-    num_proposals = q_lens - np.maximum(
-        np.fromiter((len(seq) for seq in seqs), np.int32, num_seqs) - starts, 0)
-    num_proposals = np.maximum(num_proposals, 0)
+    # New tokens past a sequence's end are its proposals (speculative decoding only).
+    num_proposals = np.zeros(num_seqs, np.int32)
+    if num_speculative_tokens:
+        lens = np.fromiter((len(seq) for seq in seqs), np.int32, num_seqs)
+        num_proposals = np.maximum(starts + q_lens - lens, 0)
     verifying = bool(num_proposals.any())
     padded_tokens, padded_seqs, padded_rows = padded_sizes(
         num_tokens, max(num_seqs, min_rows), buckets, decode_only=num_tokens == num_seqs,

@@ -307,8 +307,7 @@ def _categorical(seed: chex.Array, seed_high: chex.Array, sample_index: chex.Arr
                  position: chex.Array, logits: chex.Array) -> chex.Array:
     """jax.random.categorical(key, logits) for one row ([V] -> int32 []): its definition,
     the argmax of logits plus Gumbel noise, with the faster argmax."""
-    key = jax.random.fold_in(jax.random.fold_in(_seed_key(seed, seed_high), sample_index),
-                             position)
+    key = _row_key(seed, seed_high, sample_index, position)
     return _first_argmax(logits + jax.random.gumbel(key, logits.shape))
 
 
@@ -354,10 +353,7 @@ def _draft_sample(logits: chex.Array, tensors: SamplingTensors
     processed = process_logits(logits.astype(jnp.float32), tensors)
     greedy_tokens = _first_argmax(processed)
     sampled = tensors.temperature > 0
-    scaled = processed / jnp.where(sampled, tensors.temperature, 1.0)[:, None]
-    masked = filter_logits(scaled, jnp.where(sampled, tensors.top_k, 0),
-                           jnp.where(sampled, tensors.top_p, 1.0),
-                           jnp.where(sampled, tensors.min_p, 0.0))
+    masked = _filtered(processed, tensors)
 
     def draw(seed, seed_high, sample_index, position, row):
         key = jax.random.fold_in(_row_key(seed, seed_high, sample_index, position), DRAFT_STREAM)
@@ -371,10 +367,9 @@ def _draft_sample(logits: chex.Array, tensors: SamplingTensors
     return tokens, probs
 
 
-def _draw(processed: chex.Array, tensors: SamplingTensors
-          ) -> tuple[chex.Array, chex.Array | None]:
-    """Steps 4 to 8 for every row (greedy rows' draws are discarded), verifying the rows'
-    proposals if they have any. -> (int32 [B], accepted bool [B] or None)."""
+def _filtered(processed: chex.Array, tensors: SamplingTensors) -> chex.Array:
+    """Steps 4 to 7: the sampled rows' logits over temperature, -inf outside their
+    filters (greedy rows: divided by 1, unfiltered). f32 [B, V] -> [B, V]."""
     sampled = tensors.temperature > 0
     scaled = processed / jnp.where(sampled, tensors.temperature, 1.0)[:, None]
     # Greedy rows ignore the filters; off, they cannot send the batch down a slow path.
@@ -382,8 +377,15 @@ def _draw(processed: chex.Array, tensors: SamplingTensors
     top_p = jnp.where(sampled, tensors.top_p, 1.0)
     min_p = jnp.where(sampled, tensors.min_p, 0.0)
     filters = (top_k > 0) | (top_p < 1.0) | (min_p > 0.0)
-    masked = jax.lax.cond(filters.any(), filter_logits, lambda s, *_: s,
-                          scaled, top_k, top_p, min_p)
+    return jax.lax.cond(filters.any(), filter_logits, lambda s, *_: s,
+                        scaled, top_k, top_p, min_p)
+
+
+def _draw(processed: chex.Array, tensors: SamplingTensors
+          ) -> tuple[chex.Array, chex.Array | None]:
+    """Steps 4 to 8 for every row (greedy rows' draws are discarded), verifying the rows'
+    proposals if they have any. -> (int32 [B], accepted bool [B] or None)."""
+    masked = _filtered(processed, tensors)
     streams = (tensors.seeds, tensors.seed_high, tensors.sample_indices, tensors.positions)
     if tensors.proposals is None:
         return jax.vmap(_categorical)(*streams, masked), None
