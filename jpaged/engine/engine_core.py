@@ -43,7 +43,7 @@ from jpaged.memory.reserving_block_manager import ReservingBlockManager
 from jpaged.model.sampler import SamplerOutput, SamplingRow, sampling_tensors
 from jpaged.sampling_params import GREEDY_TEMPERATURE
 from jpaged.sequence import Sequence, SequenceGroup, SequenceStatus
-from jpaged.speculative.draft_model import Drafts, RowOf, draft_rows
+from jpaged.speculative.draft_model import DraftModelProposer, Drafts, RowOf, draft_rows
 from jpaged.speculative.proposer import Proposer
 
 logger = logging.getLogger("jpaged")
@@ -144,7 +144,8 @@ class EngineCore:
 
     def __init__(self, scheduler: Scheduler, kv_manager: KVManager, runner: ModelRunner,
                  shapes: StepShapes, *, vocab_size: int, max_logprobs: int,
-                 proposer: Proposer | None = None, draft_runner: ModelRunner | None = None):
+                 proposer: Proposer | DraftModelProposer | None = None,
+                 draft_runner: ModelRunner | None = None):
         self.scheduler = scheduler
         self.kv_manager = kv_manager
         self.runner = runner
@@ -203,7 +204,9 @@ class EngineCore:
     def _run(self, plan: SchedulerOutput, output: CoreOutput) -> None:
         for runner in self.runners:
             runner.apply_block_ops(plan.block_ops)
-        drafts = None if self.proposer is None else self.proposer.draft(self._verifying(plan))
+        # A draft model draws its proposals now that their slots exist; n-grams had theirs.
+        drafts = None if self.draft_runner is None else self.proposer.draft(
+            self._verifying(plan))
         model_input = build_model_input(plan.scheduled, self.kv_manager, self.shapes.buckets,
                                         plan.num_draws, self.shapes.num_speculative_tokens)
         logits, hidden = self.runner.execute(model_input.input_ids, model_input.metadata,

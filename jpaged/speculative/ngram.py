@@ -48,7 +48,3 @@ class NgramProposer:
         """Up to num_tokens tokens to follow seq; [] when none of its n-grams recurs."""
         return propose_ngram(np.asarray(seq.token_ids, np.int32), num_tokens,
                              self.lookup_min, self.lookup_max)
-
-    def draft(self, verifying) -> None:
-        """Nothing to draw: the proposals came from the sequence itself, one-hot."""
-        return None
