@@ -267,7 +267,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 assert all(self.bm.refcount(block) == 1 for block in written)
                 window = self.windows[g]
                 if window is not None:  # the window before the chunk, and the chunk
-                    held = len(table) - self.num_released(seq, g)
+                    # Slots past the chunk are rejected proposals' (kept for the next).
+                    reach = min(len(table), cdiv(start + n, self.bs))
+                    held = reach - self.num_released(seq, g)
                     assert held <= cdiv(window - 1 + n, self.bs) + 1, (g, held, n)
             self.pending.append((seq, n))
 
