@@ -4,11 +4,14 @@
 one `BlockPool` for the device and one for the host (swap space), each with
 its reference counts and its free queue, and the `StepOps` the open step has
 asked of the device. The transitions below take the state and return it with
-their result. On the host they update the arrays in place and return the same
-state: one set of arrays, touched where the step touches them, whatever the
-pool's size. No transition keeps a Python object per block, and every array
-has a size fixed by the pool, so the same transitions can later run in
-`jax.numpy` under `jit`.
+their result. On the host they update the arrays in place: one set of arrays,
+touched where the step touches them, whatever the pool's size. No transition
+keeps a Python object per block, and every array has a size fixed by the pool,
+so the transitions of one block (`take_free_block`, `drop_holder`,
+`private_copy`, ...) run unchanged on `jax.numpy` arrays under `jit`, where they
+return updated copies: the host's transitions check their arguments and run
+those, and the on-device decode loop (jpaged.engine.decode_loop) allocates with
+them. The host adopts the state the device returns.
 
 Free queue (vLLM v1's LRU order): an intrusive doubly linked list through
 `next_free` / `prev_free`, whose entry `num_blocks` is the sentinel. Freed
@@ -54,11 +57,11 @@ class BlockPool(NamedTuple):
                                  so next_free[N] is the head.
     prev_free:    int32 [N + 1]  predecessor; prev_free[N] is the tail. Both are -1
                                  for blocks outside the queue.
-    num_free:     int64 []       blocks in the queue.
+    num_free:     int32 []       blocks in the queue.
     pinned:       bool [N]       blocks this step's ops read or write.
     deferred:     int32 [N]      pinned blocks freed this step, in the order freed:
                                  the first num_deferred entries.
-    num_deferred: int64 []
+    num_deferred: int32 []
     """
 
     refcounts: np.ndarray
@@ -80,7 +83,7 @@ class StepOps(NamedTuple):
     swap_out:    int32 [H, 2]  (device block, host block) pairs, the first sizes[0] rows.
     swap_in:     int32 [N, 2]  (host block, device block), the first sizes[1] rows.
     copies:      int32 [N, 2]  (source, destination) device blocks, the first sizes[2].
-    sizes:       int64 [3]
+    sizes:       int32 [3]
     written:     bool [N]      device blocks this step's swap-in or copies write.
     copied_from: int32 [N]     a copy destination's source (-1 for other blocks).
 
@@ -141,10 +144,10 @@ def _new_pool(num_blocks: int, first_block: int) -> BlockPool:
         refcounts=np.zeros(num_blocks, np.int32),
         next_free=next_free,
         prev_free=prev_free,
-        num_free=np.array(num_blocks - first_block, np.int64),
+        num_free=np.array(num_blocks - first_block, np.int32),
         pinned=np.zeros(num_blocks, bool),
         deferred=np.zeros(num_blocks, np.int32),
-        num_deferred=np.array(0, np.int64),
+        num_deferred=np.array(0, np.int32),
     )
 
 
@@ -157,7 +160,7 @@ def create(num_blocks: int, num_host_blocks: int) -> AllocatorState:
             swap_out=np.zeros((num_host_blocks, 2), np.int32),
             swap_in=np.zeros((num_blocks, 2), np.int32),
             copies=np.zeros((num_blocks, 2), np.int32),
-            sizes=np.zeros(3, np.int64),
+            sizes=np.zeros(3, np.int32),
             written=np.zeros(num_blocks, bool),
             copied_from=np.full(num_blocks, -1, np.int32),
         ),
@@ -205,64 +208,155 @@ def _check_held(pool: BlockPool, name: str, tables: list[list[int]]) -> None:
             )
 
 
-# The free queue.
+# One set of transitions for numpy and for JAX.
+#
+# The transitions below touch one block at a time and read and write arrays only
+# through `_set` and `_add`: on numpy arrays these store in place (and return the
+# same array), on JAX arrays they return an updated copy (`x.at[i].set(v)`), so the
+# same function runs on the host and under `jax.jit`. `where` masks an update: under
+# `jit` a call cannot be skipped, so a transition that may not apply takes a traced
+# `where` instead (on the host it is True, or a numpy bool, and a masked call skips
+# its stores). Loops over a number of blocks fixed by the caller are Python loops
+# (unrolled under `jit`); a count known only on the device is a fixed number of
+# masked calls.
 
 
-def _pop_heads(pool: BlockPool, num_blocks: int) -> np.ndarray:
-    """int32 [num_blocks]: the head blocks of the queue, taken out of it (refcounts 0)."""
-    sentinel, next_free, prev_free = pool.num_blocks, pool.next_free, pool.prev_free
-    blocks = np.empty(num_blocks, np.int32)
-    block = next_free.item(sentinel)
-    for i in range(num_blocks):
-        blocks[i] = block
-        # Scalar stores: a step takes a block or two at a time, where fancy indexing
-        # costs more than the walk.
-        after = next_free.item(block)
-        next_free[block] = prev_free[block] = -1
-        block = after
-    next_free[sentinel] = block
-    prev_free[block] = sentinel
-    pool.num_free[...] -= num_blocks
-    return blocks
+def _set(x, index, value, where=True):
+    """x with x[index] = value where `where` (numpy: in place, the same array)."""
+    if isinstance(x, np.ndarray):
+        if where is True or where:
+            x[index] = value
+        return x
+    if where is not True:
+        value = x.__array_namespace__().where(where, value, x[index])
+    return x.at[index].set(value)
 
 
-def _push_tail(pool: BlockPool, blocks: np.ndarray) -> None:
-    """Append `blocks` (distinct, outside the queue) to the tail, in order."""
-    if not len(blocks):
-        return
-    sentinel, next_free, prev_free = pool.num_blocks, pool.next_free, pool.prev_free
-    tail = prev_free[sentinel]
-    next_free[tail] = blocks[0]
-    prev_free[blocks[0]] = tail
-    next_free[blocks[:-1]] = blocks[1:]
-    prev_free[blocks[1:]] = blocks[:-1]
-    next_free[blocks[-1]] = sentinel
-    prev_free[sentinel] = blocks[-1]
-    pool.num_free[...] += len(blocks)
+def _add(x, index, value, where=True):
+    """x with `value` added at each entry of `index` (repeated entries add up)."""
+    if isinstance(x, np.ndarray):
+        if where is not True:
+            value = np.where(where, value, 0)
+        np.add.at(x, index, value)
+        return x
+    if where is not True:
+        value = x.__array_namespace__().where(where, value, 0)
+    return x.at[index].add(value)
 
 
-def _unlink(pool: BlockPool, block: int) -> None:
+def pop_head(pool: BlockPool, where=True) -> tuple[BlockPool, int]:
+    """The queue's head block, taken out of it (its refcount unchanged). The pool must
+    have a free block where `where`; elsewhere the block returned means nothing."""
+    sentinel = pool.num_blocks
+    block = pool.next_free[sentinel]
+    after = pool.next_free[block]
+    next_free = _set(pool.next_free, sentinel, after, where)
+    prev_free = _set(pool.prev_free, after, sentinel, where)
+    next_free = _set(next_free, block, -1, where)
+    prev_free = _set(prev_free, block, -1, where)
+    num_free = _set(pool.num_free, (), pool.num_free - 1, where)
+    return pool._replace(next_free=next_free, prev_free=prev_free, num_free=num_free), block
+
+
+def push_tail(pool: BlockPool, block, where=True) -> BlockPool:
+    """`block` (outside the queue) appended to its tail."""
+    sentinel = pool.num_blocks
+    tail = pool.prev_free[sentinel]
+    next_free = _set(pool.next_free, tail, block, where)
+    prev_free = _set(pool.prev_free, block, tail, where)
+    next_free = _set(next_free, block, sentinel, where)
+    prev_free = _set(prev_free, sentinel, block, where)
+    num_free = _set(pool.num_free, (), pool.num_free + 1, where)
+    return pool._replace(next_free=next_free, prev_free=prev_free, num_free=num_free)
+
+
+def unlink(pool: BlockPool, block, where=True) -> BlockPool:
+    """`block` taken out of the queue from wherever it is."""
     before, after = pool.prev_free[block], pool.next_free[block]
-    pool.next_free[before] = after
-    pool.prev_free[after] = before
-    pool.next_free[block] = pool.prev_free[block] = -1
-    pool.num_free[...] -= 1
+    next_free = _set(pool.next_free, before, after, where)
+    prev_free = _set(pool.prev_free, after, before, where)
+    next_free = _set(next_free, block, -1, where)
+    prev_free = _set(prev_free, block, -1, where)
+    num_free = _set(pool.num_free, (), pool.num_free - 1, where)
+    return pool._replace(next_free=next_free, prev_free=prev_free, num_free=num_free)
 
 
-def _release(pool: BlockPool, blocks: np.ndarray) -> None:
-    """Blocks whose last holder just left: pinned ones wait for commit, the rest join
-    the tail, in order."""
-    pinned = pool.pinned[blocks]
-    if pinned.any():
-        waiting = blocks[pinned]
-        start = int(pool.num_deferred)
-        pool.deferred[start : start + len(waiting)] = waiting
-        pool.num_deferred[...] += len(waiting)
-        blocks = blocks[~pinned]
-    _push_tail(pool, blocks)
+def drop_holder(pool: BlockPool, block, where=True) -> BlockPool:
+    """One holder fewer of `block`; at none it is released: pinned, it waits in the
+    deferred list for commit, else it joins the tail."""
+    remaining = pool.refcounts[block] - 1
+    pool = pool._replace(refcounts=_set(pool.refcounts, block, remaining, where))
+    released = (remaining == 0) & where
+    pinned = pool.pinned[block]
+    pool = pool._replace(
+        deferred=_set(pool.deferred, pool.num_deferred, block, released & pinned),
+        num_deferred=_set(pool.num_deferred, (), pool.num_deferred + 1, released & pinned))
+    return push_tail(pool, block, released & ~pinned)
 
 
-def _drop_holders(pool: BlockPool, name: str, blocks: np.ndarray) -> None:
+def take_free_block(state: AllocatorState, where=True) -> tuple[AllocatorState, int]:
+    """The head device block, held once: one block of `allocate`."""
+    device, block = pop_head(state.device, where)
+    device = device._replace(refcounts=_set(device.refcounts, block, 1, where))
+    return state._replace(device=device), block
+
+
+def record_copy(state: AllocatorState, source, dest, where=True) -> AllocatorState:
+    """The step copies device block `source` into `dest` (from `source`'s own source if
+    this step's copies fill it); both pinned until commit."""
+    ops = state.ops
+    source = _first_source(ops, source)
+    device = state.device
+    pinned = _set(_set(device.pinned, source, True, where), dest, True, where)
+    count = ops.sizes[_COPIES]
+    ops = ops._replace(
+        copies=_set(_set(ops.copies, (count, 0), source, where), (count, 1), dest, where),
+        sizes=_set(ops.sizes, _COPIES, count + 1, where),
+        copied_from=_set(ops.copied_from, dest, source, where),
+        written=_set(ops.written, dest, True, where))
+    return state._replace(device=device._replace(pinned=pinned), ops=ops)
+
+
+def _first_source(ops: StepOps, source):
+    """The block a copy from `source` reads: `source`'s own source if this step's copies
+    fill it."""
+    copied_from = ops.copied_from[source]
+    if isinstance(ops.copied_from, np.ndarray):
+        return int(copied_from) if copied_from >= 0 else source
+    return copied_from.__array_namespace__().where(copied_from >= 0, copied_from, source)
+
+
+def private_copy(state: AllocatorState, block, copy_content, where=True
+                 ) -> tuple[AllocatorState, int]:
+    """A private block from the queue's head in place of one holder of the shared
+    `block`, filled with its content by this step's copies where `copy_content`."""
+    state, private = take_free_block(state, where)
+    state = record_copy(state, block, private, copy_content & where)
+    device = state.device
+    device = device._replace(refcounts=_set(device.refcounts, block, device.refcounts[block] - 1,
+                                            where))
+    return state._replace(device=device), private
+
+
+# Host helpers over many blocks (numpy only).
+
+
+def _pop_heads(pool: BlockPool, num_blocks: int) -> tuple[BlockPool, np.ndarray]:
+    """int32 [num_blocks]: the head blocks of the queue, taken out of it (refcounts 0)."""
+    blocks = np.empty(num_blocks, np.int32)
+    for i in range(num_blocks):
+        pool, blocks[i] = pop_head(pool)
+    return pool, blocks
+
+
+def _push_tail(pool: BlockPool, blocks: np.ndarray) -> BlockPool:
+    """Append `blocks` (distinct, outside the queue) to the tail, in order."""
+    for block in blocks.tolist():
+        pool = push_tail(pool, block)
+    return pool
+
+
+def _drop_holders(pool: BlockPool, name: str, blocks: np.ndarray) -> BlockPool:
     """One holder fewer per entry of `blocks`, in order; blocks whose last holder left
     are released in the order of their last entries."""
     _check_range(pool, name, blocks)
@@ -273,22 +367,16 @@ def _drop_holders(pool: BlockPool, name: str, blocks: np.ndarray) -> None:
         raise ValueError(
             f"{name} block {block} freed more often than referenced: it is already free"
         )
-    if len(unique) < len(blocks):  # a table holding a block twice: entry by entry
-        for block in blocks.tolist():
-            pool.refcounts[block] -= 1
-            if pool.refcounts[block] == 0:
-                _release(pool, np.array([block]))
-        return
-    remaining = pool.refcounts[blocks] - 1
-    pool.refcounts[blocks] = remaining
-    _release(pool, blocks[remaining == 0])
+    for block in blocks.tolist():
+        pool = drop_holder(pool, block)
+    return pool
 
 
 def _as_blocks(blocks) -> np.ndarray:
     return np.asarray(blocks, np.int64).reshape(-1)
 
 
-# Transitions.
+# Transitions (host): each checks its arguments, then runs the transitions above.
 
 
 def allocate(state: AllocatorState, num_blocks: int) -> tuple[AllocatorState, np.ndarray]:
@@ -296,13 +384,10 @@ def allocate(state: AllocatorState, num_blocks: int) -> tuple[AllocatorState, np
 
     returns int32 [num_blocks], in queue order.
     """
-    device = state.device
-    _check_free_count(device, "device", num_blocks)
-    blocks = _pop_heads(device, num_blocks)
-    if num_blocks == 1:
-        device.refcounts[blocks.item(0)] = 1
-    else:
-        device.refcounts[blocks] = 1
+    _check_free_count(state.device, "device", num_blocks)
+    blocks = np.empty(num_blocks, np.int32)
+    for i in range(num_blocks):
+        state, blocks[i] = take_free_block(state)
     return state, blocks
 
 
@@ -313,7 +398,7 @@ def share(state: AllocatorState, blocks) -> AllocatorState:
     if len(blocks) and not device.refcounts[blocks].all():
         block = int(blocks[np.argmin(device.refcounts[blocks] != 0)])
         raise ValueError(f"device block {block} is free; only a block in use can be shared")
-    np.add.at(device.refcounts, blocks, 1)
+    _add(device.refcounts, blocks, 1)
     return state
 
 
@@ -332,9 +417,9 @@ def take(state: AllocatorState, block: int) -> AllocatorState:
             device.deferred[i : num_deferred - 1] = device.deferred[i + 1 : num_deferred]
             device.num_deferred[...] -= 1
         else:
-            _unlink(device, block)
+            device = unlink(device, block)
     device.refcounts[block] += 1
-    return state
+    return state._replace(device=device)
 
 
 def free(state: AllocatorState, blocks) -> AllocatorState:
@@ -343,14 +428,12 @@ def free(state: AllocatorState, blocks) -> AllocatorState:
 
     Raises ValueError, changing nothing, for a block that no one holds (a double free).
     """
-    _drop_holders(state.device, "device", _as_blocks(blocks))
-    return state
+    return state._replace(device=_drop_holders(state.device, "device", _as_blocks(blocks)))
 
 
 def free_host(state: AllocatorState, blocks) -> AllocatorState:
     """As `free`, for host blocks."""
-    _drop_holders(state.host, "host", _as_blocks(blocks))
-    return state
+    return state._replace(host=_drop_holders(state.host, "host", _as_blocks(blocks)))
 
 
 def _record(state: AllocatorState, kind: int, pairs: np.ndarray) -> None:
@@ -363,20 +446,14 @@ def _record(state: AllocatorState, kind: int, pairs: np.ndarray) -> None:
 def copy(state: AllocatorState, source: int, dest: int) -> AllocatorState:
     """The step copies device block `source` into `dest`, a block in use by one holder;
     from `source`'s own source if this step's copies fill it."""
-    device, ops = state.device, state.ops
+    device = state.device
     _check_range(device, "device", _as_blocks([source, dest]))
     if device.refcounts[dest] != 1 or device.refcounts[source] < 1:
         raise ValueError(
             f"copying device block {source} into {dest} needs both in use and {dest} held "
             "by one holder"
         )
-    if ops.copied_from[source] >= 0:
-        source = int(ops.copied_from[source])
-    device.pinned[[source, dest]] = True
-    _record(state, _COPIES, np.array([[source, dest]], np.int32))
-    ops.copied_from[dest] = source
-    ops.written[dest] = True
-    return state
+    return record_copy(state, source, dest)
 
 
 def copy_on_write(state: AllocatorState, block: int, copy_content: bool
@@ -393,12 +470,9 @@ def copy_on_write(state: AllocatorState, block: int, copy_content: bool
         raise ValueError(
             f"device block {block} has {holders} holders; copy-on-write needs a shared one"
         )
-    state, (private,) = allocate(state, 1)
-    private = int(private)
-    if copy_content:
-        copy(state, block, private)
-    device.refcounts[block] -= 1
-    return state, private
+    _check_free_count(device, "device", 1)
+    state, private = private_copy(state, block, copy_content)
+    return state, int(private)
 
 
 def swap_out(state: AllocatorState, tables: list[list[int]]
@@ -417,16 +491,16 @@ def swap_out(state: AllocatorState, tables: list[list[int]]
             f"device blocks {written.tolist()} are written by this step's swap-in or copies, "
             "which run after its swap-outs; swap them out in a later step"
         )
-    host_blocks = _pop_heads(host, len(distinct))
+    host, host_blocks = _pop_heads(host, len(distinct))
     host.pinned[host_blocks] = True
     _record(state, _SWAP_OUT, np.stack([distinct, host_blocks], axis=1))
     host_of = dict(zip(distinct.tolist(), host_blocks.tolist(), strict=True))
     host_tables = [[host_of[block] for block in table] for table in tables]
     for table in host_tables:
-        np.add.at(host.refcounts, table, 1)
+        _add(host.refcounts, table, 1)
     for table in tables:
-        _drop_holders(device, "device", np.asarray(table[::-1], np.int64))
-    return state, host_tables
+        device = _drop_holders(device, "device", np.asarray(table[::-1], np.int64))
+    return state._replace(device=device, host=host), host_tables
 
 
 def swap_in(state: AllocatorState, host_tables: list[list[int]]
@@ -440,26 +514,27 @@ def swap_in(state: AllocatorState, host_tables: list[list[int]]
     _check_held(host, "host", host_tables)
     distinct = np.fromiter(dict.fromkeys(b for table in host_tables for b in table), np.int64)
     _check_free_count(device, "device", len(distinct))
-    device_blocks = _pop_heads(device, len(distinct))
+    device, device_blocks = _pop_heads(device, len(distinct))
     device.pinned[device_blocks] = True
     ops.written[device_blocks] = True
     _record(state, _SWAP_IN, np.stack([distinct, device_blocks], axis=1))
     device_of = dict(zip(distinct.tolist(), device_blocks.tolist(), strict=True))
     tables = [[device_of[block] for block in table] for table in host_tables]
     for table in tables:
-        np.add.at(device.refcounts, table, 1)
+        _add(device.refcounts, table, 1)
     host.pinned[distinct] = True
     for table in host_tables:
-        _drop_holders(host, "host", np.asarray(table, np.int64))
-    return state, tables
+        host = _drop_holders(host, "host", np.asarray(table, np.int64))
+    return state._replace(device=device, host=host), tables
 
 
-def _end_step(pool: BlockPool, pinned: np.ndarray) -> None:
+def _end_step(pool: BlockPool, pinned: np.ndarray) -> BlockPool:
     """Deferred blocks join the tail in the order they were freed; the pins lift."""
     num_deferred = int(pool.num_deferred)
-    _push_tail(pool, pool.deferred[:num_deferred].copy())
+    pool = _push_tail(pool, pool.deferred[:num_deferred].copy())
     pool.num_deferred[...] = 0
     pool.pinned[pinned] = False
+    return pool
 
 
 def commit(state: AllocatorState) -> tuple[AllocatorState, BlockOps]:
@@ -472,12 +547,13 @@ def commit(state: AllocatorState) -> tuple[AllocatorState, BlockOps]:
         block_ops = BlockOps(ops.swap_out[:num_swap_out].copy(),
                              ops.swap_in[:num_swap_in].copy(), ops.copies[:num_copies].copy())
         # Exactly the blocks the ops name are pinned, and the written ones are destinations.
-        _end_step(state.device, np.concatenate([block_ops.swap_in[:, 1],
-                                                block_ops.copies.reshape(-1)]))
-        _end_step(state.host, np.concatenate([block_ops.swap_out[:, 1],
-                                              block_ops.swap_in[:, 0]]))
+        device = _end_step(state.device, np.concatenate([block_ops.swap_in[:, 1],
+                                                         block_ops.copies.reshape(-1)]))
+        host = _end_step(state.host, np.concatenate([block_ops.swap_out[:, 1],
+                                                     block_ops.swap_in[:, 0]]))
         ops.written[block_ops.swap_in[:, 1]] = False
         ops.written[block_ops.copies[:, 1]] = False
         ops.copied_from[block_ops.copies[:, 1]] = -1
         ops.sizes[:] = 0
+        state = state._replace(device=device, host=host)
     return state, block_ops
