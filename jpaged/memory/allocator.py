@@ -294,11 +294,15 @@ def drop_holder(pool: BlockPool, block, where=True) -> BlockPool:
     return push_tail(pool, block, released & ~pinned)
 
 
-def take_free_block(state: AllocatorState, where=True) -> tuple[AllocatorState, int]:
-    """The head device block, held once: one block of `allocate`."""
-    device, block = pop_head(state.device, where)
-    device = device._replace(refcounts=_set(device.refcounts, block, 1, where))
-    return state._replace(device=device), block
+def take_free_block(pool: BlockPool, where=True) -> tuple[BlockPool, int]:
+    """The head block, held once: one block of `allocate`."""
+    pool, block = pop_head(pool, where)
+    return pool._replace(refcounts=_set(pool.refcounts, block, 1, where)), block
+
+
+def add_holders(pool: BlockPool, blocks, where=True) -> BlockPool:
+    """One more holder per entry of `blocks` (blocks in use): a fork shares them."""
+    return pool._replace(refcounts=_add(pool.refcounts, blocks, 1, where))
 
 
 def record_copy(state: AllocatorState, source, dest, where=True) -> AllocatorState:
@@ -330,8 +334,8 @@ def private_copy(state: AllocatorState, block, copy_content, where=True
                  ) -> tuple[AllocatorState, int]:
     """A private block from the queue's head in place of one holder of the shared
     `block`, filled with its content by this step's copies where `copy_content`."""
-    state, private = take_free_block(state, where)
-    state = record_copy(state, block, private, copy_content & where)
+    device, private = take_free_block(state.device, where)
+    state = record_copy(state._replace(device=device), block, private, copy_content & where)
     device = state.device
     device = device._replace(refcounts=_set(device.refcounts, block, device.refcounts[block] - 1,
                                             where))
@@ -385,10 +389,10 @@ def allocate(state: AllocatorState, num_blocks: int) -> tuple[AllocatorState, np
     returns int32 [num_blocks], in queue order.
     """
     _check_free_count(state.device, "device", num_blocks)
-    blocks = np.empty(num_blocks, np.int32)
+    device, blocks = state.device, np.empty(num_blocks, np.int32)
     for i in range(num_blocks):
-        state, blocks[i] = take_free_block(state)
-    return state, blocks
+        device, blocks[i] = take_free_block(device)
+    return state._replace(device=device), blocks
 
 
 def share(state: AllocatorState, blocks) -> AllocatorState:
@@ -398,8 +402,7 @@ def share(state: AllocatorState, blocks) -> AllocatorState:
     if len(blocks) and not device.refcounts[blocks].all():
         block = int(blocks[np.argmin(device.refcounts[blocks] != 0)])
         raise ValueError(f"device block {block} is free; only a block in use can be shared")
-    _add(device.refcounts, blocks, 1)
-    return state
+    return state._replace(device=add_holders(device, blocks))
 
 
 def take(state: AllocatorState, block: int) -> AllocatorState:
@@ -497,7 +500,7 @@ def swap_out(state: AllocatorState, tables: list[list[int]]
     host_of = dict(zip(distinct.tolist(), host_blocks.tolist(), strict=True))
     host_tables = [[host_of[block] for block in table] for table in tables]
     for table in host_tables:
-        _add(host.refcounts, table, 1)
+        host = add_holders(host, table)
     for table in tables:
         device = _drop_holders(device, "device", np.asarray(table[::-1], np.int64))
     return state._replace(device=device, host=host), host_tables
@@ -521,7 +524,7 @@ def swap_in(state: AllocatorState, host_tables: list[list[int]]
     device_of = dict(zip(distinct.tolist(), device_blocks.tolist(), strict=True))
     tables = [[device_of[block] for block in table] for table in host_tables]
     for table in tables:
-        _add(device.refcounts, table, 1)
+        device = add_holders(device, table)
     host.pinned[distinct] = True
     for table in host_tables:
         host = _drop_holders(host, "host", np.asarray(table, np.int64))
