@@ -239,6 +239,8 @@ class Scheduler:
             seq.num_computed_tokens += num_new_tokens
             if not seq.spec_token_ids:  # a speculating one once it knows what it keeps
                 mark_computed(seq)
+        if sampled.runs is not None:
+            return self._append_runs(plan, sampled)
         tokens = sampled.tokens.tolist()
         num_accepted = None if sampled.num_accepted is None else sampled.num_accepted.tolist()
         all_finite = bool(sampled.finite.all())
@@ -263,6 +265,39 @@ class Scheduler:
         if ended:
             self.running = deque(group for group in self.running if not group.is_finished)
         return self.stats()
+
+    def _append_runs(self, plan: SchedulerOutput, sampled: SampledTokens) -> SchedulerStats:
+        """A decode loop's tokens: each draw's run appended one by one with every stop
+        check, what follows a stop dropped; a run cut by non-finite logits ends its group
+        with FINISHED_ERROR after its finite tokens."""
+        scheduled, ended = plan.scheduled, False
+        draws = [(group, row) for group, rows in plan.draws for row in rows]
+        for (group, row), run, finite in zip(draws, sampled.runs, sampled.finite.tolist(),
+                                             strict=True):
+            if group.is_finished:
+                continue
+            seq = scheduled[row][0]
+            ended |= self._append_run(group, seq, run)
+            if not finite and not group.is_finished:
+                logger.error("request %r: NaN or infinite logits; it finishes with "
+                             "finish_reason 'error'", group.request_id)
+                for other in group.unfinished_seqs():
+                    self._release(group, other, SequenceStatus.FINISHED_ERROR)
+                ended = True
+        if ended:
+            self.running = deque(group for group in self.running if not group.is_finished)
+        return self.stats()
+
+    def _append_run(self, group: SequenceGroup, seq: Sequence, run: list[int]) -> bool:
+        """Append a decode loop's run to `seq`: each token after the first follows one
+        the loop computed. Whether it ended."""
+        for i, token in enumerate(run):
+            if i:
+                seq.num_computed_tokens += 1
+            if self._append(group, seq, token):
+                return True
+        self.block_manager.mark_computed(seq)
+        return False
 
     def _append_samples(self, group: SequenceGroup, seqs: list[Sequence],
                         tokens: list[int], num_accepted: list[int]) -> bool:

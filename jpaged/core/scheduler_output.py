@@ -94,9 +94,14 @@ class SampledTokens:
             tokens are then unused).
     num_accepted: int [D]  proposals of the draw's sequence the verification accepted:
             the sequence takes them, then the draw's token (None: no proposals).
+    runs:   for a step that decoded several tokens per sequence on the device (the
+            decode loop), each draw's tokens in order; the step computed every one
+            but the last, as it computes a step's input token, and `tokens` holds the
+            last. A run with a non-finite draw stops before it (finite is then False).
     """
 
     tokens: np.ndarray
     finite: np.ndarray
     beams: dict[str, BeamChoice] = field(default_factory=dict)
     num_accepted: np.ndarray | None = None
+    runs: list[list[int]] | None = None

@@ -84,6 +84,10 @@ class EngineConfig:
     ("model",) or ("data", "model") to place them on chosen devices instead of
     the first of `jax.devices()`.
 
+    num_decode_steps: the most decode steps a batch whose sequences all decode runs on
+    the device in one loop before the host schedules again (jpaged.engine.decode_loop);
+    1 schedules every step. None takes the machine's default.
+
     speculative_config: speculative decoding, as vLLM's dict
     ({"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": m,
     "prompt_lookup_max": M}) or a SpeculativeConfig; None decodes one token per step.
@@ -116,6 +120,7 @@ class EngineConfig:
     data_parallel_size: int = 1
     mesh: Mesh | None = None
     speculative_config: SpeculativeConfig | dict | None = None
+    num_decode_steps: int | None = None
 
     def __post_init__(self):
         check_allocation(self.allocation)
@@ -139,7 +144,7 @@ class EngineConfig:
                              f"{self.attention_backend!r}")
         minimums = {"block_size": 1, "num_blocks": 2, "kv_cache_memory": 1, "max_num_seqs": 1,
                     "max_num_batched_tokens": 1, "max_model_len": 1, "max_logprobs": 1,
-                    "tensor_parallel_size": 1, "data_parallel_size": 1}
+                    "tensor_parallel_size": 1, "data_parallel_size": 1, "num_decode_steps": 1}
         for name, minimum in minimums.items():
             value = getattr(self, name)
             if value is None:
@@ -180,7 +185,7 @@ class EngineConfig:
         block_size = self.block_size or kernels_pallas.default_block_size(backend, self.kv_dtype)
         config = dataclasses.replace(self, block_size=block_size, **{
             name: getattr(defaults, name) if getattr(self, name) is None else getattr(self, name)
-            for name in ("max_num_seqs", "max_num_batched_tokens")
+            for name in ("max_num_seqs", "max_num_batched_tokens", "num_decode_steps")
         })
         k = config.num_speculative_tokens
         if k and k + 1 > config.max_num_batched_tokens:

@@ -31,8 +31,9 @@ from jpaged.config import CacheConfig
 from jpaged.core.batch_builder import build_model_input
 from jpaged.core.scheduler import Scheduler
 from jpaged.core.scheduler_output import BeamChoice, SampledTokens, SchedulerOutput, SchedulerStats
-from jpaged.core.step_shapes import StepShapes
+from jpaged.core.step_shapes import StepShapes, bucket, padded_sizes
 from jpaged.engine.beam_search import BeamSearch, Hypothesis
+from jpaged.engine.decode_loop import LoopInput
 from jpaged.engine.config import EngineConfig
 from jpaged.engine.runner import ModelRunner
 from jpaged.engine.stats import KVBlockCounts
@@ -145,8 +146,9 @@ class EngineCore:
     def __init__(self, scheduler: Scheduler, kv_manager: KVManager, runner: ModelRunner,
                  shapes: StepShapes, *, vocab_size: int, max_logprobs: int,
                  proposer: Proposer | DraftModelProposer | None = None,
-                 draft_runner: ModelRunner | None = None):
+                 draft_runner: ModelRunner | None = None, num_decode_steps: int = 1):
         self.scheduler = scheduler
+        self.num_decode_steps = num_decode_steps
         self.kv_manager = kv_manager
         self.runner = runner
         self.shapes = shapes
@@ -178,7 +180,10 @@ class EngineCore:
             return output
         output.block_usage = self._block_usage(plan)
         try:
-            self._run(plan, output)
+            if self._loops(plan):
+                self._run_loop(plan, output)
+            else:
+                self._run(plan, output)
         except BaseException as error:
             self._fail(plan, error, output)
         return output
@@ -226,6 +231,83 @@ class EngineCore:
             output.sampled = sampled
         output.stats = self.scheduler.update_from_output(plan, tokens)
         output.prompt_logprobs = prompt_logprobs
+
+    # Decode steps on the device.
+
+    def _loops(self, plan: SchedulerOutput) -> bool:
+        """Whether the step runs as a decode loop: num_decode_steps > 1, one paged KV cache
+        group, no speculative decoding, and every scheduled sequence decoding its next
+        token alone (no prompt chunk, no fork, no beam search: beams are chosen on the
+        host each step)."""
+        return (self.num_decode_steps > 1 and self.proposer is None
+                and type(self.kv_manager) is BlockManager
+                and plan.num_draws == len(plan.scheduled)
+                and all(num_new_tokens == 1 and seq.num_uncomputed_tokens == 1
+                        and not group.is_beam_search and not group.forks_at_next_draw
+                        for (seq, num_new_tokens), group in zip(plan.scheduled, plan.groups,
+                                                                strict=True)))
+
+    def _run_loop(self, plan: SchedulerOutput, output: CoreOutput) -> None:
+        self.runner.apply_block_ops(plan.block_ops)
+        seqs = [seq for seq, _ in plan.scheduled]
+        inputs = self._loop_input(plan)
+        result = self.runner.decode_loop(self.kv_manager.state.device, inputs,
+                                         num_steps=self.num_decode_steps,
+                                         num_top=self.max_logprobs)
+        # Writable copies: the host's transitions store into the pool in place.
+        pool = jax.tree.map(np.array, result.pool)
+        self.kv_manager.adopt_device_blocks(pool, seqs, result.block_tables)
+        sampled, steps = result.sampled, self.num_decode_steps
+        runs, finite, output.draw_rows = [], [], []
+        for row, num_drawn in enumerate(result.num_drawn[: len(seqs)].tolist()):
+            rows = range(row * steps, row * steps + num_drawn)
+            row_finite = sampled.finite[rows.start:rows.stop]
+            num_taken = int(np.argmin(row_finite)) if not row_finite.all() else num_drawn
+            runs.append(sampled.tokens[rows.start:rows.start + num_taken].tolist())
+            finite.append(num_taken == num_drawn)
+            output.draw_rows.append(rows)
+        output.sampled = sampled
+        output.proposals = [(0, 0)] * len(seqs)
+        tokens = SampledTokens(np.array([run[-1] if run else 0 for run in runs], np.int32),
+                               np.array(finite), runs=runs)
+        output.stats = self.scheduler.update_from_output(plan, tokens)
+
+    def _loop_input(self, plan: SchedulerOutput) -> LoopInput:
+        """The scheduled sequences as the loop's rows (padded as a decode step's)."""
+        seqs = [seq for seq, _ in plan.scheduled]
+        shapes, steps = self.shapes, self.num_decode_steps
+        block_size = self.kv_manager.block_size
+        num_rows = padded_sizes(len(seqs), len(seqs), shapes.buckets, decode_only=True)[1]
+        reach = -(-(max(len(seq) for seq in seqs) + steps - 1) // block_size)
+        num_blocks = bucket(min(reach, shapes.max_blocks_per_seq),
+                            shapes.buckets.min_blocks_per_seq)
+        tables = np.zeros((num_rows, num_blocks), np.int32)
+        stop_mask = np.zeros((num_rows, self.vocab_size), bool)
+        columns = np.zeros((6, num_rows), np.int32)  # the int32 [B] columns below
+        max_model_len = self.scheduler.config.max_model_len
+        sampling_rows = []
+        for group, rows in plan.draws:
+            for index, row in _sample_indices(group, plan, rows):
+                seq = plan.scheduled[row][0]
+                table = self.kv_manager.block_table(seq).array
+                tables[row, : len(table)] = table
+                num_output = len(seq.output_token_ids)
+                max_output = max_model_len - seq.num_prompt_tokens
+                if group.max_tokens is not None:
+                    max_output = min(max_output, group.max_tokens)
+                columns[:, row] = (seq.token_id(len(seq) - 1), len(seq) - 1, 1, num_output, max_output,
+                                   group.min_tokens)
+                stop_mask[row, list(group.stop_token_ids)] = True
+                sampling_rows.append((row, dataclasses.replace(
+                    self._sampling_row(group, seq, index), suppressed_token_ids=())))
+        sampling_rows = [r for _, r in sorted(sampling_rows, key=lambda item: item[0])]
+        input_ids, positions, live, num_output, max_output, min_tokens = columns
+        return LoopInput(
+            input_ids=input_ids, positions=positions, block_tables=tables,
+            live=live.astype(bool), num_output=num_output, max_output=max_output,
+            min_tokens=min_tokens, stop_mask=stop_mask,
+            sampling=sampling_tensors(sampling_rows, num_rows, self.vocab_size, dense=True),
+            yield_on_finish=np.bool_(bool(self.scheduler.waiting or self.scheduler.swapped)))
 
     # Speculative decoding's proposals.
 

@@ -115,7 +115,8 @@ class LLMEngine:
             proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
         self.core = EngineCore(scheduler, kv_manager, runner, shapes, vocab_size=vocab_size,
                                max_logprobs=config.max_logprobs, proposer=proposer,
-                               draft_runner=draft_runner)
+                               draft_runner=draft_runner,
+                               num_decode_steps=config.num_decode_steps)
         eos, tokenizer_eos = self.model_config.eos_token_ids, self.tokenizer.eos_token_id
         self.eos_token_ids = eos if tokenizer_eos in (None, *eos) else (*eos, tokenizer_eos)
         limits = RequestLimits(vocab_size, min(config.max_num_seqs, config.max_num_batched_tokens),

@@ -15,16 +15,17 @@ class MachineDefaults:
     max_num_seqs: int
     max_num_batched_tokens: int
     kv_cache_fraction: float
+    num_decode_steps: int
 
 
 # A CPU runs a step's matrix products on a few cores: a 256-token budget keeps
 # decode steps of 64 sequences short enough to interleave with prefill chunks.
 # The pool there is bounded by the weights (see `kv_cache_budget`).
 CPU_DEFAULTS = MachineDefaults(max_num_seqs=64, max_num_batched_tokens=256,
-                               kv_cache_fraction=0.25)
+                               kv_cache_fraction=0.25, num_decode_steps=1)
 # vLLM's defaults on an accelerator (its gpu_memory_utilization is 0.9).
 ACCELERATOR_DEFAULTS = MachineDefaults(max_num_seqs=256, max_num_batched_tokens=2048,
-                                       kv_cache_fraction=0.9)
+                                       kv_cache_fraction=0.9, num_decode_steps=1)
 
 
 def on_accelerator() -> bool:

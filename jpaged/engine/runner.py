@@ -42,7 +42,8 @@ from jpaged.core.step_shapes import (
     op_pairs,
 )
 from jpaged.engine.config import EngineConfig
-from jpaged.memory.allocator import BlockOps
+from jpaged.engine.decode_loop import LoopInput, LoopOutput, decode_loop
+from jpaged.memory.allocator import BlockOps, BlockPool
 from jpaged.memory.kv_cache_groups import KVCacheGroups
 from jpaged.model.llama import (
     KVCache,
@@ -125,6 +126,12 @@ def _logits(graphdef, params_def, param_leaves, last_hidden, *, num_rows):
     """last_hidden [B, hidden] -> logits f32 [num_rows, vocab] of its first num_rows rows."""
     model = nnx.merge(graphdef, jax.tree.unflatten(params_def, param_leaves))
     return model.compute_logits(last_hidden[:num_rows])
+
+
+def _all_logits(graphdef, params_def, param_leaves, last_hidden):
+    """last_hidden [B, hidden] -> logits f32 [B, vocab]."""
+    return _logits(graphdef, params_def, param_leaves, last_hidden,
+                   num_rows=last_hidden.shape[0])
 
 
 @jax.jit
@@ -233,6 +240,12 @@ class ModelRunner:
         self._decode_step = step(decode)
         self._logits = jax.jit(functools.partial(_logits, self.graphdef, params_def),
                                static_argnames=("num_rows",))
+        decode_fn = functools.partial(_step, self.graphdef, params_def, attention_fn=decode,
+                                      write_kv_fn=write_kv_fn, groups=self.groups)
+        logits_fn = functools.partial(_all_logits, self.graphdef, params_def)
+        self._decode_loop = jax.jit(
+            functools.partial(decode_loop, decode_fn, logits_fn), donate_argnums=1,
+            static_argnames=("num_steps", "num_top", "block_size"))
 
     @property
     def kv_caches(self) -> KVCache:
@@ -285,6 +298,22 @@ class ModelRunner:
         """Final-normed hidden states [B, hidden] -> logits f32 [num_rows, vocab] of the
         first num_rows rows (num_rows <= B)."""
         return self._logits(self._param_leaves, last_hidden, num_rows=num_rows)
+
+    def decode_loop(self, pool: BlockPool, inputs: LoopInput, *, num_steps: int,
+                    num_top: int) -> LoopOutput:
+        """Up to num_steps decode steps of `inputs` on the device, allocating from `pool`
+        (jpaged.engine.decode_loop) -> its numpy outputs."""
+        output, self.kv_cache = self._decode_loop(
+            self._param_leaves, self.kv_cache, pool, inputs, num_steps=num_steps,
+            num_top=num_top, block_size=self.block_size)
+        return jax.device_get(output)
+
+    def compile_decode_loop(self, pool: BlockPool, inputs: LoopInput, *, num_steps: int,
+                            num_top: int) -> jax.stages.Compiled:
+        """The compiled loop for the shapes of `pool` and `inputs` (warm-up's threads)."""
+        return self._decode_loop.lower(
+            self._param_leaves, self.kv_cache, pool, inputs, num_steps=num_steps,
+            num_top=num_top, block_size=self.block_size).compile()
 
     def sample(
         self, logits: jax.Array, rows: np.ndarray, tensors: SamplingTensors, num_top: int

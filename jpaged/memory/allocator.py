@@ -211,7 +211,7 @@ def _check_held(pool: BlockPool, name: str, tables: list[list[int]]) -> None:
 # One set of transitions for numpy and for JAX.
 #
 # The transitions below touch one block at a time and read and write arrays only
-# through `_set` and `_add`: on numpy arrays these store in place (and return the
+# through `store` and `_add`: on numpy arrays these store in place (and return the
 # same array), on JAX arrays they return an updated copy (`x.at[i].set(v)`), so the
 # same function runs on the host and under `jax.jit`. `where` masks an update: under
 # `jit` a call cannot be skipped, so a transition that may not apply takes a traced
@@ -221,7 +221,7 @@ def _check_held(pool: BlockPool, name: str, tables: list[list[int]]) -> None:
 # masked calls.
 
 
-def _set(x, index, value, where=True):
+def store(x, index, value, where=True):
     """x with x[index] = value where `where` (numpy: in place, the same array)."""
     if isinstance(x, np.ndarray):
         if where is True or where:
@@ -250,11 +250,11 @@ def pop_head(pool: BlockPool, where=True) -> tuple[BlockPool, int]:
     sentinel = pool.num_blocks
     block = pool.next_free[sentinel]
     after = pool.next_free[block]
-    next_free = _set(pool.next_free, sentinel, after, where)
-    prev_free = _set(pool.prev_free, after, sentinel, where)
-    next_free = _set(next_free, block, -1, where)
-    prev_free = _set(prev_free, block, -1, where)
-    num_free = _set(pool.num_free, (), pool.num_free - 1, where)
+    next_free = store(pool.next_free, sentinel, after, where)
+    prev_free = store(pool.prev_free, after, sentinel, where)
+    next_free = store(next_free, block, -1, where)
+    prev_free = store(prev_free, block, -1, where)
+    num_free = store(pool.num_free, (), pool.num_free - 1, where)
     return pool._replace(next_free=next_free, prev_free=prev_free, num_free=num_free), block
 
 
@@ -262,22 +262,22 @@ def push_tail(pool: BlockPool, block, where=True) -> BlockPool:
     """`block` (outside the queue) appended to its tail."""
     sentinel = pool.num_blocks
     tail = pool.prev_free[sentinel]
-    next_free = _set(pool.next_free, tail, block, where)
-    prev_free = _set(pool.prev_free, block, tail, where)
-    next_free = _set(next_free, block, sentinel, where)
-    prev_free = _set(prev_free, sentinel, block, where)
-    num_free = _set(pool.num_free, (), pool.num_free + 1, where)
+    next_free = store(pool.next_free, tail, block, where)
+    prev_free = store(pool.prev_free, block, tail, where)
+    next_free = store(next_free, block, sentinel, where)
+    prev_free = store(prev_free, sentinel, block, where)
+    num_free = store(pool.num_free, (), pool.num_free + 1, where)
     return pool._replace(next_free=next_free, prev_free=prev_free, num_free=num_free)
 
 
 def unlink(pool: BlockPool, block, where=True) -> BlockPool:
     """`block` taken out of the queue from wherever it is."""
     before, after = pool.prev_free[block], pool.next_free[block]
-    next_free = _set(pool.next_free, before, after, where)
-    prev_free = _set(pool.prev_free, after, before, where)
-    next_free = _set(next_free, block, -1, where)
-    prev_free = _set(prev_free, block, -1, where)
-    num_free = _set(pool.num_free, (), pool.num_free - 1, where)
+    next_free = store(pool.next_free, before, after, where)
+    prev_free = store(pool.prev_free, after, before, where)
+    next_free = store(next_free, block, -1, where)
+    prev_free = store(prev_free, block, -1, where)
+    num_free = store(pool.num_free, (), pool.num_free - 1, where)
     return pool._replace(next_free=next_free, prev_free=prev_free, num_free=num_free)
 
 
@@ -285,19 +285,19 @@ def drop_holder(pool: BlockPool, block, where=True) -> BlockPool:
     """One holder fewer of `block`; at none it is released: pinned, it waits in the
     deferred list for commit, else it joins the tail."""
     remaining = pool.refcounts[block] - 1
-    pool = pool._replace(refcounts=_set(pool.refcounts, block, remaining, where))
+    pool = pool._replace(refcounts=store(pool.refcounts, block, remaining, where))
     released = (remaining == 0) & where
     pinned = pool.pinned[block]
     pool = pool._replace(
-        deferred=_set(pool.deferred, pool.num_deferred, block, released & pinned),
-        num_deferred=_set(pool.num_deferred, (), pool.num_deferred + 1, released & pinned))
+        deferred=store(pool.deferred, pool.num_deferred, block, released & pinned),
+        num_deferred=store(pool.num_deferred, (), pool.num_deferred + 1, released & pinned))
     return push_tail(pool, block, released & ~pinned)
 
 
 def take_free_block(pool: BlockPool, where=True) -> tuple[BlockPool, int]:
     """The head block, held once: one block of `allocate`."""
     pool, block = pop_head(pool, where)
-    return pool._replace(refcounts=_set(pool.refcounts, block, 1, where)), block
+    return pool._replace(refcounts=store(pool.refcounts, block, 1, where)), block
 
 
 def add_holders(pool: BlockPool, blocks, where=True) -> BlockPool:
@@ -311,13 +311,13 @@ def record_copy(state: AllocatorState, source, dest, where=True) -> AllocatorSta
     ops = state.ops
     source = _first_source(ops, source)
     device = state.device
-    pinned = _set(_set(device.pinned, source, True, where), dest, True, where)
+    pinned = store(store(device.pinned, source, True, where), dest, True, where)
     count = ops.sizes[_COPIES]
     ops = ops._replace(
-        copies=_set(_set(ops.copies, (count, 0), source, where), (count, 1), dest, where),
-        sizes=_set(ops.sizes, _COPIES, count + 1, where),
-        copied_from=_set(ops.copied_from, dest, source, where),
-        written=_set(ops.written, dest, True, where))
+        copies=store(store(ops.copies, (count, 0), source, where), (count, 1), dest, where),
+        sizes=store(ops.sizes, _COPIES, count + 1, where),
+        copied_from=store(ops.copied_from, dest, source, where),
+        written=store(ops.written, dest, True, where))
     return state._replace(device=device._replace(pinned=pinned), ops=ops)
 
 
@@ -337,7 +337,7 @@ def private_copy(state: AllocatorState, block, copy_content, where=True
     device, private = take_free_block(state.device, where)
     state = record_copy(state._replace(device=device), block, private, copy_content & where)
     device = state.device
-    device = device._replace(refcounts=_set(device.refcounts, block, device.refcounts[block] - 1,
+    device = device._replace(refcounts=store(device.refcounts, block, device.refcounts[block] - 1,
                                             where))
     return state._replace(device=device), private
 

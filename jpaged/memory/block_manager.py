@@ -37,7 +37,7 @@ import numpy as np
 
 from jpaged.config import CacheConfig
 from jpaged.memory import allocator
-from jpaged.memory.allocator import AllocatorState, BlockOps
+from jpaged.memory.allocator import AllocatorState, BlockOps, BlockPool
 from jpaged.memory.block_table import BlockTable
 from jpaged.memory.invariants import holder_problems
 from jpaged.memory.kv_cache_groups import window_blocks
@@ -581,6 +581,24 @@ class BlockManager:
         self._logical_blocks += num_new_blocks
         if record.owes_copies:
             record.owes_copies, record.num_shared = False, 0
+
+    def adopt_device_blocks(self, pool: BlockPool, seqs: list[Sequence],
+                            tables: np.ndarray) -> None:
+        """Take what a decode loop allocated on the device: `pool`, the device pool as the
+        loop left it (numpy arrays), and each of `seqs`' table row (tables int32 [B, M],
+        row i for seqs[i]) with the blocks the loop appended after the host's entries.
+        The loop's blocks came from the free queue's head: their cache entries go."""
+        self.state = self.state._replace(device=pool)
+        appended = []
+        for seq, row in zip(seqs, tables, strict=False):
+            table = self._seqs[seq.seq_id].table
+            blocks = row[len(table):]
+            blocks = blocks[: np.count_nonzero(blocks)]
+            table.extend(blocks.tolist())
+            self._logical_blocks += len(blocks)
+            appended.append(blocks)
+        if appended:
+            self.prefix_cache.evict(np.concatenate(appended).astype(np.int64))
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """`child` shares every block of `parent` (refcount + 1 each).

@@ -441,14 +441,14 @@ def chunked_top_k(x: chex.Array, k: int) -> tuple[chex.Array, chex.Array]:
 
 def sample(logits: chex.Array, tensors: SamplingTensors, num_top: int) -> SamplerOutput:
     """One token per row, and log-probabilities of the raw logits; compiled with the
-    options of the default backend (`_compiler_options`).
+    options of the default backend (`compiler_options`).
 
     logits: [B, V] (any float dtype; computed in f32); num_top: static, <= V.
     """
     return _compiled_sample()(logits, tensors, num_top)
 
 
-def _compiler_options() -> dict[str, str] | None:
+def compiler_options() -> dict[str, str] | None:
     """XLA options of the sampler on the default backend. XLA's CPU backend hands
     reductions to YNNPACK by default, and there the sampler's vocabulary-wide passes ran
     several times slower than XLA's own loops: on a CPU the sampler compiles without
@@ -461,16 +461,19 @@ def _compiler_options() -> dict[str, str] | None:
 
 @cache
 def _compiled_sample():
-    return jax.jit(_sample, static_argnames="num_top",
-                   compiler_options=_compiler_options())
+    return jax.jit(sample_tokens, static_argnames="num_top",
+                   compiler_options=compiler_options())
 
 
 @cache
 def _compiled_draft_sample():
-    return jax.jit(_draft_sample, compiler_options=_compiler_options())
+    return jax.jit(_draft_sample, compiler_options=compiler_options())
 
 
-def _sample(logits: chex.Array, tensors: SamplingTensors, num_top: int) -> SamplerOutput:
+def sample_tokens(logits: chex.Array, tensors: SamplingTensors, num_top: int
+                  ) -> SamplerOutput:
+    """What `sample` compiles, for a caller that traces it into its own jitted function
+    (the decode loop)."""
     raw = logits.astype(jnp.float32)
     processed = process_logits(raw, tensors)
     tokens = _first_argmax(processed)
@@ -569,11 +572,12 @@ def _dense(rows: Sequence[SamplingRow], num_rows: int, vocab_size: int) -> dict:
 
 
 def sampling_tensors(
-    rows: Sequence[SamplingRow], num_rows: int, vocab_size: int
+    rows: Sequence[SamplingRow], num_rows: int, vocab_size: int, dense: bool = False
 ) -> SamplingTensors:
     """Host numpy inputs of `sample`, padded to num_rows with greedy, neutral rows.
 
-    The dense [B, V] arrays are built only when some row needs them (SamplingRow.dense).
+    The dense [B, V] arrays are built only when some row needs them (SamplingRow.dense)
+    or `dense` asks for them (the decode loop updates them on the device).
     """
     pad = num_rows - len(rows)
     if pad < 0:
@@ -593,7 +597,8 @@ def sampling_tensors(
         sample_indices=column("sample_index", 0, np.int32),
         positions=column("position", 0, np.int32),
         logprob_temperature=column("logprob_temperature", 1.0, np.float32),
-        **(_dense(rows, num_rows, vocab_size) if any(r.dense for r in rows) else {}),
+        **(_dense(rows, num_rows, vocab_size) if dense or any(r.dense for r in rows)
+           else {}),
         proposals=(column("proposal", -1, np.int32) if any(r.proposal >= 0 for r in rows)
                    else None),
         draws=any(r.temperature > 0 for r in rows),
