@@ -14,7 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jpaged.core.step_shapes import StepShapes
+from jpaged.engine.decode_loop import padding_input
 from jpaged.engine.runner import ModelRunner
+from jpaged.memory.allocator import BlockPool
 from jpaged.model.default_model import cache_directory
 from jpaged.model.sampler import SamplingRow, sampling_tensors
 
@@ -27,11 +29,12 @@ def use_persistent_compilation_cache() -> None:
 
 
 def warmup(runner: ModelRunner, shapes: StepShapes, *, vocab_size: int, hidden_size: int,
-           num_top: int) -> int:
+           num_top: int, decode_loop: tuple[BlockPool, int] | None = None) -> int:
     """Compile every step shape the limits allow, so serving never compiles: the model
     steps, the logits and the sampler's four variants (greedy or drawing, with or
     without the dense inputs of penalties, logit bias and min_tokens) for every row
-    count, and the prompt log-probabilities.
+    count, and the prompt log-probabilities; with decode_loop = (the device pool,
+    num_decode_steps), the decode loop of every decode step shape, greedy and drawing.
 
     XLA compiles without holding the GIL, so the compiles run in one thread per
     core; each step shape then runs once, from the compiled cache, on the
@@ -46,11 +49,29 @@ def warmup(runner: ModelRunner, shapes: StepShapes, *, vocab_size: int, hidden_s
         jobs = [pool.submit(runner.compile_step, *shape) for shape in step_shapes]
         jobs += [pool.submit(call) for call in _sampling_calls(
             runner, shapes, row_counts, vocab_size, hidden_size, num_top)]
+        loops = _loop_calls(runner, step_shapes, vocab_size, num_top, decode_loop)
+        jobs += [pool.submit(partial(runner.compile_decode_loop, *args, **kwargs))
+                 for args, kwargs in loops]
         for job in jobs:
             job.result()
     for shape in step_shapes:
         runner.run_padding_step(*shape)
+    for args, kwargs in loops:
+        runner.decode_loop(*args, **kwargs)
     return len(step_shapes)
+
+
+def _loop_calls(runner: ModelRunner, step_shapes: list[tuple[int, int, int, bool]],
+                vocab_size: int, num_top: int, decode_loop: tuple[BlockPool, int] | None
+                ) -> list[tuple[tuple, dict]]:
+    """The (args, kwargs) of a decode loop of each decode step shape, greedy and drawing."""
+    if decode_loop is None:
+        return []
+    device_pool, num_steps = decode_loop
+    return [((device_pool, padding_input(rows, blocks, vocab_size, draws)),
+             dict(num_steps=num_steps, num_top=num_top))
+            for _, rows, blocks, decode_only in step_shapes if decode_only
+            for draws in (False, True)]
 
 
 def _sampling_calls(runner: ModelRunner, shapes: StepShapes, row_counts: list[int],

@@ -32,11 +32,18 @@ from dataclasses import dataclass
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jpaged.core.attention_metadata import AttentionMetadata
 from jpaged.memory import allocator
 from jpaged.memory.allocator import BlockPool
-from jpaged.model.sampler import SamplerOutput, SamplingTensors, sample_tokens
+from jpaged.model.sampler import (
+    SamplerOutput,
+    SamplingRow,
+    SamplingTensors,
+    sample_tokens,
+    sampling_tensors,
+)
 
 
 @jax.tree_util.register_dataclass
@@ -84,6 +91,19 @@ class LoopOutput:
     num_drawn: chex.Array
     block_tables: chex.Array
     pool: BlockPool
+
+
+def padding_input(num_rows: int, num_blocks: int, vocab_size: int, draws: bool) -> LoopInput:
+    """A loop input of `num_rows` padding rows (the loop ends before its first iteration),
+    greedy or drawing: one of the two variants of a shape that warm-up compiles."""
+    zeros = np.zeros(num_rows, np.int32)
+    row = SamplingRow.greedy(position=0, temperature=1.0 if draws else 0.0)
+    return LoopInput(
+        input_ids=zeros, positions=zeros, block_tables=np.zeros((num_rows, num_blocks), np.int32),
+        live=np.zeros(num_rows, bool), num_output=zeros, max_output=zeros, min_tokens=zeros,
+        stop_mask=np.zeros((num_rows, vocab_size), bool),
+        sampling=sampling_tensors([row], num_rows, vocab_size, dense=True),
+        yield_on_finish=np.bool_(False))
 
 
 def _slot_blocks(pool: BlockPool, tables: chex.Array, positions: chex.Array,

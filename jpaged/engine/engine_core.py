@@ -234,14 +234,19 @@ class EngineCore:
 
     # Decode steps on the device.
 
-    def _loops(self, plan: SchedulerOutput) -> bool:
-        """Whether the step runs as a decode loop: num_decode_steps > 1, one paged KV cache
-        group, no speculative decoding, and every scheduled sequence decoding its next
-        token alone (no prompt chunk, no fork, no beam search: beams are chosen on the
-        host each step)."""
+    @property
+    def runs_decode_loops(self) -> bool:
+        """num_decode_steps > 1 with one paged KV cache group and no speculative decoding
+        (a sliding window's released blocks, Orca's reservations and proposals are the
+        host's business every step)."""
         return (self.num_decode_steps > 1 and self.proposer is None
-                and type(self.kv_manager) is BlockManager
-                and plan.num_draws == len(plan.scheduled)
+                and type(self.kv_manager) is BlockManager)
+
+    def _loops(self, plan: SchedulerOutput) -> bool:
+        """Whether the step runs as a decode loop: the core runs them, and every
+        scheduled sequence decodes its next token alone (no prompt chunk, no fork, no
+        beam search: beams are chosen on the host each step)."""
+        return (self.runs_decode_loops and plan.num_draws == len(plan.scheduled)
                 and all(num_new_tokens == 1 and seq.num_uncomputed_tokens == 1
                         and not group.is_beam_search and not group.forks_at_next_draw
                         for (seq, num_new_tokens), group in zip(plan.scheduled, plan.groups,

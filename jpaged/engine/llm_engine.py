@@ -250,11 +250,16 @@ class LLMEngine:
     def warmup(self) -> int:
         """Compile every step shape the limits allow (jpaged.engine.compilation.warmup),
         a draft model's too; returns the number of step shapes run."""
-        return max(compilation.warmup(runner, self.core.shapes,
+        core = self.core
+        decode_loop = None
+        if core.runs_decode_loops:
+            decode_loop = (core.kv_manager.state.device, core.num_decode_steps)
+        return max(compilation.warmup(runner, core.shapes,
                                       vocab_size=self.model_config.vocab_size,
                                       hidden_size=runner.config.hidden_size,
-                                      num_top=self.config.max_logprobs)
-                   for runner in self.core.runners)
+                                      num_top=self.config.max_logprobs,
+                                      decode_loop=decode_loop if runner is core.runner else None)
+                   for runner in core.runners)
 
     def check_invariants(self) -> None:
         """Check the KV blocks against the live sequences; RuntimeError on a violation.
