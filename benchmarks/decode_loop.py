@@ -153,15 +153,17 @@ def main(argv: list[str] | None = None) -> dict:
                         choices=["tiny", "smollm2"])
     parser.add_argument("--batches", nargs="+", type=int, default=list(BATCHES))
     parser.add_argument("--quick", action="store_true",
-                        help="the tiny model only, 1 round of 32 tokens (a check, not a figure)")
+                        help="the tiny model only, batches 1 and 8, 1 round of 16 tokens (a "
+                        "check, not a figure)")
     args = parser.parse_args(argv)
     report = new_report("benchmarks.decode_loop", argv)
     models = ("tiny",) if args.quick else tuple(args.models)
-    rounds, max_tokens = (1, 32) if args.quick else (args.rounds, args.max_tokens)
+    rounds, max_tokens = (1, 16) if args.quick else (args.rounds, args.max_tokens)
+    batches = [1, 8] if args.quick else args.batches
     report["settings"] = {"rounds": rounds, "max_tokens": max_tokens,
-                          "prompt_tokens": PROMPT_TOKENS, "batches": args.batches,
+                          "prompt_tokens": PROMPT_TOKENS, "batches": batches,
                           "systems": SYSTEMS, "tiny_model": TINY_LLAMA}
-    report["results"] = {model: measure(model, rounds, max_tokens, args.batches)
+    report["results"] = {model: measure(model, rounds, max_tokens, batches)
                          for model in models}
     targets = {}
     if "batch_8" in report["results"].get("tiny", {}):

@@ -31,6 +31,12 @@ the runs' percentages. Every greedy HTTP output is compared with its offline
 twin (`greedy_mismatches`). With --base-url the offline engine takes this
 script's engine flags: they must match the server's.
 
+Abort latency: one streamed request alone on the server; after its first
+ABORT_AFTER_CHUNKS chunks the client closes the stream, and the latency is the time
+until /metrics shows no running request (polled every few milliseconds): what a
+client's disconnect waits for, a step or, with --num-decode-steps S, up to a loop of
+S steps. The median of ABORT_TRIALS trials.
+
 Prints progress to stderr and one JSON object last on stdout.
 """
 
@@ -63,6 +69,8 @@ if TYPE_CHECKING:
 
 Workload = list[tuple[list[int], int]]  # (prompt token ids, output tokens)
 TARGET_OVERHEAD_PCT = 10.0
+ABORT_AFTER_CHUNKS = 4
+ABORT_TRIALS = 5
 SERVER_START_TIMEOUT_S = 3600  # a first --warmup on a CPU compiles every shape
 
 
@@ -132,6 +140,45 @@ def load(args, base_url: str, model: str, workload: Workload, request_rate: floa
     """run_load on its own event loop."""
     return asyncio.run(run_load(base_url, args.api_key, model, workload, request_rate,
                                 args.seed))
+
+
+def num_running(base_url: str) -> int:
+    """jpaged:num_requests_running from the server's /metrics."""
+    with urllib.request.urlopen(f"{base_url}/metrics", timeout=30) as response:
+        for line in response.read().decode().splitlines():
+            if line.startswith("jpaged:num_requests_running"):
+                return int(float(line.split()[-1]))
+    raise RuntimeError("/metrics has no jpaged:num_requests_running")
+
+
+async def abort_once(base_url: str, api_key: str, model: str, prompt: list[int],
+                     max_tokens: int) -> float:
+    """Seconds from closing a stream (after ABORT_AFTER_CHUNKS chunks) to the server
+    running no request."""
+    import openai
+
+    async with openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key=api_key, max_retries=0,
+                                  timeout=3600) as client:
+        stream = await client.completions.create(
+            model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+            extra_body={"ignore_eos": True})
+        chunks = 0
+        async for _ in stream:
+            chunks += 1
+            if chunks == ABORT_AFTER_CHUNKS:
+                break
+        await stream.close()
+        closed = time.perf_counter()
+    while await asyncio.to_thread(num_running, base_url):
+        await asyncio.sleep(0.002)
+    return time.perf_counter() - closed
+
+
+def abort_latency(args, base_url: str, model: str, prompt: list[int]) -> dict:
+    max_tokens = args.max_model_len - len(prompt)
+    latencies = [asyncio.run(abort_once(base_url, args.api_key, model, prompt, max_tokens))
+                 for _ in range(ABORT_TRIALS)]
+    return {"trials_s": latencies, "median_s": float(np.median(latencies))}
 
 
 def distribution(values: list[float]) -> dict[str, float | None]:
@@ -233,9 +280,11 @@ def measure(args, base_url: str, llm: LLM) -> dict:
         by_rate[str(rate)] = summarize(results, duration)
         progress(f"rate {rate}: {duration:.1f} s, "
                   f"{by_rate[str(rate)]['output_tokens_per_s']:.1f} output tok/s")
+    abort = abort_latency(args, base_url, model, warmup[0][0])
+    progress(f"abort latency: {abort['median_s'] * 1e3:.1f} ms")
     workloads = [workload_for(args, vocab_size, next(token_seeds))
                  for _ in range(args.overhead_runs + 1)]
-    return {"by_rate": by_rate,
+    return {"by_rate": by_rate, "abort_latency": abort,
             "overhead": http_overhead(args, base_url, model, llm, workloads),
             "workload": {"requests": args.num_requests,
                          "mean_prompt_tokens": float(np.mean([len(p) for p, _ in warmup])),
@@ -253,7 +302,8 @@ def engine_settings(args) -> dict:
     """The engine's settings, shared by the server and the offline LLM."""
     return {"block_size": args.block_size, "max_num_seqs": args.max_num_seqs,
             "max_num_batched_tokens": args.max_num_batched_tokens,
-            "max_model_len": args.max_model_len, "kv_cache_memory": int(args.kv_cache_mib * 2**20)}
+            "max_model_len": args.max_model_len, "kv_cache_memory": int(args.kv_cache_mib * 2**20),
+            "num_decode_steps": args.num_decode_steps}
 
 
 def server_command(args, port: int) -> list[str]:
@@ -263,7 +313,9 @@ def server_command(args, port: int) -> list[str]:
             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
             "--max-model-len", str(args.max_model_len),
             "--kv-cache-memory", str(args.kv_cache_mib / 1024)] + (
-                ["--warmup"] if args.warmup else [])
+                ["--warmup"] if args.warmup else []) + (
+                [] if args.num_decode_steps is None
+                else ["--num-decode-steps", str(args.num_decode_steps)])
 
 
 def free_port() -> int:
@@ -334,6 +386,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="also the workload's limit on prompt + output tokens")
     parser.add_argument("--kv-cache-mib", type=float, default=384)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-decode-steps", type=int, default=None,
+                        help="the engine's num_decode_steps (default: the machine's)")
     if parser.parse_known_args(argv)[0].quick:
         parser.set_defaults(num_requests=16, request_rates="4,inf")
     args = parser.parse_args(argv)

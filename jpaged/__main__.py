@@ -104,6 +104,10 @@ def _parser() -> argparse.ArgumentParser:
                          help="speculative decoding, as vLLM's JSON: '{\"method\": \"ngram\", "
                          "\"num_speculative_tokens\": 4}' (also prompt_lookup_min and "
                          "prompt_lookup_max)")
+        sub.add_argument("--num-decode-steps", type=int, default=None, metavar="S",
+                         help="decode steps a batch whose sequences all decode runs on the "
+                         "device before the host schedules again (default: the machine's; "
+                         "1 schedules every step)")
         sub.add_argument("--debug", action="store_true",
                          help="show the traceback of an error instead of one line")
     return parser
@@ -133,7 +137,8 @@ def _llm(args: argparse.Namespace) -> LLM:
                disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
                tensor_parallel_size=args.tensor_parallel_size,
                data_parallel_size=args.data_parallel_size,
-               speculative_config=args.speculative_config, **(_batch_limit(args) | limits))
+               speculative_config=args.speculative_config,
+               num_decode_steps=args.num_decode_steps, **(_batch_limit(args) | limits))
 
 
 def _batch_limit(args: argparse.Namespace) -> dict[str, int]:

@@ -38,6 +38,7 @@ from jpaged.core.attention_metadata import AttentionMetadata
 from jpaged.memory import allocator
 from jpaged.memory.allocator import BlockPool
 from jpaged.model.sampler import (
+    NEUTRAL_PENALTIES,
     SamplerOutput,
     SamplingRow,
     SamplingTensors,
@@ -164,6 +165,8 @@ def decode_loop(step_fn, logits_fn, params, kv_cache, pool: BlockPool, inputs: L
         accepted=jnp.zeros((num_rows, num_steps), bool),
     )
     rows = jnp.arange(num_rows)
+    # Rows that read the dense inputs; min_tokens' suppression is checked per iteration.
+    uses_dense = (base.penalties != jnp.array(NEUTRAL_PENALTIES)).any() | (base.bias != 0).any()
 
     def running(carry):
         step, _, pool, tables, _, positions, live, _, _, finished, _, _ = carry
@@ -177,11 +180,21 @@ def decode_loop(step_fn, logits_fn, params, kv_cache, pool: BlockPool, inputs: L
         pool, tables = _slot_blocks(pool, tables, positions, live, block_size)
         last_hidden, _, kv_cache = step_fn(params, input_ids, kv_cache,
                                            _metadata(tables, positions, live, block_size))
-        suppressed = (num_output < inputs.min_tokens)[:, None] & inputs.stop_mask
-        sampling = dataclasses.replace(
-            base, positions=positions + 1, output_counts=counts,
-            bias=jnp.where(suppressed, -jnp.inf, base.bias))
-        drawn = sample_tokens(logits_fn(params, last_hidden), sampling, num_top)
+        logits = logits_fn(params, last_hidden)
+        suppressing = live & (num_output < inputs.min_tokens)
+        sampling = dataclasses.replace(base, positions=positions + 1)
+
+        def dense():
+            bias = jnp.where(suppressing[:, None] & inputs.stop_mask, -jnp.inf, base.bias)
+            return sample_tokens(logits, dataclasses.replace(
+                sampling, output_counts=counts, bias=bias), num_top)
+
+        def plain():  # no penalty, bias or suppression: the sampler's cheaper variant
+            return sample_tokens(logits, dataclasses.replace(
+                sampling, penalties=None, output_counts=None, prompt_mask=None, bias=None),
+                num_top)
+
+        drawn = jax.lax.cond(uses_dense | suppressing.any(), dense, plain)
         token = drawn.tokens
         ended = (~drawn.finite | (num_output + 1 >= inputs.max_output)
                  | (inputs.stop_mask[rows, token] & (num_output + 1 >= inputs.min_tokens)))

@@ -42,3 +42,6 @@ def test_quick_run_measures_every_rate_and_the_http_overhead(server, offline):
     run = overhead["runs"][0]
     assert overhead["http_overhead_pct"] == pytest.approx(
         100 * (1 - run["http_output_tokens_per_s"] / run["offline_output_tokens_per_s"]))
+    abort = result["abort_latency"]
+    assert len(abort["trials_s"]) == serving.ABORT_TRIALS
+    assert 0 < abort["median_s"] < 60
