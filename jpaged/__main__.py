@@ -108,6 +108,8 @@ def _parser() -> argparse.ArgumentParser:
                          help="decode steps a batch whose sequences all decode runs on the "
                          "device before the host schedules again (default: the machine's; "
                          "1 schedules every step)")
+        sub.add_argument("--async-scheduling", action="store_true",
+                         help="schedule each step while the device runs the one before it")
         sub.add_argument("--debug", action="store_true",
                          help="show the traceback of an error instead of one line")
     return parser
@@ -138,7 +140,8 @@ def _llm(args: argparse.Namespace) -> LLM:
                tensor_parallel_size=args.tensor_parallel_size,
                data_parallel_size=args.data_parallel_size,
                speculative_config=args.speculative_config,
-               num_decode_steps=args.num_decode_steps, **(_batch_limit(args) | limits))
+               num_decode_steps=args.num_decode_steps, async_scheduling=args.async_scheduling,
+               **(_batch_limit(args) | limits))
 
 
 def _batch_limit(args: argparse.Namespace) -> dict[str, int]:

@@ -36,6 +36,11 @@ class SequenceStatus(enum.Enum):
         )
 
 
+# The output token of a draw still running on the device (async scheduling): the next
+# schedule counts it, and the draw's result replaces it (Scheduler.reconcile).
+PLACEHOLDER_TOKEN = -1
+
+
 @dataclass(eq=False)
 class Sequence:
     """One token stream. `num_computed_tokens` counts tokens whose K/V are in the cache.

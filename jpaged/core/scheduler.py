@@ -48,7 +48,7 @@ from jpaged.core.scheduler_output import (
 from jpaged.core.step_plan import Chunk, StepPlan
 from jpaged.errors import InvalidParameter
 from jpaged.memory.kv_cache_manager import AllocStatus, KVCacheManager
-from jpaged.sequence import Sequence, SequenceGroup, SequenceStatus
+from jpaged.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceGroup, SequenceStatus
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +72,8 @@ class Scheduler:
         self.running: deque[SequenceGroup] = deque()
         self.swapped: deque[SequenceGroup] = deque()
         self._unfinished: dict[str, SequenceGroup] = {}
+        # Groups whose predicted tokens reach a length limit: not scheduled until reconciled.
+        self._awaiting_length: set[str] = set()
         self._next_seq_id = 0
         self.num_preemptions = 0
 
@@ -266,6 +268,61 @@ class Scheduler:
             self.running = deque(group for group in self.running if not group.is_finished)
         return self.stats()
 
+    # Async scheduling: a step's tokens taken as drawn before they are known.
+
+    def predict(self, plan: SchedulerOutput) -> None:
+        """Take `plan`'s step, still running on the device, as done: its new tokens
+        computed (full blocks registered) and each draw's token a PLACEHOLDER_TOKEN, so
+        the next `schedule` plans the step after it. A group that its tokens take to
+        max_tokens or max_model_len waits for `reconcile` instead of being scheduled.
+        For plans whose draws are single samples (no fork, no beam search, no
+        proposals); sequences that ended since the plan (an abort, a stop string) are
+        left alone."""
+        for seq, num_new_tokens in plan.scheduled:
+            if not seq.is_finished:
+                seq.num_computed_tokens += num_new_tokens
+                self.block_manager.mark_computed(seq)
+        for group, rows in plan.draws:
+            for row in rows:
+                seq = plan.scheduled[row][0]
+                if seq.is_finished:
+                    continue
+                seq.output_token_ids.append(PLACEHOLDER_TOKEN)
+                num_output = len(seq.output_token_ids)
+                if (group.max_tokens is not None and num_output >= group.max_tokens) or (
+                        num_output + seq.num_prompt_tokens >= self.config.max_model_len):
+                    self._awaiting_length.add(group.request_id)
+
+    def reconcile(self, plan: SchedulerOutput, sampled: SampledTokens) -> SchedulerStats:
+        """The tokens of a `predict`ed plan arrived: each replaces its draw's placeholder,
+        with every stop check of `update_from_output` (a non-finite draw ends its group
+        with FINISHED_ERROR). Sequences that ended since are skipped; a sequence the
+        schedule in between preempted ends where it waits."""
+        ended = False
+        draws = [(group, row) for group, rows in plan.draws for row in rows]
+        for (group, row), token, finite in zip(draws, sampled.tokens.tolist(),
+                                               sampled.finite.tolist(), strict=True):
+            self._awaiting_length.discard(group.request_id)
+            seq = plan.scheduled[row][0]
+            if seq.is_finished:
+                continue
+            assert seq.output_token_ids[-1] == PLACEHOLDER_TOKEN, "a draw without its placeholder"
+            if not finite:
+                logger.error("request %r: NaN or infinite logits; it finishes with "
+                             "finish_reason 'error'", group.request_id)
+                del seq.output_token_ids[-1]
+                for other in group.unfinished_seqs():
+                    self._release(group, other, SequenceStatus.FINISHED_ERROR)
+                ended = True
+                continue
+            seq.output_token_ids[-1] = token
+            ended |= self._stops(group, seq, token)
+        if ended:
+            for queue in (self.running, self.waiting, self.swapped):
+                for group in [g for g in queue if g.is_finished]:
+                    queue.remove(group)
+        return self.stats()
+
     def _append_runs(self, plan: SchedulerOutput, sampled: SampledTokens) -> SchedulerStats:
         """A decode loop's tokens: each draw's run appended one by one with every stop
         check, what follows a stop dropped; a run cut by non-finite logits ends its group
@@ -333,9 +390,12 @@ class Scheduler:
 
     def _append(self, group: SequenceGroup, seq: Sequence, token: int) -> bool:
         """Append `token` to `seq` and end it at a stop; whether it ended."""
-        output = seq.output_token_ids
-        output.append(token)
-        num_output = len(output)
+        seq.output_token_ids.append(token)
+        return self._stops(group, seq, token)
+
+    def _stops(self, group: SequenceGroup, seq: Sequence, token: int) -> bool:
+        """End `seq` if `token`, its last output token, stops it; whether it ended."""
+        num_output = len(seq.output_token_ids)
         if token in group.stop_token_ids and num_output >= group.min_tokens:
             self._release(group, seq, _STOPPED)
             return True
@@ -388,8 +448,12 @@ class Scheduler:
 
     def _schedule_running(self, plan: StepPlan) -> None:
         queue, self.running = self.running, deque()
+        awaiting = self._awaiting_length
         while queue:
             group = queue.popleft()
+            if awaiting and group.request_id in awaiting:
+                self.running.append(group)
+                continue
             if self._schedule_decode(group, plan):
                 self.running.append(group)
                 continue
@@ -449,6 +513,8 @@ class Scheduler:
     def _schedule_swapped(self, plan: StepPlan) -> None:
         while self.swapped:
             group = self.swapped[0]
+            if group.request_id in self._awaiting_length:
+                return
             seqs = group.seqs_with(_SWAPPED)
             chunk = plan.next_chunk(group, seqs)
             if chunk is None:

@@ -29,12 +29,14 @@ def use_persistent_compilation_cache() -> None:
 
 
 def warmup(runner: ModelRunner, shapes: StepShapes, *, vocab_size: int, hidden_size: int,
-           num_top: int, decode_loop: tuple[BlockPool, int] | None = None) -> int:
+           num_top: int, decode_loop: tuple[BlockPool, int] | None = None,
+           async_scheduling: bool = False) -> int:
     """Compile every step shape the limits allow, so serving never compiles: the model
     steps, the logits and the sampler's four variants (greedy or drawing, with or
     without the dense inputs of penalties, logit bias and min_tokens) for every row
     count, and the prompt log-probabilities; with decode_loop = (the device pool,
-    num_decode_steps), the decode loop of every decode step shape, greedy and drawing.
+    num_decode_steps), the decode loop of every decode step shape, greedy and drawing;
+    with async_scheduling, the feeding of each step's inputs from a sampler's tokens.
 
     XLA compiles without holding the GIL, so the compiles run in one thread per
     core; each step shape then runs once, from the compiled cache, on the
@@ -49,6 +51,8 @@ def warmup(runner: ModelRunner, shapes: StepShapes, *, vocab_size: int, hidden_s
         jobs = [pool.submit(runner.compile_step, *shape) for shape in step_shapes]
         jobs += [pool.submit(call) for call in _sampling_calls(
             runner, shapes, row_counts, vocab_size, hidden_size, num_top)]
+        if async_scheduling:
+            jobs += [pool.submit(call) for call in _feed_calls(runner, shapes, step_shapes)]
         loops = _loop_calls(runner, step_shapes, vocab_size, num_top, decode_loop)
         jobs += [pool.submit(partial(runner.compile_decode_loop, *args, **kwargs))
                  for args, kwargs in loops]
@@ -59,6 +63,16 @@ def warmup(runner: ModelRunner, shapes: StepShapes, *, vocab_size: int, hidden_s
     for args, kwargs in loops:
         runner.decode_loop(*args, **kwargs)
     return len(step_shapes)
+
+
+def _feed_calls(runner: ModelRunner, shapes: StepShapes,
+                step_shapes: list[tuple[int, int, int, bool]]) -> list[Callable[[], Any]]:
+    """`feed_tokens` for every step's token count and every sampler row count."""
+    token_counts = {num_tokens for num_tokens, _, _, _ in step_shapes}
+    row_counts = {shapes.sampler_rows(n) for n in range(1, shapes.max_rows + 1)}
+    return [partial(runner.feed_tokens, np.zeros(tokens, np.int32), jnp.zeros(rows, jnp.int32),
+                    np.zeros(tokens, np.int32))
+            for tokens in token_counts for rows in row_counts]
 
 
 def _loop_calls(runner: ModelRunner, step_shapes: list[tuple[int, int, int, bool]],

@@ -88,6 +88,11 @@ class EngineConfig:
     the device in one loop before the host schedules again (jpaged.engine.decode_loop);
     1 schedules every step. None takes the machine's default.
 
+    async_scheduling: schedule each step while the device runs the one before it, its
+    tokens taken as drawn until they arrive (vLLM's name; jpaged.engine.engine_core).
+    Outputs are those of synchronous steps. It overlaps single steps: it cannot be
+    combined with num_decode_steps > 1.
+
     speculative_config: speculative decoding, as vLLM's dict
     ({"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": m,
     "prompt_lookup_max": M}) or a SpeculativeConfig; None decodes one token per step.
@@ -121,9 +126,13 @@ class EngineConfig:
     mesh: Mesh | None = None
     speculative_config: SpeculativeConfig | dict | None = None
     num_decode_steps: int | None = None
+    async_scheduling: bool = False
 
     def __post_init__(self):
         check_allocation(self.allocation)
+        if not isinstance(self.async_scheduling, bool):
+            raise TypeError(f"async_scheduling must be a bool, got "
+                            f"{type(self.async_scheduling).__name__} {self.async_scheduling!r}")
         object.__setattr__(self, "speculative_config",
                            SpeculativeConfig.of(self.speculative_config))
         name = KV_CACHE_DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
@@ -187,6 +196,10 @@ class EngineConfig:
             name: getattr(defaults, name) if getattr(self, name) is None else getattr(self, name)
             for name in ("max_num_seqs", "max_num_batched_tokens", "num_decode_steps")
         })
+        if config.async_scheduling and config.num_decode_steps > 1:
+            raise ValueError(
+                f"async_scheduling overlaps single steps; num_decode_steps="
+                f"{config.num_decode_steps} runs loops instead: choose one")
         k = config.num_speculative_tokens
         if k and k + 1 > config.max_num_batched_tokens:
             raise ValueError(

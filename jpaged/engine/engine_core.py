@@ -41,9 +41,14 @@ from jpaged.memory.block_manager import BlockManager
 from jpaged.memory.hybrid_block_manager import HybridBlockManager
 from jpaged.memory.kv_cache_groups import KVCacheGroups
 from jpaged.memory.reserving_block_manager import ReservingBlockManager
-from jpaged.model.sampler import SamplerOutput, SamplingRow, sampling_tensors
+from jpaged.model.sampler import (
+    NEUTRAL_PENALTIES,
+    SamplerOutput,
+    SamplingRow,
+    sampling_tensors,
+)
 from jpaged.sampling_params import GREEDY_TEMPERATURE
-from jpaged.sequence import Sequence, SequenceGroup, SequenceStatus
+from jpaged.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceGroup, SequenceStatus
 from jpaged.speculative.draft_model import DraftModelProposer, Drafts, RowOf, draft_rows
 from jpaged.speculative.proposer import Proposer
 
@@ -96,6 +101,28 @@ class CoreOutput:
     error: BaseException | None = None
 
 
+@dataclass
+class InFlight:
+    """A step on the device whose tokens the host has not read.
+
+    predictable: the next schedule may take its tokens as drawn (Scheduler.predict).
+    sampled: the sampler's outputs on the device (None if nothing draws); draw_sizes:
+    each draw's rows in them; sampler_rows: the row of each sequence's token, by id.
+    """
+
+    plan: SchedulerOutput
+    output: CoreOutput
+    predictable: bool
+    sampled: SamplerOutput | None = None
+    draw_sizes: list[int] = field(default_factory=list)
+    sampler_rows: dict[int, int] = field(default_factory=dict)
+
+
+def _has_penalties(params) -> bool:
+    return (getattr(params, "repetition_penalty", 1.0), getattr(params, "presence_penalty", 0.0),
+            getattr(params, "frequency_penalty", 0.0)) != NEUTRAL_PENALTIES
+
+
 def kv_cache_groups(config: EngineConfig, layer_windows: tuple[int | None, ...]
                     ) -> KVCacheGroups:
     """How the model's layers share the pool: groups whose sliding windows free blocks,
@@ -146,9 +173,12 @@ class EngineCore:
     def __init__(self, scheduler: Scheduler, kv_manager: KVManager, runner: ModelRunner,
                  shapes: StepShapes, *, vocab_size: int, max_logprobs: int,
                  proposer: Proposer | DraftModelProposer | None = None,
-                 draft_runner: ModelRunner | None = None, num_decode_steps: int = 1):
+                 draft_runner: ModelRunner | None = None, num_decode_steps: int = 1,
+                 async_scheduling: bool = False):
         self.scheduler = scheduler
         self.num_decode_steps = num_decode_steps
+        self.async_scheduling = async_scheduling
+        self._in_flight: InFlight | None = None
         self.kv_manager = kv_manager
         self.runner = runner
         self.shapes = shapes
@@ -169,24 +199,71 @@ class EngineCore:
         self.scheduler.abort(request_id)
         self.beam_searches.pop(request_id, None)
 
-    def step(self) -> CoreOutput:
-        """Schedule, run, sample and update once. A step that raises (an interrupt too)
-        ends its requests and returns its error, with the core consistent again."""
+    def step(self) -> list[CoreOutput]:
+        """Schedule, run, sample and update once: the step's output. A step that raises
+        (an interrupt too) ends its requests and returns its error, with the core
+        consistent again. With async scheduling, the outputs of the steps whose results
+        arrived during this call (`_step_async`)."""
+        if self.async_scheduling:
+            return self._step_async()
         if self.proposer is not None:
             self._propose()
         plan = self.scheduler.schedule()
         output = CoreOutput(plan, plan.stats, self._kv_blocks())
         if plan.is_empty:
-            return output
+            return [output]
         output.block_usage = self._block_usage(plan)
         try:
             if self._loops(plan):
                 self._run_loop(plan, output)
             else:
-                self._run(plan, output)
+                self._finish(self._dispatch(plan, output), predicted=False)
         except BaseException as error:
             self._fail(plan, error, output)
-        return output
+        return [output]
+
+    def _step_async(self) -> list[CoreOutput]:
+        """One step of async scheduling: schedule step N + 1 while step N runs.
+
+            predict N           its tokens taken as drawn (placeholders), if predictable
+            schedule N + 1      against that prediction
+            dispatch N + 1      on the device, fed N's tokens there, not through the host
+            finish N            wait for N's tokens; placeholders replaced, stops checked
+
+        A step whose tokens the next schedule must know (a fork into samples, beams,
+        penalties, proposals) is finished before anything else is scheduled. -> the
+        outputs of the steps finished (none on the first call), then this call's plan's
+        if it is empty (its ignored requests)."""
+        previous, self._in_flight = self._in_flight, None
+        if previous is not None and not previous.predictable:
+            return [self._finished(previous, predicted=False)]
+        if previous is not None:
+            self.scheduler.predict(previous.plan)
+        elif self.proposer is not None:
+            self._propose()
+        plan = self.scheduler.schedule()
+        output = CoreOutput(plan, plan.stats, self._kv_blocks())
+        outputs = []
+        if not plan.is_empty:
+            output.block_usage = self._block_usage(plan)
+            try:
+                self._in_flight = self._dispatch(plan, output, previous)
+            except BaseException as error:
+                self._fail(plan, error, output)
+                outputs.append(output)
+        if previous is not None:
+            outputs.insert(0, self._finished(previous, predicted=True))
+        if plan.is_empty:
+            outputs.append(output)
+        return outputs
+
+    def _predictable(self, plan: SchedulerOutput) -> bool:
+        """Whether the next schedule may take `plan`'s tokens as drawn before they are
+        known: every draw one sample's token, without penalties (the next draw's would
+        count it), a fork into samples, a beam choice or proposals."""
+        return self.proposer is None and all(
+            not group.is_beam_search and not group.forks_at_next_draw
+            and not _has_penalties(group.params) for group, _ in plan.draws)
 
     def _kv_blocks(self) -> KVBlockCounts:
         manager = self.kv_manager
@@ -206,7 +283,11 @@ class EngineCore:
             usage.append((group.request_id, logical, physical))
         return usage
 
-    def _run(self, plan: SchedulerOutput, output: CoreOutput) -> None:
+    def _dispatch(self, plan: SchedulerOutput, output: CoreOutput,
+                  previous: InFlight | None = None) -> InFlight:
+        """Send the step to the device: block ops, inputs, the model and the sampler; the
+        sampled tokens stay there. Tokens of `previous` (in flight) that the step's
+        inputs hold as placeholders are read from its sampled tokens on the device."""
         for runner in self.runners:
             runner.apply_block_ops(plan.block_ops)
         # A draft model draws its proposals now that their slots exist; n-grams had theirs.
@@ -214,23 +295,61 @@ class EngineCore:
             self._verifying(plan))
         model_input = build_model_input(plan.scheduled, self.kv_manager, self.shapes.buckets,
                                         plan.num_draws, self.shapes.num_speculative_tokens)
-        logits, hidden = self.runner.execute(model_input.input_ids, model_input.metadata,
+        input_ids = model_input.input_ids
+        if previous is not None:
+            input_ids = self._fed_input_ids(plan, model_input, previous)
+        logits, hidden = self.runner.execute(input_ids, model_input.metadata,
                                              decode_only=model_input.decode_only,
                                              num_rows=model_input.num_rows)
         if self.draft_runner is not None:
-            self.draft_runner.advance(model_input.input_ids, model_input.metadata,
+            self.draft_runner.advance(input_ids, model_input.metadata,
                                       decode_only=model_input.decode_only)
-        prompt_logprobs = self._prompt_logprobs(plan, model_input.metadata.query_start_loc,
-                                                hidden)
+        output.prompt_logprobs = self._prompt_logprobs(
+            plan, model_input.metadata.query_start_loc, hidden)
+        step = InFlight(plan, output, predictable=self._predictable(plan))
+        if plan.draws:
+            step.sampled, step.draw_sizes, step.sampler_rows = self._sample(
+                plan, logits, model_input.proposal_rows, drafts)
+        return step
+
+    def _fed_input_ids(self, plan: SchedulerOutput, model_input, previous: InFlight):
+        """The step's input ids with each placeholder (a decode's last token, drawn by
+        `previous`) taken from previous's sampled tokens, on the device."""
+        sources = np.full(len(model_input.input_ids), -1, np.int32)
+        ends = model_input.metadata.query_start_loc[1: len(plan.scheduled) + 1] - 1
+        for (seq, _), end in zip(plan.scheduled, ends.tolist(), strict=True):
+            output = seq.output_token_ids
+            if output and output[-1] == PLACEHOLDER_TOKEN:
+                sources[end] = previous.sampler_rows[id(seq)]
+        if (sources < 0).all():
+            return model_input.input_ids
+        return self.runner.feed_tokens(model_input.input_ids, previous.sampled.tokens, sources)
+
+    def _finish(self, step: InFlight, predicted: bool) -> CoreOutput:
+        """Read the step's tokens and hand them to the scheduler: `reconcile` for a
+        predicted step, else `update_from_output` (beams chosen first)."""
+        plan, output = step.plan, step.output
         tokens = SampledTokens(np.zeros(0, np.int32), np.ones(0, bool))
         if plan.draws:
-            sampled, draw_sizes = self._sample(plan, logits, model_input.proposal_rows, drafts)
-            tokens, output.draw_rows, output.proposals = _verified(sampled, draw_sizes)
-            beams, output.beam_results = self._choose_beams(plan, sampled, output.draw_rows)
-            tokens = dataclasses.replace(tokens, beams=beams)
+            sampled = jax.device_get(step.sampled)
+            tokens, output.draw_rows, output.proposals = _verified(sampled, step.draw_sizes)
+            if not predicted:
+                beams, output.beam_results = self._choose_beams(plan, sampled, output.draw_rows)
+                tokens = dataclasses.replace(tokens, beams=beams)
             output.sampled = sampled
-        output.stats = self.scheduler.update_from_output(plan, tokens)
-        output.prompt_logprobs = prompt_logprobs
+        if predicted:
+            output.stats = self.scheduler.reconcile(plan, tokens)
+        else:
+            output.stats = self.scheduler.update_from_output(plan, tokens)
+        return output
+
+    def _finished(self, step: InFlight, predicted: bool) -> CoreOutput:
+        """`_finish`, or `_fail` if reading the step's results raises."""
+        try:
+            return self._finish(step, predicted)
+        except BaseException as error:
+            self._fail(step.plan, error, step.output)
+            return step.output
 
     # Decode steps on the device.
 
@@ -353,10 +472,12 @@ class EngineCore:
     # Sampling.
 
     def _sample(self, plan: SchedulerOutput, logits: jax.Array, proposal_rows: np.ndarray,
-                drafts: Drafts | None) -> tuple[SamplerOutput, list[int]]:
-        """The sampler's outputs, and each draw's rows in them: a verifying sequence's
-        draw has a row per proposal (the logits before it) and one after them."""
+                drafts: Drafts | None) -> tuple[SamplerOutput, list[int], dict[int, int]]:
+        """The sampler's outputs, still on the device; each draw's rows in them (a
+        verifying sequence's draw has a row per proposal, the logits before it, and one
+        after them); and the row of each sequence's token (keyed by id)."""
         logit_rows, sampling_rows, draw_sizes, draft_steps = [], [], [], []
+        seq_rows: dict[int, int] = {}
         for group, rows in plan.draws:
             for index, row in _sample_indices(group, plan, rows):
                 seq = plan.scheduled[row][0]
@@ -368,6 +489,7 @@ class EngineCore:
                     if drafts is not None:
                         draft_steps.append((len(sampling_rows) - 1, j, drafts.rows[id(seq)]))
                 logit_rows.append(row)
+                seq_rows[id(seq)] = len(sampling_rows)
                 sampling_rows.append(self._sampling_row(group, seq, index, proposals))
                 draw_sizes.append(len(proposals) + 1)
         num_rows = self.shapes.sampler_rows(len(sampling_rows))
@@ -377,7 +499,8 @@ class EngineCore:
         if drafts is not None:
             tensors = dataclasses.replace(tensors, draft_probs=_draft_probs(
                 drafts, draft_steps, num_rows))
-        return self.runner.sample(logits, row_array, tensors, self.max_logprobs), draw_sizes
+        sampled = self.runner.sample_on_device(logits, row_array, tensors, self.max_logprobs)
+        return sampled, draw_sizes, seq_rows
 
     @staticmethod
     def _sampling_row(group: SequenceGroup, seq: Sequence, sample_index: int,

@@ -28,7 +28,13 @@ from jpaged.core.scheduler import Scheduler
 from jpaged.engine import compilation, machine
 from jpaged.engine.beam_search import BeamSearch
 from jpaged.engine.config import EngineConfig
-from jpaged.engine.engine_core import EngineCore, KVManager, kv_cache_groups, make_kv_manager
+from jpaged.engine.engine_core import (
+    CoreOutput,
+    EngineCore,
+    KVManager,
+    kv_cache_groups,
+    make_kv_manager,
+)
 from jpaged.engine.input_processor import EngineRequest, InputProcessor, RequestLimits
 from jpaged.engine.kv_cache_sizing import size_kv_cache
 from jpaged.engine.output_processor import OutputProcessor
@@ -116,7 +122,8 @@ class LLMEngine:
         self.core = EngineCore(scheduler, kv_manager, runner, shapes, vocab_size=vocab_size,
                                max_logprobs=config.max_logprobs, proposer=proposer,
                                draft_runner=draft_runner,
-                               num_decode_steps=config.num_decode_steps)
+                               num_decode_steps=config.num_decode_steps,
+                               async_scheduling=config.async_scheduling)
         eos, tokenizer_eos = self.model_config.eos_token_ids, self.tokenizer.eos_token_id
         self.eos_token_ids = eos if tokenizer_eos in (None, *eos) else (*eos, tokenizer_eos)
         limits = RequestLimits(vocab_size, min(config.max_num_seqs, config.max_num_batched_tokens),
@@ -230,7 +237,14 @@ class LLMEngine:
         consistent.
         """
         started = time.perf_counter()
-        core = self.core.step()
+        outputs = []
+        for core in self.core.step():  # one, or with async scheduling those that arrived
+            outputs += self._process(core, started)
+            started = time.perf_counter()
+        return outputs
+
+    def _process(self, core: CoreOutput, started: float) -> list[RequestOutput]:
+        """A step's outputs; the sequences its stop strings ended end; its statistics."""
         outputs, stops = self.output_processor.process(core, self.stats)
         queues = core.stats
         if stops:
@@ -258,7 +272,8 @@ class LLMEngine:
                                       vocab_size=self.model_config.vocab_size,
                                       hidden_size=runner.config.hidden_size,
                                       num_top=self.config.max_logprobs,
-                                      decode_loop=decode_loop if runner is core.runner else None)
+                                      decode_loop=decode_loop if runner is core.runner else None,
+                                      async_scheduling=core.async_scheduling)
                    for runner in core.runners)
 
     def check_invariants(self) -> None:

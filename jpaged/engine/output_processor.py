@@ -135,21 +135,26 @@ class OutputProcessor:
         """The outputs of the requests the step touched (finished ones leave, their
         latencies and lengths recorded in `stats`), and the sequences a stop string
         ended, for the scheduler to end."""
+        # A request aborted while its step ran (async scheduling) is gone: it is skipped.
+        requests = self.requests
         for request_id, logical, physical in core.block_usage:
-            metrics = self.requests[request_id].metrics
-            metrics.logical_block_steps += logical
-            metrics.physical_block_steps += physical
+            if request_id in requests:
+                metrics = requests[request_id].metrics
+                metrics.logical_block_steps += logical
+                metrics.physical_block_steps += physical
         self._add_prompt_logprobs(core)
-        touched = [self.requests[g.request_id] for g in core.plan.ignored]
-        touched += [self.requests[g.request_id] for g in core.failed]
+        touched = [requests[g.request_id] for g in [*core.plan.ignored, *core.failed]
+                   if g.request_id in requests]
         stops = []
         if core.sampled is not None:
             now = time.perf_counter()
             first = 0
             for group, rows in core.plan.draws:
-                state = self.requests[group.request_id]
                 draws = range(first, first + len(rows))
                 first += len(rows)
+                state = requests.get(group.request_id)
+                if state is None:
+                    continue
                 touched.append(state)
                 state.metrics.first_token_time = state.metrics.first_token_time or now
                 for draw in draws:
@@ -161,7 +166,8 @@ class OutputProcessor:
                     continue
                 stops += self._add_tokens(state, core, rows, draws)
         for request_id, results in core.beam_results.items():
-            self.requests[request_id].beam_results = results
+            if request_id in requests:
+                requests[request_id].beam_results = results
         return [output for state in touched if (output := self._output(state, stats))], stops
 
     def _add_tokens(self, state: RequestState, core: CoreOutput, rows: tuple[int, ...],
@@ -232,7 +238,9 @@ class OutputProcessor:
 
     def _add_prompt_logprobs(self, core: CoreOutput) -> None:
         for group, position, logprob, rank, top_ids, top_logprobs in core.prompt_logprobs.entries:
-            state = self.requests[group.request_id]
+            state = self.requests.get(group.request_id)
+            if state is None:
+                continue
             if len(state.prompt_logprobs) != position + 1:
                 continue  # computed again after a preemption
             k = state.params.prompt_logprobs

@@ -135,6 +135,11 @@ def _all_logits(graphdef, params_def, param_leaves, last_hidden):
 
 
 @jax.jit
+def _feed_tokens(input_ids, tokens, sources):
+    return jnp.where(sources >= 0, tokens[jnp.maximum(sources, 0)], input_ids)
+
+
+@jax.jit
 def _gather_rows(logits, rows):
     return logits[rows]
 
@@ -321,7 +326,20 @@ class ModelRunner:
         """Draw one token per entry of `rows` (int32 [S], rows of logits [B, vocab] to
         draw from; a row may repeat: parallel samples of one prompt) -> numpy outputs."""
         # One transfer for all outputs, not one wait per array.
-        return jax.device_get(sample(self.gather_rows(logits, rows), tensors, num_top))
+        return jax.device_get(self.sample_on_device(logits, rows, tensors, num_top))
+
+    def sample_on_device(
+        self, logits: jax.Array, rows: np.ndarray, tensors: SamplingTensors, num_top: int
+    ) -> SamplerOutput:
+        """`sample`, its outputs left on the device (nothing waits for them)."""
+        return sample(self.gather_rows(logits, rows), tensors, num_top)
+
+    def feed_tokens(self, input_ids: np.ndarray, tokens: jax.Array, sources: np.ndarray
+                    ) -> jax.Array:
+        """input_ids int32 [T] with entry t replaced by tokens[sources[t]] where
+        sources[t] >= 0: a step's inputs drawn by the step before it, never leaving the
+        device (async scheduling). tokens: int32 [S] (a sampler's)."""
+        return _feed_tokens(input_ids, tokens, sources)
 
     def gather_rows(self, logits: jax.Array, rows: np.ndarray) -> jax.Array:
         """logits [B, vocab], rows int32 [S] -> [S, vocab]: its own small compiled

@@ -125,10 +125,11 @@ def test_default_buckets_pad_xla_tables_to_one_width(loaded, prompts, expected):
     assert _tokens(llm.generate(prompts, GREEDY)) == expected
 
 
-@pytest.mark.parametrize("num_decode_steps", [1, 4])
-def test_no_recompilation_after_warmup(loaded, num_decode_steps):
+@pytest.mark.parametrize(("num_decode_steps", "async_scheduling"), [(1, False), (4, False),
+                                                                   (1, True)])
+def test_no_recompilation_after_warmup(loaded, num_decode_steps, async_scheduling):
     llm = _llm(loaded, block_size=4, num_blocks=96, max_model_len=64,
-               num_decode_steps=num_decode_steps)
+               num_decode_steps=num_decode_steps, async_scheduling=async_scheduling)
     llm.engine.warmup()
     rng = np.random.default_rng(1)
     vocab = llm.engine.model_config.vocab_size

@@ -133,17 +133,21 @@ def one_device_outputs(loaded_models):
 
 
 @pytest.mark.parametrize("size,name", [(2, "llama"), (4, "qwen2")])
-def test_decode_loop_under_tensor_parallelism_matches_one_device(size, name, loaded_models,
-                                                                  one_device_outputs):
-    """Decode steps on the device (num_decode_steps=4) over a sharded model and cache: the
-    allocator's pool and the tables replicated, the model's collectives inside the loop."""
+@pytest.mark.parametrize("option", [{"num_decode_steps": 4}, {"async_scheduling": True}])
+def test_decode_loop_and_async_scheduling_under_tensor_parallelism(size, name, option,
+                                                                   loaded_models,
+                                                                   one_device_outputs):
+    """Decode steps on the device (the allocator's pool and the tables replicated, the
+    model's collectives inside the loop), and steps fed the previous step's sharded
+    tokens (async scheduling), match one device."""
     reference = one_device_outputs(name, "xla", False)
     llm = LLM(name, loaded=loaded_models[name], attention_backend="xla",
-              tensor_parallel_size=size, num_decode_steps=4, **ENGINE)
+              tensor_parallel_size=size, **option, **ENGINE)
     vocab = loaded_models[name][1].vocab_size
     near_ties = near_ties_or_fail(reference, llm.generate(prompts(vocab), GREEDY))
-    print(f"TP={size} {name} decode loop: {near_ties} near-tie steps")
-    assert llm.engine.stats.num_steps < 8 + len(prompts(vocab))
+    print(f"TP={size} {name} {option}: {near_ties} near-tie steps")
+    if "num_decode_steps" in option:
+        assert llm.engine.stats.num_steps < 8 + len(prompts(vocab))
     llm.engine.check_invariants()
 
 
