@@ -6,11 +6,19 @@
     runner.apply_block_ops(plan.block_ops)   device: block copies and swaps
     build_model_input(plan.scheduled, ...)   host: padded int32 gather indices
     runner.execute(...)                      device: the jit-compiled model step
-    runner.sample(...)                       device: a token and log-probabilities per draw
+    runner.sample_on_device(...)             device: a token and log-probabilities per draw
                                              (and per proposal, accepted or replaced)
+    runner.fetch(sampled)                    host waits for the tokens
     beam searches choose their beams         host (jpaged.engine.beam_search)
     scheduler.update_from_output(plan, ...)  host: the one call back: tokens appended,
                                              stops, forks, beams, blocks freed
+
+`_dispatch` runs the step up to the sampler, `_finish` from the fetch on. Two
+variations keep the host off the device's path (jpaged.engine.decode_loop, and
+`_step_async`): with num_decode_steps > 1 a batch of decodes runs up to that many
+steps in one device loop, and with async scheduling the next step is scheduled and
+dispatched before this one's tokens are fetched, against a prediction of them
+(`Scheduler.predict`, then `Scheduler.reconcile`).
 
 The core knows token ids only; text is the output processor's. If a step
 raises, its requests end with finish_reason "error" and the core recovers (a
@@ -33,8 +41,8 @@ from jpaged.core.scheduler import Scheduler
 from jpaged.core.scheduler_output import BeamChoice, SampledTokens, SchedulerOutput, SchedulerStats
 from jpaged.core.step_shapes import StepShapes, bucket, padded_sizes
 from jpaged.engine.beam_search import BeamSearch, Hypothesis
-from jpaged.engine.decode_loop import LoopInput
 from jpaged.engine.config import EngineConfig
+from jpaged.engine.decode_loop import LoopInput
 from jpaged.engine.runner import ModelRunner
 from jpaged.engine.stats import KVBlockCounts
 from jpaged.memory.block_manager import BlockManager
@@ -233,7 +241,7 @@ class EngineCore:
         A step whose tokens the next schedule must know (a fork into samples, beams,
         penalties, proposals) is finished before anything else is scheduled. -> the
         outputs of the steps finished (none on the first call), then this call's plan's
-        if it is empty (its ignored requests)."""
+        if it is empty and reports something (requests it ignored) or nothing ran."""
         previous, self._in_flight = self._in_flight, None
         if previous is not None and not previous.predictable:
             return [self._finished(previous, predicted=False)]
@@ -253,7 +261,7 @@ class EngineCore:
                 outputs.append(output)
         if previous is not None:
             outputs.insert(0, self._finished(previous, predicted=True))
-        if plan.is_empty:
+        if plan.is_empty and (previous is None or plan.ignored):
             outputs.append(output)
         return outputs
 
@@ -331,7 +339,7 @@ class EngineCore:
         plan, output = step.plan, step.output
         tokens = SampledTokens(np.zeros(0, np.int32), np.ones(0, bool))
         if plan.draws:
-            sampled = jax.device_get(step.sampled)
+            sampled = self.runner.fetch(step.sampled)
             tokens, output.draw_rows, output.proposals = _verified(sampled, step.draw_sizes)
             if not predicted:
                 beams, output.beam_results = self._choose_beams(plan, sampled, output.draw_rows)
@@ -419,8 +427,8 @@ class EngineCore:
                 max_output = max_model_len - seq.num_prompt_tokens
                 if group.max_tokens is not None:
                     max_output = min(max_output, group.max_tokens)
-                columns[:, row] = (seq.token_id(len(seq) - 1), len(seq) - 1, 1, num_output, max_output,
-                                   group.min_tokens)
+                columns[:, row] = (seq.token_id(len(seq) - 1), len(seq) - 1, 1, num_output,
+                                   max_output, group.min_tokens)
                 stop_mask[row, list(group.stop_token_ids)] = True
                 sampling_rows.append((row, dataclasses.replace(
                     self._sampling_row(group, seq, index), suppressed_token_ids=())))

@@ -311,7 +311,7 @@ class ModelRunner:
         output, self.kv_cache = self._decode_loop(
             self._param_leaves, self.kv_cache, pool, inputs, num_steps=num_steps,
             num_top=num_top, block_size=self.block_size)
-        return jax.device_get(output)
+        return self.fetch(output)
 
     def compile_decode_loop(self, pool: BlockPool, inputs: LoopInput, *, num_steps: int,
                             num_top: int) -> jax.stages.Compiled:
@@ -325,8 +325,13 @@ class ModelRunner:
     ) -> SamplerOutput:
         """Draw one token per entry of `rows` (int32 [S], rows of logits [B, vocab] to
         draw from; a row may repeat: parallel samples of one prompt) -> numpy outputs."""
-        # One transfer for all outputs, not one wait per array.
-        return jax.device_get(self.sample_on_device(logits, rows, tensors, num_top))
+        return self.fetch(self.sample_on_device(logits, rows, tensors, num_top))
+
+    @staticmethod
+    def fetch(outputs):
+        """Wait for device outputs (a pytree of arrays) and read them as numpy arrays, in
+        one transfer: where the host waits for the device."""
+        return jax.device_get(outputs)
 
     def sample_on_device(
         self, logits: jax.Array, rows: np.ndarray, tensors: SamplingTensors, num_top: int
