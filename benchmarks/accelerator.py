@@ -29,7 +29,10 @@ engine   a ShareGPT-like mixed workload (benchmarks.throughput.mixed_workload) o
          generates exactly its length, so the weights do not change the work).
          jpaged pads every step to max_num_seqs rows and full-width block tables,
          so that it compiles three step shapes (its warm-up, timed apart) within
-         the time limit.
+         the time limit. Then one batch of max_num_seqs greedy decodes on engines
+         that step once per host round trip, run loops of 8 decode steps on the
+         device (num_decode_steps) or schedule each step while the one before runs
+         (async_scheduling): output tok/s and host round trips per token.
 
 --smoke runs all of it on CPU in about a minute: a few kernel tests, two grid
 points with jpaged's Pallas kernel and JAX's GPU and TPU ops in interpret mode,
@@ -44,6 +47,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import gc
 import importlib
 import itertools
 import json
@@ -590,12 +594,63 @@ def jpaged_section(plan: Plan) -> Iterator[dict]:
     elapsed = time.perf_counter() - started
     num_tokens = sum(len(output.outputs[0].token_ids) for output in outputs)
     assert num_tokens == sum(n for _, n in workload), "a request lost tokens"
-    yield section | {
+    section |= {
         "elapsed_s": elapsed, "output_tokens": num_tokens,
         "output_tokens_per_s": num_tokens / elapsed,
         "compilations_during_run": num_compilations() - compilations,
         "preemptions": llm.engine.stats.summary()["preemptions"],
     }
+    yield section
+    del llm, outputs  # its KV pool, before the engines below take theirs
+    gc.collect()
+    section["decode"] = {}
+    for name, options in DECODE_SYSTEMS.items():
+        section["decode"][name] = decode_run(plan, model, config, buckets, options)
+        yield section
+
+
+# Decoding systems compared on one batch: host round trip per step, device loops of
+# DECODE_LOOP_STEPS steps, async scheduling.
+DECODE_LOOP_STEPS = 8
+DECODE_SYSTEMS = {"single": {}, f"loop{DECODE_LOOP_STEPS}": {"num_decode_steps": DECODE_LOOP_STEPS},
+                  "async": {"async_scheduling": True}}
+DECODE_PROMPT_TOKENS = 32
+DECODE_MAX_TOKENS = 64
+
+
+def decode_run(plan: Plan, model, config, buckets, options: dict) -> dict:
+    """max_num_seqs greedy requests of DECODE_PROMPT_TOKENS prompt tokens and up to
+    DECODE_MAX_TOKENS new ones, on an engine with `options`: output tok/s of a second
+    run (the first compiles), and host round trips per token."""
+    import numpy as np
+
+    from jpaged import LLM, SamplingParams
+
+    max_tokens = min(plan.max_model_len - DECODE_PROMPT_TOKENS, DECODE_MAX_TOKENS)
+    num_blocks = plan.max_num_seqs * -(-plan.max_model_len // BLOCK_SIZE) + 1
+    llm = LLM("random Llama-3-8B shape", loaded=(model, config, TokenIdText()),
+              dtype="bfloat16", block_size=BLOCK_SIZE, num_blocks=num_blocks,
+              max_num_seqs=plan.max_num_seqs,
+              max_num_batched_tokens=max(plan.max_num_batched_tokens, DECODE_PROMPT_TOKENS),
+              max_model_len=plan.max_model_len, attention_backend=plan.attention_backend,
+              interpret=plan.interpret, buckets=buckets, persistent_compilation_cache=False,
+              **options)
+    rng = np.random.default_rng(SEED)
+    prompts = [{"prompt_token_ids": rng.integers(0, config.vocab_size,
+                                                 DECODE_PROMPT_TOKENS).tolist()}
+               for _ in range(plan.max_num_seqs)]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    started = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    first_s = time.perf_counter() - started
+    steps = llm.engine.stats.num_steps
+    started = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - started
+    num_tokens = sum(len(output.outputs[0].token_ids) for output in outputs)
+    return {"options": options, "first_run_s": first_s, "output_tokens": num_tokens,
+            "output_tokens_per_s": num_tokens / elapsed,
+            "round_trips_per_token": (llm.engine.stats.num_steps - steps) / num_tokens}
 
 
 def transformers_section(plan: Plan) -> Iterator[dict]:

@@ -73,6 +73,11 @@ def test_engine_sides_generate_every_requested_token(smoke_run):
     assert engine["output_tokens_per_s_ratio"] == pytest.approx(
         jpaged["output_tokens_per_s"] / transformers["output_tokens_per_s"])
     assert transformers["device"] == "cpu"
+    decode = jpaged["decode"]
+    assert set(decode) == {"single", "loop8", "async"}
+    tokens = SMOKE.max_num_seqs * min(SMOKE.max_model_len - 32, 64)
+    assert {run["output_tokens"] for run in decode.values()} == {tokens}
+    assert decode["loop8"]["round_trips_per_token"] < decode["single"]["round_trips_per_token"]
 
 
 def test_a_time_limit_of_zero_is_refused(capsys):
