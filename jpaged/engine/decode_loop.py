@@ -107,13 +107,25 @@ def padding_input(num_rows: int, num_blocks: int, vocab_size: int, draws: bool) 
         yield_on_finish=np.bool_(False))
 
 
+def _entries(tables: chex.Array, positions: chex.Array, block_size: int) -> chex.Array:
+    """int32 [B]: each row's table entry at its position (the last entry for a finished
+    row past its table)."""
+    return jnp.minimum(positions // block_size, tables.shape[1] - 1)
+
+
+def _needs_block(tables: chex.Array, positions: chex.Array, live: chex.Array,
+                 block_size: int) -> chex.Array:
+    """bool [B]: live rows whose table holds the null block at their position."""
+    rows = jnp.arange(tables.shape[0])
+    return live & (tables[rows, _entries(tables, positions, block_size)] == 0)
+
+
 def _slot_blocks(pool: BlockPool, tables: chex.Array, positions: chex.Array,
                  live: chex.Array, block_size: int) -> tuple[BlockPool, chex.Array]:
-    """A block from the queue's head for each live row whose table entry at its position
-    is the null block, in row order (the host's order of `append_slots`)."""
-    rows = jnp.arange(tables.shape[0])
-    entries = jnp.minimum(positions // block_size, tables.shape[1] - 1)
-    needed = live & (tables[rows, entries] == 0)
+    """A block from the queue's head for each row that needs one, in row order (the
+    host's order of `append_slots`)."""
+    entries = _entries(tables, positions, block_size)
+    needed = _needs_block(tables, positions, live, block_size)
 
     def take(row, carry):
         pool, tables = carry
@@ -123,19 +135,13 @@ def _slot_blocks(pool: BlockPool, tables: chex.Array, positions: chex.Array,
     return jax.lax.fori_loop(0, tables.shape[0], take, (pool, tables))
 
 
-def _blocks_needed(tables: chex.Array, positions: chex.Array, live: chex.Array,
-                   block_size: int) -> chex.Array:
-    rows = jnp.arange(tables.shape[0])
-    entries = jnp.minimum(positions // block_size, tables.shape[1] - 1)
-    return jnp.sum(live & (tables[rows, entries] == 0), dtype=jnp.int32)
-
-
 def _metadata(tables: chex.Array, positions: chex.Array, live: chex.Array,
               block_size: int) -> AttentionMetadata:
     """One decode step's metadata (one KV cache group): finished and padding rows write
     the null block and attend to nothing."""
     rows = jnp.arange(tables.shape[0], dtype=jnp.int32)
-    slots = tables[rows, positions // block_size] * block_size + positions % block_size
+    slots = (tables[rows, _entries(tables, positions, block_size)] * block_size
+             + positions % block_size)
     return AttentionMetadata(
         slot_mapping=jnp.where(live, slots, rows % block_size)[None],
         positions=jnp.where(live, positions, 0),
@@ -172,7 +178,7 @@ def decode_loop(step_fn, logits_fn, params, kv_cache, pool: BlockPool, inputs: L
         step, _, pool, tables, _, positions, live, _, _, finished, _, _ = carry
         yielded = inputs.yield_on_finish & finished
         return ((step < num_steps) & live.any() & ~yielded
-                & (_blocks_needed(tables, positions, live, block_size) <= pool.num_free))
+                & (_needs_block(tables, positions, live, block_size).sum() <= pool.num_free))
 
     def iteration(carry):
         (step, kv_cache, pool, tables, input_ids, positions, live, num_output, counts,
