@@ -24,9 +24,9 @@ from experiments import engine_studies, sweep
 DATA_DIR = Path("docs/data")
 RESULTS_PAGE = Path("docs/results.md")
 RUN_KEYS = ("script", "command", "date", "machine", "versions")
-BENCHMARKS = ("accelerator", "cli_start", "kernels", "kv_quant", "matmul", "peer_vllm",
-              "sampler", "scheduler", "serving", "sharing", "sliding_window", "soak",
-              "speculative", "startup", "throughput", "tp", "warmup")
+BENCHMARKS = ("accelerator", "cli_start", "decode_loop", "kernels", "kv_quant", "matmul",
+              "peer_vllm", "sampler", "scheduler", "serving", "sharing", "sliding_window",
+              "soak", "speculative", "startup", "throughput", "tp", "warmup")
 SCRIPTS = ("experiments.sweep",) + tuple(f"benchmarks.{name}" for name in BENCHMARKS)
 # What a benchmark's figures table leaves out: the run's description, or bulk that is
 # a run's raw material rather than its figures.
