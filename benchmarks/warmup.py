@@ -1,7 +1,8 @@
 """Compile cost: every step shape from an empty compilation cache, and the step times
 the compiled code then gives.
 
-    python -m benchmarks.warmup [--model DIR] [--prompt-len N]
+    python -m benchmarks.warmup [--model DIR] [--prompt-len N] [--num-decode-steps S]
+                                [--async-scheduling]
 
 Runs in a fresh child process (so nothing is compiled yet, in memory or on disk:
 the persistent compilation cache is off) on the default model (or --model) with
@@ -14,6 +15,9 @@ the engine's default limits (`EngineConfig()`):
   decode step of 32 sequences and a decode step of one sequence (medians);
 - the compiled decode step's memory analysis beside the KV cache's size: the
   cache aliased to the output, and scratch far below it (no copy per step).
+
+--num-decode-steps and --async-scheduling set those options (warm-up then also
+compiles the decode loop of every decode shape, or the feeding of each step's inputs).
 
 Prints one JSON object last.
 """
@@ -98,7 +102,9 @@ def run_child(args) -> dict:
     loaded = load_model(args.model)
     load_s = time.perf_counter() - started
     started = time.perf_counter()
-    engine = LLMEngine(EngineConfig(persistent_compilation_cache=False), loaded=loaded)
+    engine = LLMEngine(EngineConfig(persistent_compilation_cache=False,
+                                    num_decode_steps=args.num_decode_steps,
+                                    async_scheduling=args.async_scheduling), loaded=loaded)
     engine_start_s = time.perf_counter() - started
     progress(f"model loaded in {load_s:.1f} s, engine started in {engine_start_s:.1f} s")
     started = time.perf_counter()
@@ -128,6 +134,8 @@ def main() -> None:
                         help="smollm2, or a Hugging Face directory or GGUF file")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-decode-steps", type=int, default=None)
+    parser.add_argument("--async-scheduling", action="store_true")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -140,7 +148,8 @@ def main() -> None:
     result = json.loads(lines.strip().splitlines()[-1])
     report |= {
         "settings": vars(args) | {"dtype": "float32",
-                                  "engine_config": "EngineConfig() defaults",
+                                  "engine_config": "EngineConfig() defaults but for the "
+                                                   "options above",
                                   "persistent_compilation_cache": False},
         **result,
         "targets": {"cold_warmup_s": f"<= {TARGET_COLD_WARMUP_S}"},
