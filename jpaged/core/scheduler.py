@@ -299,27 +299,30 @@ class Scheduler:
     def reconcile(self, plan: SchedulerOutput, sampled: SampledTokens) -> SchedulerStats:
         """The tokens of a `predict`ed plan arrived: each replaces its draw's placeholder,
         with every stop check of `update_from_output` (a non-finite draw ends its group
-        with FINISHED_ERROR). Sequences that ended since are skipped; a sequence the
-        schedule in between preempted ends where it waits."""
+        with FINISHED_ERROR). A sequence that ended since keeps the token without a
+        check (a failed step after this one), or had its placeholder cut already (a stop
+        string); one the schedule in between preempted ends where it waits."""
         ended = False
         draws = [(group, row) for group, rows in plan.draws for row in rows]
         for (group, row), token, finite in zip(draws, sampled.tokens.tolist(),
                                                sampled.finite.tolist(), strict=True):
             self._awaiting_length.discard(group.request_id)
             seq = plan.scheduled[row][0]
-            if seq.is_finished:
-                continue
-            assert seq.output_token_ids[-1] == PLACEHOLDER_TOKEN, "a draw without its placeholder"
+            output = seq.output_token_ids
+            if not output or output[-1] != PLACEHOLDER_TOKEN:
+                continue  # never predicted (it had ended), or cut at a stop string
             if not finite:
-                logger.error("request %r: NaN or infinite logits; it finishes with "
-                             "finish_reason 'error'", group.request_id)
-                del seq.output_token_ids[-1]
-                for other in group.unfinished_seqs():
-                    self._release(group, other, SequenceStatus.FINISHED_ERROR)
-                ended = True
+                del output[-1]
+                if not seq.is_finished:
+                    logger.error("request %r: NaN or infinite logits; it finishes with "
+                                 "finish_reason 'error'", group.request_id)
+                    for other in group.unfinished_seqs():
+                        self._release(group, other, SequenceStatus.FINISHED_ERROR)
+                    ended = True
                 continue
-            seq.output_token_ids[-1] = token
-            ended |= self._stops(group, seq, token)
+            output[-1] = token
+            if not seq.is_finished:
+                ended |= self._stops(group, seq, token)
         if ended:
             for queue in (self.running, self.waiting, self.swapped):
                 for group in [g for g in queue if g.is_finished]:

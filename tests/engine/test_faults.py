@@ -128,7 +128,13 @@ SCENARIOS = {
     "mid_decode": ({}, "execute", lambda call, *args: call == 7),
     "first_step_compile": ({}, "execute", lambda call, *args: call == 1),
     "after_copy_on_write": ({}, "apply_block_ops", _has_copies),
-    "sampler": ({}, "sample", lambda call, *args: call == 4),
+    "sampler": ({}, "sample_on_device", lambda call, *args: call == 4),
+    "reading_tokens": ({}, "fetch", lambda call, *args: call == 5),
+    "decode_loop": ({"num_decode_steps": 4}, "decode_loop", lambda call, *args: call == 2),
+    # With async scheduling a step fails while the one before it is in flight.
+    "async_mid_decode": ({"async_scheduling": True}, "execute", lambda call, *args: call == 7),
+    "async_reading_tokens": ({"async_scheduling": True}, "fetch",
+                             lambda call, *args: call == 5),
     "swap_out": (SWAPPING, "_swap_out", lambda call, *args: True),
     "swap_in": (SWAPPING, "_swap_in", lambda call, *args: True),
 }
