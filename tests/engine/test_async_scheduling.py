@@ -74,16 +74,15 @@ def test_greedy_equals_transformers_on_qwen2(tiny_qwen2_dir):
         greedy_continuations(tiny_qwen2_dir, prompts, MAX_TOKENS))
 
 
-@pytest.mark.parametrize("share_blocks", [True, False])
-def test_sampling_and_stops_equal_synchronous_steps(loaded, prompts, expected, share_blocks):
+def test_sampling_and_stops_equal_synchronous_steps(loaded, prompts, expected):
     """Penalties and a fork into samples are finished before the next schedule; every
     other draw is predicted: stop tokens (under min_tokens), stop strings and max_tokens
     are found when its token arrives, and the step planned meanwhile goes to waste."""
     greedy = expected[3]
     stop_at = next(i for i in range(5, MAX_TOKENS) if greedy[i] not in greedy[:i])
     requests = _sampled_requests(prompts, greedy[stop_at])
-    synchronous = _run(_engine(loaded, share_blocks=share_blocks), requests)
-    engine = _engine(loaded, async_scheduling=True, share_blocks=share_blocks)
+    synchronous = _run(_engine(loaded), requests)
+    engine = _engine(loaded, async_scheduling=True)
     watch = PredictionWatch(engine)
     overlapped = _run(engine, requests)
     assert _token_ids(overlapped) == _token_ids(synchronous)

@@ -154,15 +154,14 @@ def _sampled_requests(prompts: list[list[int]], stop_token: int) -> dict:
     return {str(i): (prompts[i % len(prompts)], params) for i, params in enumerate(draws)}
 
 
-@pytest.mark.parametrize("share_blocks", [True, False])
-def test_sampling_and_stops_equal_single_steps(loaded, prompts, expected, share_blocks):
+def test_sampling_and_stops_equal_single_steps(loaded, prompts, expected):
     # Greedy request 3 (prompt 3) stops at a token first drawn in its 6th place or later.
     greedy = expected[3]
     stop_at = next(i for i in range(5, MAX_TOKENS) if greedy[i] not in greedy[:i])
     stop_token = greedy[stop_at]
     requests = _sampled_requests(prompts, stop_token)
-    single = _run(_engine(loaded, share_blocks=share_blocks), requests)
-    engine = _engine(loaded, num_decode_steps=8, share_blocks=share_blocks)
+    single = _run(_engine(loaded), requests)
+    engine = _engine(loaded, num_decode_steps=8)
     watch = LoopWatch(engine)
     looped = _run(engine, requests)
     assert _token_ids(looped) == _token_ids(single)
