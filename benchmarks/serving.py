@@ -35,7 +35,8 @@ Abort latency: one streamed request alone on the server; after its first
 ABORT_AFTER_CHUNKS chunks the client closes the stream, and the latency is the time
 until /metrics shows no running request (polled every few milliseconds): what a
 client's disconnect waits for, a step or, with --num-decode-steps S, up to a loop of
-S steps. The median of ABORT_TRIALS trials.
+S steps. The median of ABORT_TRIALS trials. --num-decode-steps and
+--async-scheduling set those engine options on the server and the offline engine.
 
 Prints progress to stderr and one JSON object last on stdout.
 """
@@ -303,7 +304,7 @@ def engine_settings(args) -> dict:
     return {"block_size": args.block_size, "max_num_seqs": args.max_num_seqs,
             "max_num_batched_tokens": args.max_num_batched_tokens,
             "max_model_len": args.max_model_len, "kv_cache_memory": int(args.kv_cache_mib * 2**20),
-            "num_decode_steps": args.num_decode_steps}
+            "num_decode_steps": args.num_decode_steps, "async_scheduling": args.async_scheduling}
 
 
 def server_command(args, port: int) -> list[str]:
@@ -315,7 +316,8 @@ def server_command(args, port: int) -> list[str]:
             "--kv-cache-memory", str(args.kv_cache_mib / 1024)] + (
                 ["--warmup"] if args.warmup else []) + (
                 [] if args.num_decode_steps is None
-                else ["--num-decode-steps", str(args.num_decode_steps)])
+                else ["--num-decode-steps", str(args.num_decode_steps)]) + (
+                ["--async-scheduling"] if args.async_scheduling else [])
 
 
 def free_port() -> int:
@@ -388,6 +390,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-decode-steps", type=int, default=None,
                         help="the engine's num_decode_steps (default: the machine's)")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="the engine's async_scheduling")
     if parser.parse_known_args(argv)[0].quick:
         parser.set_defaults(num_requests=16, request_rates="4,inf")
     args = parser.parse_args(argv)
