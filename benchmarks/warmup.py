@@ -17,7 +17,8 @@ the engine's default limits (`EngineConfig()`):
   cache aliased to the output, and scratch far below it (no copy per step).
 
 --num-decode-steps and --async-scheduling set those options (warm-up then also
-compiles the decode loop of every decode shape, or the feeding of each step's inputs).
+compiles the decode loop of every decode shape, or the feeding of each step's inputs);
+with the loop, step times are left out (a step is then a whole loop).
 
 Prints one JSON object last.
 """
@@ -122,7 +123,9 @@ def run_child(args) -> dict:
                    "max_num_batched_tokens": config.max_num_batched_tokens,
                    "max_model_len": engine.max_model_len, "block_size": config.block_size},
         "kv_cache": str(engine.kv_cache_info),
-        "step_times": _step_times(engine, loaded[1].vocab_size, args.prompt_len, args.seed),
+        # A step of the decode loop is a whole loop: step times are single steps'.
+        "step_times": (_step_times(engine, loaded[1].vocab_size, args.prompt_len, args.seed)
+                       if config.num_decode_steps == 1 else None),
         "decode_step_memory": _step_memory(engine),
     }
 
