@@ -22,6 +22,7 @@ from tests.engine.test_decode_loop import (
     _run,
     _sampled_requests,
     _token_ids,
+    eos_at,
 )
 from tests.plugins.hf_models import greedy_continuations
 
@@ -94,6 +95,16 @@ def test_sampling_and_stops_equal_synchronous_steps(loaded, prompts, expected):
             assert got.cumulative_logprob == pytest.approx(want.cumulative_logprob, rel=1e-5)
     got, want = overlapped["0"].outputs[0].logprobs, synchronous["0"].outputs[0].logprobs
     assert [list(entry) for entry in got] == [list(entry) for entry in want]
+
+
+def test_eos_found_when_its_token_arrives(loaded, prompts, expected):
+    """The step planned before the EOS arrived goes to waste; the output stops at EOS."""
+    with_eos, stop_at = eos_at(loaded, expected)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    finals = _run(_engine(with_eos, async_scheduling=True), {"eos": (prompts[3], params)})
+    output = finals["eos"].outputs[0]
+    assert output.token_ids == expected[3][: stop_at + 1]
+    assert (output.finish_reason, output.stop_reason) == ("stop", None)
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])

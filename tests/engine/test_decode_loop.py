@@ -9,6 +9,7 @@ step; and, after every loop, the slots it wrote read against the pool it returne
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 import jax
@@ -174,6 +175,25 @@ def test_sampling_and_stops_equal_single_steps(loaded, prompts, expected):
             assert got.cumulative_logprob == pytest.approx(want.cumulative_logprob, rel=1e-5)
     got, want = looped["0"].outputs[0].logprobs, single["0"].outputs[0].logprobs
     assert [list(entry) for entry in got] == [list(entry) for entry in want]
+
+
+def eos_at(loaded, expected, index: int = 3) -> tuple[tuple, int]:
+    """The model with its EOS moved to a token that prompt `index`'s greedy continuation
+    first draws in its 6th place or later, and that place."""
+    greedy = expected[index]
+    stop_at = next(i for i in range(5, MAX_TOKENS) if greedy[i] not in greedy[:i])
+    model, config, tokenizer = loaded
+    return (model, dataclasses.replace(config, eos_token_ids=(greedy[stop_at],)),
+            tokenizer), stop_at
+
+
+def test_eos_inside_the_loop(loaded, prompts, expected):
+    with_eos, stop_at = eos_at(loaded, expected)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    finals = _run(_engine(with_eos, num_decode_steps=16), {"eos": (prompts[3], params)})
+    output = finals["eos"].outputs[0]
+    assert output.token_ids == expected[3][: stop_at + 1]
+    assert (output.finish_reason, output.stop_reason) == ("stop", None)
 
 
 def test_parallel_samples_share_blocks_as_without_sharing(loaded, prompts):
