@@ -55,7 +55,7 @@ from jpaged.model.sampler import (
     SamplingRow,
     sampling_tensors,
 )
-from jpaged.sampling_params import GREEDY_TEMPERATURE
+from jpaged.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 from jpaged.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceGroup, SequenceStatus
 from jpaged.speculative.draft_model import DraftModelProposer, Drafts, RowOf, draft_rows
 from jpaged.speculative.proposer import Proposer
@@ -126,9 +126,9 @@ class InFlight:
     sampler_rows: dict[int, int] = field(default_factory=dict)
 
 
-def _has_penalties(params) -> bool:
-    return (getattr(params, "repetition_penalty", 1.0), getattr(params, "presence_penalty", 0.0),
-            getattr(params, "frequency_penalty", 0.0)) != NEUTRAL_PENALTIES
+def _has_penalties(params: SamplingParams) -> bool:
+    return (params.repetition_penalty, params.presence_penalty,
+            params.frequency_penalty) != NEUTRAL_PENALTIES
 
 
 def kv_cache_groups(config: EngineConfig, layer_windows: tuple[int | None, ...]
