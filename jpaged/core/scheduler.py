@@ -23,14 +23,14 @@ One step is one round trip, as in vLLM v1:
     ... run plan.scheduled, draw a token for each of plan.draws ...
     scheduler.update_from_output(plan, sampled)
 
-With async scheduling the call back comes in two halves around the next
-`schedule`: `predict(plan)` takes the running step's tokens as drawn (placeholder
-tokens) and `reconcile(plan, sampled)` puts the real ones in their place with the
-stop checks. `update_from_output` is the only call back otherwise: it records the computed tokens,
+`update_from_output` is the only call back: it records the computed tokens,
 appends the drawn ones, ends sequences at EOS, a stop token, max_tokens or
 max_model_len, forks a prompt's parallel samples, applies the beams a beam
-search chose, and frees the blocks of whatever ended. Between steps, callers
-end requests with `abort` and sequences with `finish_seq` (a stop string the
+search chose, and frees the blocks of whatever ended. With async scheduling it
+comes in two halves around the next `schedule`: `predict(plan)` takes the running
+step's tokens as drawn (placeholder tokens), and `reconcile(plan, sampled)` puts
+the real ones in their place with the stop checks. Between steps, callers end
+requests with `abort` and sequences with `finish_seq` (a stop string the
 detokenized text revealed). Only the scheduler, and the KV cache manager it
 calls, change sequences.
 """
