@@ -253,10 +253,7 @@ class Scheduler:
         for group, rows in plan.draws:
             end = first + len(rows)
             if not (all_finite or sampled.finite[first:end].all()):
-                logger.error("request %r: NaN or infinite logits; it finishes with "
-                             "finish_reason 'error'", group.request_id)
-                for seq in group.unfinished_seqs():
-                    self._release(group, seq, SequenceStatus.FINISHED_ERROR)
+                self._end_non_finite(group)
                 ended = True
             elif group.is_beam_search:
                 ended |= self._continue_beams(group, sampled.beams[group.request_id])
@@ -314,10 +311,7 @@ class Scheduler:
             if not finite:
                 del output[-1]
                 if not seq.is_finished:
-                    logger.error("request %r: NaN or infinite logits; it finishes with "
-                                 "finish_reason 'error'", group.request_id)
-                    for other in group.unfinished_seqs():
-                        self._release(group, other, SequenceStatus.FINISHED_ERROR)
+                    self._end_non_finite(group)
                     ended = True
                 continue
             output[-1] = token
@@ -342,14 +336,18 @@ class Scheduler:
             seq = scheduled[row][0]
             ended |= self._append_run(group, seq, run)
             if not finite and not group.is_finished:
-                logger.error("request %r: NaN or infinite logits; it finishes with "
-                             "finish_reason 'error'", group.request_id)
-                for other in group.unfinished_seqs():
-                    self._release(group, other, SequenceStatus.FINISHED_ERROR)
+                self._end_non_finite(group)
                 ended = True
         if ended:
             self.running = deque(group for group in self.running if not group.is_finished)
         return self.stats()
+
+    def _end_non_finite(self, group: SequenceGroup) -> None:
+        """End every unfinished sequence of a group whose logits were not finite."""
+        logger.error("request %r: NaN or infinite logits; it finishes with finish_reason "
+                     "'error'", group.request_id)
+        for seq in group.unfinished_seqs():
+            self._release(group, seq, SequenceStatus.FINISHED_ERROR)
 
     def _append_run(self, group: SequenceGroup, seq: Sequence, run: list[int]) -> bool:
         """Append a decode loop's run to `seq`: each token after the first follows one
