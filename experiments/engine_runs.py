@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 from jax import monitoring
 
+from experiments.step_cost import StepShape
 from experiments.workloads import RequestSpec
 from jpaged.engine.stats import EngineStats
 from jpaged.outputs import RequestOutput
@@ -61,6 +62,8 @@ class RunResult:
 
     normalized_latencies_s: per request, (finish - arrival) / output tokens, seconds.
     step_seconds: per step, measured duration less compilation, seconds.
+    step_shapes: per step, its sequences and the bucket it ran in (its cost's shape).
+    step_compiled: per step, whether JAX compiled during it (its time is then an estimate).
     outputs: request id -> its final output (token ids of every sample or beam, and
         its metrics: the KV block-steps it held).
     """
@@ -80,6 +83,8 @@ class RunResult:
     logical_block_steps: int
     physical_block_steps: int
     step_seconds: list[float]
+    step_shapes: list[StepShape]
+    step_compiled: list[bool]
     outputs: dict[str, RequestOutput]
 
     @property
@@ -112,7 +117,30 @@ class RunResult:
             "num_preemptions": self.num_preemptions,
             "kv_memory_saved_pct": self.kv_memory_saved_pct,
             "step_s_median": float(np.median(self.step_seconds)),
+            "steps": steps_columns(self.step_shapes, self.step_seconds, self.step_compiled),
         }
+
+
+def steps_columns(shapes: list[StepShape], seconds: list[float], compiled: list[bool]) -> dict:
+    """A run's steps, column by column (JSON-ready; `steps_of` reads them back)."""
+    return {"block_size": shapes[0].block_size if shapes else 0,
+            "query_lens": [list(s.query_lens) for s in shapes],
+            "context_lens": [list(s.context_lens) for s in shapes],
+            "num_tokens": [sum(s.query_lens) for s in shapes],
+            "num_seqs": [len(s.query_lens) for s in shapes],
+            "context_tokens": [sum(s.context_lens) for s in shapes],
+            "padded_tokens": [s.padded_tokens for s in shapes],
+            "logit_rows": [s.logit_rows for s in shapes],
+            "seconds": seconds, "compiled": compiled}
+
+
+def steps_of(columns: dict) -> tuple[list[StepShape], list[float], list[bool]]:
+    """(shapes, seconds, compiled) of `steps_columns`' record."""
+    shapes = [StepShape(tuple(q), tuple(c), tokens, rows, columns["block_size"])
+              for q, c, tokens, rows in zip(columns["query_lens"], columns["context_lens"],
+                                            columns["padded_tokens"], columns["logit_rows"],
+                                            strict=True)]
+    return shapes, list(columns["seconds"]), list(columns["compiled"])
 
 
 def greedy(spec: RequestSpec):
@@ -133,10 +161,11 @@ def serve(engine, requests: Sequence[RequestSpec], label: str = "",
     pending = sorted(requests, key=lambda r: r.arrival_time)
     arrival = {r.request_id: r.arrival_time for r in requests}
     output_len = {r.request_id: r.output_len for r in requests}
-    engine.stats = EngineStats()
+    engine.stats = EngineStats(step_log=[])
+    buckets, block_size = engine.core.shapes.buckets, engine.config.block_size
     preemptions_before = engine.scheduler.num_preemptions
     clock, next_arrival, latencies, step_seconds, finished = 0.0, 0, [], [], {}
-    compile_total, compiling_steps = 0.0, 0
+    compile_total, step_compiled = 0.0, []
     wall_start = time.perf_counter()
     progress = _Progress(label, len(pending))
     while next_arrival < len(pending) or engine.has_unfinished_requests():
@@ -153,7 +182,7 @@ def serve(engine, requests: Sequence[RequestSpec], label: str = "",
         outputs = engine.step()
         elapsed = time.perf_counter() - started
         compiled = _compile_seconds - compiled_before
-        compiling_steps += compiled > 0
+        step_compiled.append(compiled > 0)
         compile_total += compiled
         clock += max(elapsed - compiled, 0.0)
         step_seconds.append(max(elapsed - compiled, 0.0))
@@ -165,13 +194,16 @@ def serve(engine, requests: Sequence[RequestSpec], label: str = "",
                 progress.advance()
     progress.close()
     stats = engine.stats
+    if len(stats.step_log) != len(step_seconds):
+        raise RuntimeError(f"{len(step_seconds)} engine steps recorded "
+                           f"{len(stats.step_log)} step plans: serve() runs one plan a step")
     return RunResult(
         num_requests=len(requests),
         num_steps=len(step_seconds),
         virtual_s=clock - pending[0].arrival_time,
         wall_s=time.perf_counter() - wall_start,
         compile_s=compile_total,
-        num_compiling_steps=compiling_steps,
+        num_compiling_steps=sum(step_compiled),
         output_tokens=stats.num_output_tokens,
         normalized_latencies_s=latencies,
         mean_running_requests=stats.num_running.mean,
@@ -181,6 +213,9 @@ def serve(engine, requests: Sequence[RequestSpec], label: str = "",
         logical_block_steps=stats.logical_block_steps,
         physical_block_steps=stats.physical_block_steps,
         step_seconds=step_seconds,
+        step_shapes=[StepShape.of(record.query_lens, record.context_lens, buckets, block_size)
+                     for record in stats.step_log],
+        step_compiled=step_compiled,
         outputs=finished,
     )
 

@@ -14,8 +14,16 @@ import math
 import time
 
 from benchmarks.report import progress
-from experiments import block_size_study, kv_dtype_study, rate_study, sharing_study, validation
+from experiments import (
+    accelerator_study,
+    block_size_study,
+    kv_dtype_study,
+    rate_study,
+    sharing_study,
+    validation,
+)
 from experiments.paper import FIGURE12_SHAREGPT_RATE_RATIO
+from experiments.step_cost import ModelShape
 
 # --quick: paged's run at its capacity sets the threshold, then one step up where needed.
 QUICK_RATE_FRACTIONS = (1.0, 2.0)
@@ -69,6 +77,13 @@ def run(selected: list[str], args: argparse.Namespace, timings: dict) -> dict:
         sharegpt_pool = sharegpt["pool_tokens"]
         capacity = sharegpt["capacity_requests_per_s"]["paged"]
         timings["rate"] = time.perf_counter() - began
+    if "accelerators" in selected:
+        began = time.perf_counter()
+        model = ModelShape.of(loaded[1], "SmolLM2-135M", dtype_bytes=4)
+        report["accelerators"] = accelerator_study.run(report["figure12"], model, args)
+        progress("accelerators study: "
+                 f"{report['accelerators']['calibration']['held_out_error']['all']}")
+        timings["accelerators"] = time.perf_counter() - began
     block_settings = block_size_study.BlockSizeSettings(
         num_requests=args.engine_requests, seed=args.seed,
         block_sizes=QUICK_BLOCK_SIZES if args.quick else block_size_study.BLOCK_SIZES,
@@ -181,6 +196,8 @@ def tables(report: dict) -> dict:
                  "sustained_req_s": _f(sustained[dtype]["rate"]) if dtype in sustained else "-",
                  "bound": sustained[dtype]["bound"] if dtype in sustained else "-"}
                 for dtype, capacity in result["capacity_requests_per_s"].items()])
+    if "accelerators" in report:
+        out |= accelerator_study.tables(report["accelerators"])
     if "figures14_15" in report:
         out["figures14_15"] = ("Figures 14 and 15 on the engine: sharing, Alpaca-like", [
             {"sharing": f"{r['kind']} n={r['degree']}",

@@ -32,6 +32,10 @@ class MeanLengths:
     output_tokens: float
 
 
+FIGURE1_KV_CACHE_SHARE = 0.30
+"""Figure 1: the share of an A100-40GB's memory that holds the KV cache when serving a
+13B-parameter model (">30%" beside 65% of parameters)."""
+
 FIGURE2_SHAREGPT_TOKEN_STATES_PCT = {
     "orca-max": 20.4, "orca-pow2": 26.8, "orca-oracle": 38.2, "paged": 96.3}
 """Figure 2: % of KV cache memory holding token states, by system (this project's
@@ -76,6 +80,7 @@ def published() -> dict:
         return value
 
     return plain({
+        "figure1_kv_cache_share": FIGURE1_KV_CACHE_SHARE,
         "figure2_sharegpt_token_states_pct": FIGURE2_SHAREGPT_TOKEN_STATES_PCT,
         "figure11_mean_lengths": FIGURE11_MEAN_LENGTHS,
         "figure12_sharegpt_rate_ratio": FIGURE12_SHAREGPT_RATE_RATIO,

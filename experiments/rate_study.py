@@ -36,6 +36,7 @@ sequence: they flatter Orca, whose contiguous slabs also fragment externally.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -184,29 +185,44 @@ def latency_curves(servers: dict, settings: RateSettings, vocab_size: int,
     """The threshold from the first server's unloaded run (paged's, or float32's), then
     each server's bracketing search on fractions of its own capacity; the curves and
     sustained rates."""
-    baseline = next(iter(servers))
-
     def run_at(name: str, fraction: float) -> dict:
         rate = fraction * capacity[name]
         run = serve(servers[name], workload(settings, vocab_size, rate),
                     f"{settings.dataset} {name} {rate:.2f} req/s")
         return {"request_rate": rate, "capacity_fraction": fraction, **run.summary()}
 
+    baseline = next(iter(servers))
     base = run_at(baseline, settings.base_fraction)
-    unloaded = base["normalized_latency_s_mean"]
-    threshold = settings.threshold_factor * unloaded
-    curves = {}
-    for name in servers:
-        points = {settings.base_fraction: base} if name == baseline else {}
+    threshold = threshold_of(base, settings)
+    curves = {name: search_curve(functools.partial(run_at, name), settings, threshold,
+                                 {settings.base_fraction: base} if name == baseline else {})
+              for name in servers}
+    return curves_result(baseline, base, threshold, curves, settings)
 
-        def latency_at(fraction: float, name=name, points=points) -> float:
-            if fraction not in points:
-                points[fraction] = run_at(name, fraction)
-            return points[fraction]["normalized_latency_s_mean"]
 
-        bracket_search(latency_at, settings.rate_fractions, threshold,
-                       settings.start_fraction)
-        curves[name] = [points[f] for f in sorted(points)]
+def threshold_of(base: dict, settings: RateSettings) -> float:
+    """The threshold rule: threshold_factor x the unloaded run's mean normalized latency."""
+    return settings.threshold_factor * base["normalized_latency_s_mean"]
+
+
+def search_curve(run_at: Callable[[float], dict], settings: RateSettings, threshold: float,
+                 points: dict[float, dict]) -> list[dict]:
+    """One server's bracketing search: run_at(fraction of its capacity) gives a run's
+    point (with "request_rate" and "normalized_latency_s_mean"); points: those run
+    already, by fraction. Every point run, in ascending rate."""
+    def latency_at(fraction: float) -> float:
+        if fraction not in points:
+            points[fraction] = run_at(fraction)
+        return points[fraction]["normalized_latency_s_mean"]
+
+    bracket_search(latency_at, settings.rate_fractions, threshold, settings.start_fraction)
+    return [points[f] for f in sorted(points)]
+
+
+def curves_result(baseline: str, base: dict, threshold: float, curves: dict[str, list[dict]],
+                  settings: RateSettings) -> dict:
+    """The curves' section of a report: the threshold's rule and value, each server's
+    points and the rate it sustains."""
     sustained = {
         name: sustained_rate([p["request_rate"] for p in points],
                              [p["normalized_latency_s_mean"] for p in points], threshold)
@@ -216,7 +232,7 @@ def latency_curves(servers: dict, settings: RateSettings, vocab_size: int,
         "threshold_rule": f"{settings.threshold_factor:g} x {baseline}'s mean normalized "
                           f"latency at {settings.base_fraction:g} x {baseline}'s capacity "
                           "(unloaded)",
-        "unloaded_normalized_latency_s": unloaded,
+        "unloaded_normalized_latency_s": base["normalized_latency_s_mean"],
         "threshold_normalized_latency_s": threshold,
         "curves": curves,
         "sustained_rate": sustained,

@@ -9,8 +9,10 @@ fork from the prompt when it is computed. Beam search picks the surviving beams
 each step by a seeded random choice of parents, so beams share blocks along a
 tree.
 
-Time advances by a linear step-cost model (`StepCost`) so Poisson arrivals and
-latencies have a plausible scale; memory results do not depend on it.
+Time advances by each step's cost on a device (experiments.step_cost: a roofline
+per part of the step's padded shape, OPT-13B on an A100-40GB by default), so
+Poisson arrivals and latencies have a device's scale; memory results do not
+depend on it.
 
 A model with sliding-window layers (`SimConfig.layer_windows`) runs on the engine's
 KV cache groups (jpaged.memory.kv_cache_groups): a block then holds the KV of one
@@ -36,42 +38,24 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from experiments.baselines import ContiguousArena
+from experiments.step_cost import DEVICES, OPT_13B, StepCost, StepShape
 from experiments.workloads import VOCAB_SIZE, RequestSpec, make_workload
 from jpaged.config import CacheConfig, SchedulerConfig
 from jpaged.core.scheduler import Scheduler
 from jpaged.core.scheduler_output import BeamChoice, SampledTokens, SchedulerOutput
+from jpaged.core.step_shapes import default_buckets
 from jpaged.memory.block_manager import BlockManager
 from jpaged.memory.hybrid_block_manager import HybridBlockManager
 from jpaged.memory.kv_cache_groups import KVCacheGroups
 from jpaged.memory.kv_cache_manager import KVCacheManager
 from jpaged.memory.reservation import ALLOCATIONS
+from jpaged.memory.reserving_block_manager import ReservingBlockManager
 from jpaged.sampling_params import BeamSearchParams, SamplingParams
 from jpaged.sequence import Sequence as Seq
 from jpaged.sequence import SequenceGroup, SequenceStatus
 
 ALLOCATORS = ALLOCATIONS
 TIMELINE_POINTS = 200
-
-
-@dataclass(frozen=True)
-class StepCost:
-    """Simulated seconds of one step, a rough linear model of OPT-13B on one A100-40GB.
-
-    fixed_s:             reading 26 GB of fp16 weights at ~1.5 TB/s.
-    per_token_s:         2 * 13e9 FLOPs per batched token at ~312 TFLOP/s.
-    per_context_token_s: reading 800 KB of K/V per context token at ~1.5 TB/s.
-    """
-
-    fixed_s: float = 0.017
-    per_token_s: float = 8.3e-5
-    per_context_token_s: float = 5.3e-7
-
-    def seconds(self, num_tokens: int, num_context_tokens: int) -> float:
-        return (
-            self.fixed_s
-            + self.per_token_s * num_tokens
-            + self.per_context_token_s * num_context_tokens
-        )
 
 
 @dataclass(frozen=True)
@@ -83,6 +67,9 @@ class SimConfig:
     num_kv_slots token slots. layer_windows: each layer's sliding window (None:
     global); with windows, paged blocks hold one KV cache group's layers each, as many
     as the same bytes hold, and a window's blocks leave as it passes them.
+    step_cost: a step's seconds from its shape (the engine's buckets). orca_blocks: the
+    Orca policies reserve the engine's paged blocks (ReservingBlockManager, as the
+    engine's own Orca runs) instead of contiguous slabs of token slots.
     """
 
     allocator: str = "paged"
@@ -97,7 +84,8 @@ class SimConfig:
     num_host_slots: int = 0
     watermark: float = 0.01
     layer_windows: tuple[int | None, ...] = (None,)
-    step_cost: StepCost = StepCost()
+    step_cost: StepCost = StepCost(DEVICES["a100-40gb"], OPT_13B)
+    orca_blocks: bool = False
     seed: int = 0
 
     def __post_init__(self):
@@ -302,12 +290,15 @@ def simulate(requests: Sequence[RequestSpec], config: SimConfig = SimConfig()) -
 
 
 def make_manager(config: SimConfig) -> KVCacheManager:
-    """jpaged's BlockManager (a HybridBlockManager for KV cache groups) or a contiguous
-    Orca arena, sized by config.num_kv_slots."""
+    """jpaged's BlockManager (a HybridBlockManager for KV cache groups), or for Orca a
+    contiguous arena or the engine's reserving blocks, sized by config.num_kv_slots."""
     if config.allocator == "paged" and config.groups.num_groups > 1:
         return HybridBlockManager(config.cache_config(), config.groups)
     if config.allocator == "paged":
         return BlockManager(config.cache_config())
+    if config.orca_blocks:
+        return ReservingBlockManager(config.cache_config(), config.allocator,
+                                     config.max_model_len)
     return ContiguousArena(config.num_kv_slots, config.allocator, config.max_model_len)
 
 
@@ -338,6 +329,8 @@ class _Simulation:
         self.pending = deque(sorted(requests, key=lambda r: r.arrival_time))
         self.manager = make_manager(config)
         self.scheduler = Scheduler(config.scheduler_config(), self.manager)
+        # The engine's padded shapes; the block-table width does not enter a step's cost.
+        self.buckets = default_buckets("xla", 1, config.max_num_seqs)
         self.paged = not isinstance(self.manager, ContiguousArena)
         self.pool_slots = pool_slots(self.manager, config.block_slots)
         self.sharing = config.enable_prefix_caching or any(r.n > 1 for r in requests)
@@ -372,9 +365,11 @@ class _Simulation:
         if output.is_empty and not output.ignored:
             raise RuntimeError("the scheduler scheduled nothing while requests are unfinished")
         # Measured as the step leaves the memory: its tokens computed, nothing sampled yet.
-        computed = {seq: seq.num_computed_tokens + n for seq, n in output.scheduled}
-        self.clock += self.config.step_cost.seconds(output.num_batched_tokens,
-                                                    sum(computed.values()))
+        computed = {seq: length for (seq, _), length
+                    in zip(output.scheduled, output.context_lens, strict=True)}
+        shape = StepShape.of([n for _, n in output.scheduled], output.context_lens,
+                             self.buckets, self.config.block_size)
+        self.clock += self.config.step_cost.seconds(shape)
         self._record(output, computed)
         stats = self.scheduler.update_from_output(output, self._draw(output))
         for group, _ in output.draws:

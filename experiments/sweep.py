@@ -1,6 +1,7 @@
 """The paper's studies: memory in simulation, serving on the real engine, with figures.
 
-    python -m experiments.sweep [--studies memory,rate,block-size,preemption,kv-dtype,sharing]
+    python -m experiments.sweep [--studies memory,rate,block-size,preemption,kv-dtype,sharing,
+                                           accelerators]
                                 [--quick] [--out-dir results]
 
 Studies (all by default; --quick runs each with small settings in about two
@@ -16,7 +17,12 @@ minutes, to check the pipeline rather than the numbers):
 - kv-dtype: float32, bfloat16 and int8 KV caches at one pool in bytes, their
   capacity and sustained rate by the rate study's rules
   (experiments.kv_dtype_study);
-- sharing: Figures 14 and 15 on the real engine (experiments.sharing_study).
+- sharing: Figures 14 and 15 on the real engine (experiments.sharing_study);
+- accelerators: the simulator on a step-cost model of a device
+  (experiments.step_cost), calibrated on this CPU by the rate study's engine
+  steps (selecting it selects rate), checked against the engine's rate ratios,
+  then Figure 12 for OPT-13B on an A100 and projections for a Llama-3-8B-shaped
+  model on an H200 and a TPU v5e-4 (experiments.accelerator_study).
 
 The real-engine studies run the default model (SmolLM2-135M-Instruct, float32)
 with Poisson arrivals replayed on a virtual clock of measured step times
@@ -24,7 +30,9 @@ with Poisson arrivals replayed on a virtual clock of measured step times
 script, command, date, machine and package versions of the run, as every
 benchmark's report has them (benchmarks.report), then every measurement, its
 settings and timings), sweep_timelines.json (each simulation's per-step
-timeline, in the order of sweep.json's runs), one CSV per table and one PNG per
+timeline, in the order of sweep.json's runs), sweep_steps.json (each engine run's
+steps: sequences, context tokens, padded bucket, seconds; keyed by where the run
+sits in sweep.json), one CSV per table and one PNG per
 figure (experiments.figures); a summary table ends the output.
 
 The memory study runs the model-free simulator (experiments/simulator.py)
@@ -146,10 +154,10 @@ def plan_runs(args: argparse.Namespace) -> list[Run]:
 
 def kv_dtype_config(base: SimConfig, head_bytes: int) -> SimConfig:
     """The same pool in bytes holding tokens of head_bytes per head and K or V: its
-    token slots scale inversely, and so does a step's cost of reading context K/V."""
+    token slots scale inversely, and a step reads head_bytes per token and head."""
     ratio = POOL_HEAD_BYTES / head_bytes
-    cost = dataclasses.replace(base.step_cost,
-                               per_context_token_s=base.step_cost.per_context_token_s / ratio)
+    model = dataclasses.replace(base.step_cost.model, kv_head_bytes=head_bytes)
+    cost = dataclasses.replace(base.step_cost, model=model)
     return dataclasses.replace(base, num_kv_slots=int(base.num_kv_slots * ratio), step_cost=cost)
 
 
@@ -293,7 +301,7 @@ def write_csv(path: Path, rows: list[dict]) -> None:
         writer.writerows(rows)
 
 
-STUDIES = ("memory", "rate", "block-size", "preemption", "kv-dtype", "sharing")
+STUDIES = ("memory", "rate", "block-size", "preemption", "kv-dtype", "sharing", "accelerators")
 ENGINE_STUDIES = STUDIES[1:]
 
 
@@ -318,6 +326,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="requests per run of the rate study")
     parser.add_argument("--engine-requests", type=int, default=12,
                         help="requests per run of the block-size and preemption studies")
+    parser.add_argument("--device-calibration", type=Path, default=None,
+                        help="a benchmarks.accelerator report whose fitted step cost "
+                             "replaces its device's assumed one in the accelerators study")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--jobs", type=int, default=2, help="simulations run in parallel")
     parser.add_argument("--out-dir", type=Path, default=Path("results"))
@@ -325,6 +336,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = sorted(set(args.studies) - set(STUDIES))
     if unknown:
         parser.error(f"unknown studies {unknown}; choose from {','.join(STUDIES)}")
+    if "accelerators" in args.studies and "rate" not in args.studies:
+        args.studies.append("rate")  # its engine runs calibrate and check the simulator
     if args.quick:
         apply_quick(args)
     return args
@@ -384,6 +397,21 @@ def memory_study(args: argparse.Namespace) -> tuple[dict, dict]:
             "kv_dtype_head_bytes": KV_DTYPE_HEAD_BYTES}, tables
 
 
+def split_off(report: dict, key: str, path: str = "") -> dict:
+    """Remove every `key` entry from the report's nested dicts and lists; {where each
+    was, as a dotted path: its value}."""
+    found = {}
+    if isinstance(report, dict):
+        if key in report:
+            found[path.lstrip(".")] = report.pop(key)
+        for name, value in report.items():
+            found |= split_off(value, key, f"{path}.{name}")
+    elif isinstance(report, list):
+        for i, value in enumerate(report):
+            found |= split_off(value, key, f"{path}.{i}")
+    return found
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     start = time.perf_counter()
@@ -408,9 +436,11 @@ def main(argv: list[str] | None = None) -> None:
             write_csv(args.out_dir / f"sweep_{name}.csv", rows)
     report["figures"] = figures.draw_all(report, args.out_dir)
     report["wall_s"] = time.perf_counter() - start
-    # The per-step timelines are most of the bytes and none of the figures: a file apart.
+    # The per-step timelines and engine steps are most of the bytes and none of the
+    # figures: files apart.
     timelines = [run.pop("timeline") for run in report.get("runs", [])]
     (args.out_dir / "sweep_timelines.json").write_text(json.dumps(timelines))
+    (args.out_dir / "sweep_steps.json").write_text(json.dumps(split_off(report, "steps")))
     (args.out_dir / "sweep.json").write_text(json.dumps(report, indent=1, default=str))
     summary = engine_studies.summary_rows(report)
     print(f"\nSummary\n{format_table(summary)}")

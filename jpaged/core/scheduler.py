@@ -216,6 +216,7 @@ class Scheduler:
                 self._schedule_waiting(plan)
         return SchedulerOutput(
             scheduled=plan.scheduled,
+            context_lens=[seq.num_computed_tokens + n for seq, n in plan.scheduled],
             groups=plan.groups,
             draws=plan.draws,
             num_draws=plan.num_draws,

@@ -41,6 +41,8 @@ class SchedulerOutput:
     scheduled:  (sequence, number of new tokens) pairs, a group's sequences
                 together; the new tokens are positions num_computed_tokens ..
                 + n - 1 of the sequence.
+    context_lens: each entry of `scheduled`'s tokens with KV once the step runs (those
+                computed before it and its new ones): what its attention reads.
     groups:     the group of each entry of `scheduled`.
     draws:      the groups whose sequences all complete in this step, in the order
                 of `scheduled`, with the rows their draws read (GroupDraws).
@@ -54,6 +56,7 @@ class SchedulerOutput:
     """
 
     scheduled: list[tuple[Sequence, int]]
+    context_lens: list[int]
     groups: list[SequenceGroup]
     draws: list[GroupDraws]
     num_draws: int

@@ -45,6 +45,14 @@ class KVBlockCounts(NamedTuple):
     groups: tuple[int, ...] = ()
 
 
+class StepRecord(NamedTuple):
+    """One step's sequences as its attention sees them: each one's new tokens and its
+    tokens with KV once the step ran (SchedulerOutput.context_lens)."""
+
+    query_lens: tuple[int, ...]
+    context_lens: tuple[int, ...]
+
+
 def _count_compilation(event: str, duration: float, **kwargs) -> None:
     global _compilations
     if event == _COMPILE_EVENT:
@@ -125,6 +133,7 @@ class EngineStats:
     kv_cache_dtype: str = ""
     kv_bytes_per_token: int = 0
     spec_decode: SpecDecodeCounts = field(default_factory=lambda: SpecDecodeCounts())
+    step_log: list[StepRecord] | None = None
 
     def record_blocks(self, blocks: KVBlockCounts) -> None:
         """The KV blocks a step runs with: counted after scheduling (appends and their
@@ -149,6 +158,9 @@ class EngineStats:
         self.num_preemptions = queues.num_preemptions
         self.prefix_cache_query_tokens = prefix_cache.query_tokens
         self.prefix_cache_hit_tokens = prefix_cache.hit_tokens
+        if self.step_log is not None:
+            self.step_log.append(StepRecord(tuple(n for _, n in plan.scheduled),
+                                            tuple(plan.context_lens)))
 
     def record_finished(self, metrics: RequestMetrics, output_lengths: list[int]) -> None:
         """output_lengths: output tokens of each of the request's samples or beams;
