@@ -1,6 +1,6 @@
 """One command that checks and measures jpaged on a GPU or TPU: tests, kernels, engine.
 
-    python -m benchmarks.accelerator [--out results/accelerator.json] [--time-limit 460]
+    python -m benchmarks.accelerator [--out results/accelerator.json] [--time-limit 580]
     python -m benchmarks.accelerator --smoke    # the same code paths on CPU, tiny shapes
 
 Each section runs in a process of its own under a time limit, so a slow or hung
@@ -33,6 +33,12 @@ engine   a ShareGPT-like mixed workload (benchmarks.throughput.mixed_workload) o
          that step once per host round trip, run loops of 8 decode steps on the
          device (num_decode_steps) or schedule each step while the one before runs
          (async_scheduling): output tok/s and host round trips per token.
+step_cost the engine's steps on the same model with its default buckets, each with its
+         shape and time, and the step-cost model fitted to them
+         (experiments.step_cost): this device's achieved fractions of its peaks
+         and its overhead, with the error on a second run held out. The report's
+         "step_cost" section is what `python -m experiments.sweep
+         --device-calibration` reads.
 
 --smoke runs all of it on CPU in about a minute: a few kernel tests, two grid
 points with jpaged's Pallas kernel and JAX's GPU and TPU ops in interpret mode,
@@ -125,8 +131,8 @@ ACCELERATOR = Plan(
     model_shape=LLAMA3_8B, attention_backend=None,
     num_requests=128, scale=0.25, max_model_len=512, max_num_seqs=64, max_num_batched_tokens=128,
     hf_batch_size=32,
-    limits_s={"machine": 60, "tests": 120, "kernels": 110, "transformers": 80},
-    time_limit_s=460,
+    limits_s={"machine": 60, "tests": 120, "kernels": 110, "transformers": 80, "jpaged": 130},
+    time_limit_s=580,
 )
 SMOKE = Plan(
     test_args=("tests/kernels/test_kernels.py", "-k", "test_scale_and_soft_cap and decode"),
@@ -135,8 +141,8 @@ SMOKE = Plan(
     model_shape=TINY_LLAMA, attention_backend="triton",
     num_requests=4, scale=0.05, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=4,
     hf_batch_size=4,
-    limits_s={"machine": 60, "tests": 90, "kernels": 90, "transformers": 60},
-    time_limit_s=300,
+    limits_s={"machine": 60, "tests": 90, "kernels": 90, "transformers": 60, "jpaged": 90},
+    time_limit_s=360,
 )
 
 
@@ -272,6 +278,7 @@ def orchestrate(plan: Plan, smoke: bool, out: Path, time_limit_s: float, header:
             engine[side] = section(side, side_env)
             engine["output_tokens_per_s_ratio"] = engine_ratio(engine)
             record("engine", engine)
+        record("step_cost", section("step_cost", env))
     report["elapsed_s"] = time_limit_s - (deadline - time.monotonic())
     write_report(out, report)
     return report
@@ -683,8 +690,84 @@ def transformers_section(plan: Plan) -> Iterator[dict]:
                      "output_tokens_per_s": num_tokens / elapsed}
 
 
+# jax's device_kind (a part of it) -> the step-cost model's device.
+STEP_COST_DEVICES = {"A100-SXM4-40GB": "a100-40gb", "H100": "h100", "H200": "h200",
+                     "TPU v6": "tpu-v6e"}
+
+
+def step_cost_device(device_kind: str, backend: str):
+    """(key, Device) of the step-cost model for this device: the table's, or on a CPU
+    (the smoke run) its peaks measured now; (None, None) for a device not in the table."""
+    from experiments.accelerator_study import measure_cpu
+    from experiments.step_cost import DEVICES
+
+    for part, key in STEP_COST_DEVICES.items():
+        if part in device_kind:
+            return key, DEVICES[key]
+    return ("cpu", measure_cpu()) if backend == "cpu" else (None, None)
+
+
+def step_cost_section(plan: Plan) -> Iterator[dict]:
+    """The engine's own steps on this device, each with its shape and time (the sweep's
+    experiments.engine_runs.serve), on the Llama-3-8B-shaped model with the engine's
+    default buckets: a ShareGPT-like burst twice with other tokens (the first compiles
+    its shapes). experiments.step_cost.fit on the first run's steps predicts the
+    second's (held-out errors); the calibration fitted to both is this device's, for
+    `python -m experiments.sweep --device-calibration`."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from benchmarks.throughput import mixed_workload
+    from experiments.accelerator_study import usable_steps
+    from experiments.engine_runs import serve
+    from experiments.step_cost import ModelShape, StepCost, error_summary, fit, relative_errors
+    from experiments.workloads import RequestSpec
+    from jpaged import LLM
+    from jpaged.model.config import LlamaConfig
+    from jpaged.model.llama import LlamaForCausalLM
+
+    key, device = step_cost_device(jax.devices()[0].device_kind, jax.default_backend())
+    section = {"device_key": key}
+    if device is None:
+        yield section | {"error": "this device is not in experiments.step_cost.DEVICES"}
+        return
+    config = LlamaConfig.from_hf_config(plan.model_shape)
+    model = LlamaForCausalLM(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(SEED))
+    llm = LLM("random Llama-3-8B shape", loaded=(model, config, TokenIdText()),
+              dtype="bfloat16", block_size=BLOCK_SIZE, max_num_seqs=plan.max_num_seqs,
+              max_num_batched_tokens=plan.max_num_batched_tokens, max_model_len=plan.max_model_len,
+              attention_backend=plan.attention_backend, interpret=plan.interpret,
+              persistent_compilation_cache=False)
+    runs = []
+    for run, token_seed in enumerate((SEED + 1, SEED + 2)):
+        workload = mixed_workload(plan.num_requests, plan.scale, config.vocab_size, SEED,
+                                  token_seed, max_total_len=plan.max_model_len)
+        specs = [RequestSpec(f"{run}-{i}", 0.0, tuple(prompt), n)
+                 for i, (prompt, n) in enumerate(workload)]
+        runs.append(usable_steps(serve(llm.engine, specs).summary()["step_log"]))
+        section[f"run{run}_steps"] = len(runs[-1][0])
+        yield section
+    cost = StepCost(device, ModelShape.of(config, "Llama-3-8B shape", dtype_bytes=2))
+    first = dataclasses.replace(cost, calibration=fit(cost, *runs[0], "first run"))
+    errors = relative_errors(first, *runs[1])
+    calibration = fit(cost, runs[0][0] + runs[1][0], runs[0][1] + runs[1][1],
+                      f"fitted to {section['run0_steps'] + section['run1_steps']} engine steps "
+                      f"on {device.name} ({plan.model_shape['num_hidden_layers']}-layer "
+                      "Llama-3-8B shape, bfloat16)")
+    yield section | {
+        "device": dataclasses.asdict(device),
+        "held_out_error": error_summary(errors),
+        "calibration": {"decode": dataclasses.asdict(calibration.decode),
+                        "prefill": dataclasses.asdict(calibration.prefill),
+                        "source": calibration.source}}
+
+
 SECTIONS = {"machine": machine_section, "kernels": kernels_section,
-            "jpaged": jpaged_section, "transformers": transformers_section}
+            "jpaged": jpaged_section, "transformers": transformers_section,
+            "step_cost": step_cost_section}
 
 
 def run_own_section(name: str, plan: Plan) -> int:
@@ -714,7 +797,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=REPO / "results" / "accelerator.json",
                         help="the JSON report, rewritten after every section")
     parser.add_argument("--time-limit", type=float, default=None,
-                        help="seconds for the whole run (default 460; 300 with --smoke)")
+                        help="seconds for the whole run (default 580; 360 with --smoke)")
     parser.add_argument("--section", choices=sorted(SECTIONS), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     plan = SMOKE if args.smoke else ACCELERATOR

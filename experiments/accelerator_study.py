@@ -42,7 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from experiments import rate_study
-from experiments.engine_runs import steps_of
+from experiments.engine_runs import read_step_log
 from experiments.paper import FIGURE1_KV_CACHE_SHARE, FIGURE12_SHAREGPT_RATE_RATIO
 from experiments.rate_study import RateSettings
 from experiments.simulator import SimConfig, simulate
@@ -224,16 +224,16 @@ def engine_runs(figure12: dict) -> list[tuple[str, dict]]:
     runs = []
     for dataset, result in figure12.items():
         for policy, summary in result["all_at_once"].items():
-            runs.append((f"{dataset} {policy} all at once", summary["steps"]))
+            runs.append((f"{dataset} {policy} all at once", summary["step_log"]))
         for policy, points in result.get("curves", {}).items():
             for p in points:
-                runs.append((f"{dataset} {policy} {p['request_rate']:.3f} req/s", p["steps"]))
+                runs.append((f"{dataset} {policy} {p['request_rate']:.3f} req/s", p["step_log"]))
     return runs
 
 
 def usable_steps(columns: dict) -> tuple[list[StepShape], list[float]]:
     """A run's steps that ran sequences and compiled nothing."""
-    shapes, seconds, compiled = steps_of(columns)
+    shapes, seconds, compiled = read_step_log(columns)
     kept = [i for i, shape in enumerate(shapes) if shape.query_lens and not compiled[i]]
     return [shapes[i] for i in kept], [seconds[i] for i in kept]
 
@@ -263,8 +263,8 @@ def calibrate(figure12: dict, cost: StepCost) -> tuple[Calibration, dict]:
                                                                               "prefill")}
     errors["all"] = error_summary(np.asarray(held_out["decode"] + held_out["prefill"]))
     return calibration, {
-        "device": dataclasses.asdict(cost.device), "model": cost.model.name,
-        "runs": len(runs), "steps": len(seconds),
+        "device": device_summary(cost.device), "model": cost.model.name,
+        "num_runs": len(runs), "num_steps": len(seconds),
         "calibration": {"decode": dataclasses.asdict(calibration.decode),
                         "prefill": dataclasses.asdict(calibration.prefill),
                         "source": calibration.source},
@@ -298,7 +298,7 @@ def device_calibrations(path: Path | None) -> dict[str, Calibration]:
     """Calibrations a benchmarks.accelerator report fitted, by device key."""
     if path is None:
         return {}
-    fitted = json.loads(path.read_text())["step_cost"]
+    fitted = json.loads(path.read_text())["sections"]["step_cost"]
     calibration = Calibration(Efficiency(**fitted["calibration"]["decode"]),
                               Efficiency(**fitted["calibration"]["prefill"]),
                               fitted["calibration"]["source"])
@@ -348,10 +348,18 @@ def run(figure12: dict, model: ModelShape, args: argparse.Namespace) -> dict:
         results[f"a100-opt13b-{dataset}"]["paper_rate_ratios"] = {
             key: [span.low, span.high] for key, span in FIGURE12_SHAREGPT_RATE_RATIO.items()}
     return {"calibration": calibration_report, "devices": {
-                key: dataclasses.asdict(device) for key, device in DEVICES.items()},
+                key: device_summary(device) for key, device in DEVICES.items()},
             "paper_pool_rule": f"{FIGURE1_KV_CACHE_SHARE:.0%} of the A100's 40 GB (Figure 1)",
             "projection_pool_rule": "90% of the device memory less the weights",
             "scenarios": results, "wall_s": time.perf_counter() - began}
+
+
+def device_summary(device: Device) -> dict:
+    """A device's figures in the units its table shows (TFLOP/s, GB/s, GiB)."""
+    return {"name": device.name, "num_chips": device.num_chips,
+            "peak_tflops": device.peak_flops / 1e12, "peak_gb_s": device.peak_bandwidth / 1e9,
+            "memory_gib": device.memory_bytes / 2**30,
+            "interconnect_gb_s": device.interconnect_bandwidth / 1e9, "source": device.source}
 
 
 def _f(value, digits: int = 3) -> str:
@@ -365,7 +373,7 @@ def tables(section: dict) -> dict:
     fit_rows = [{"phase": phase, "compute_fraction": _f(values["compute"]),
                  "bandwidth_fraction": _f(values["bandwidth"]),
                  "overhead_ms": _f(1e3 * values["overhead_s"], 2),
-                 "held_out_steps": errors[phase]["steps"],
+                 "held_out_steps": errors[phase]["num_steps"],
                  "held_out_median_err_pct": _f(errors[phase]["median_pct"], 1),
                  "held_out_p90_err_pct": _f(errors[phase]["p90_pct"], 1)}
                 for phase, values in calibration["calibration"].items() if phase != "source"]
@@ -387,9 +395,9 @@ def tables(section: dict) -> dict:
                   **{f"decode_ms_batch_{b}": _f(ms, 1) for b, ms in r["decode_step_ms"].items()}}
                  for name, r in section["scenarios"].items()]
     device_rows = [{"device": d["name"], "chips": d["num_chips"],
-                    "peak_tflops": _f(d["peak_flops"] / 1e12, 1),
-                    "peak_gb_s": _f(d["peak_bandwidth"] / 1e9, 0),
-                    "memory_gib": _f(d["memory_bytes"] / 2**30, 0), "source": d["source"]}
+                    "peak_tflops": _f(d["peak_tflops"], 1), "peak_gb_s": _f(d["peak_gb_s"], 0),
+                    "memory_gib": _f(d["memory_gib"], 0),
+                    "interconnect_gb_s": _f(d["interconnect_gb_s"], 0), "source": d["source"]}
                    for d in [*section["devices"].values(), calibration["device"]]]
     return {
         "accelerators_calibration": (
@@ -403,3 +411,25 @@ def tables(section: dict) -> dict:
             step_rows),
         "accelerators_devices": ("Devices of the step-cost model", device_rows),
     }
+
+
+def summary_rows(section: dict | None) -> list[dict]:
+    """The study's headline numbers for the sweep's summary (none without the study)."""
+    if section is None:
+        return []
+    error = section["calibration"]["held_out_error"]["all"]
+    rows = [{"measure": "step-cost model, held-out engine steps, median / p90 error (%)",
+             "value": f"{error['median_pct']:.1f} / {error['p90_pct']:.1f}", "paper": "-"}]
+    check = section["scenarios"]["cpu-smollm2-sharegpt"]
+    for key, engine in check["engine_rate_ratios"].items():
+        if not key.endswith("_bound"):
+            rows.append({"measure": f"{key}, simulated on this CPU (engine {engine:.2f})",
+                         "value": _f(check["rate_ratios"][key], 2), "paper": "-"})
+    paper = section["scenarios"]["a100-opt13b-sharegpt"]
+    for key, (low, high) in paper["paper_rate_ratios"].items():
+        ratio_key = "rate_ratio_" + key
+        rows.append({"measure": f"{ratio_key}, simulated OPT-13B on an A100 "
+                               f"({paper['rate_ratios'][ratio_key + '_bound']})",
+                     "value": _f(paper["rate_ratios"][ratio_key], 2),
+                     "paper": f"{low:g}-{high:g}"})
+    return rows

@@ -117,12 +117,14 @@ class RunResult:
             "num_preemptions": self.num_preemptions,
             "kv_memory_saved_pct": self.kv_memory_saved_pct,
             "step_s_median": float(np.median(self.step_seconds)),
-            "steps": steps_columns(self.step_shapes, self.step_seconds, self.step_compiled),
+            "step_log": step_log_columns(self.step_shapes, self.step_seconds,
+                                         self.step_compiled),
         }
 
 
-def steps_columns(shapes: list[StepShape], seconds: list[float], compiled: list[bool]) -> dict:
-    """A run's steps, column by column (JSON-ready; `steps_of` reads them back)."""
+def step_log_columns(shapes: list[StepShape], seconds: list[float], compiled: list[bool]
+                     ) -> dict:
+    """A run's steps, column by column (JSON-ready; `read_step_log` reads them back)."""
     return {"block_size": shapes[0].block_size if shapes else 0,
             "query_lens": [list(s.query_lens) for s in shapes],
             "context_lens": [list(s.context_lens) for s in shapes],
@@ -134,8 +136,8 @@ def steps_columns(shapes: list[StepShape], seconds: list[float], compiled: list[
             "seconds": seconds, "compiled": compiled}
 
 
-def steps_of(columns: dict) -> tuple[list[StepShape], list[float], list[bool]]:
-    """(shapes, seconds, compiled) of `steps_columns`' record."""
+def read_step_log(columns: dict) -> tuple[list[StepShape], list[float], list[bool]]:
+    """(shapes, seconds, compiled) of `step_log_columns`' record."""
     shapes = [StepShape(tuple(q), tuple(c), tokens, rows, columns["block_size"])
               for q, c, tokens, rows in zip(columns["query_lens"], columns["context_lens"],
                                             columns["padded_tokens"], columns["logit_rows"],

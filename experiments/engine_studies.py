@@ -242,6 +242,7 @@ def summary_rows(report: dict) -> list[dict]:
     for dtype, ratio in report.get("kv_dtype", {}).get("rate_ratios_vs_float32", {}).items():
         rows.append({"measure": f"sustained rate ratio {dtype} vs float32 KV (ShareGPT-like)",
                      "value": _f(ratio, 2), "paper": "-"})
+    rows += accelerator_study.summary_rows(report.get("accelerators"))
     for policy, gap in report.get("sim_vs_engine_gap_pct", {}).items():
         rows.append({"measure": f"sim_vs_engine_gap_pct, mean running, {policy}",
                      "value": _f(gap, 1), "paper": "-"})

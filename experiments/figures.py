@@ -222,6 +222,69 @@ def sharing_savings(rows: list[dict], out_dir: Path) -> str:
     return _save(fig, out_dir, "figures14_15_sharing.png")
 
 
+def _curve_panel(ax, result: dict, title: str, engine: dict | None = None) -> None:
+    """One scenario's normalized latency against rate per policy, its threshold, and the
+    engine's curves dashed where given."""
+    for policy, points in result["curves"].items():
+        label, color, marker = POLICY_STYLE[policy]
+        ax.plot([p["request_rate"] for p in points],
+                [p["normalized_latency_s_mean"] for p in points],
+                marker=marker, color=color, label=label)
+        if engine is not None and policy in engine["curves"]:
+            ax.plot([p["request_rate"] for p in engine["curves"][policy]],
+                    [p["normalized_latency_s_mean"] for p in engine["curves"][policy]],
+                    marker=marker, color=color, linestyle="--", alpha=0.6)
+    ax.axhline(result["threshold_normalized_latency_s"], color="black", linestyle=":",
+               label="threshold")
+    if engine is not None:
+        ax.plot([], [], color="gray", linestyle="--", label="engine")
+    ax.set_xlabel("Request rate (req/s, simulated clock)")
+    ax.set_ylabel("Normalized latency (s/token)")
+    ax.set_yscale("log")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7, loc="upper left")
+
+
+def accelerator_figures(section: dict, figure12: dict, out_dir: Path) -> list[str]:
+    """The accelerators study: the calibration's held-out steps and the CPU check, Figure
+    12 in simulation on an A100, and the projections."""
+    scenarios = section["scenarios"]
+    fig, (fit_ax, check_ax) = plt.subplots(1, 2, figsize=(11.0, 4.6))
+    held_out = section["calibration"]["held_out_steps"]
+    errors = section["calibration"]["held_out_error"]["all"]
+    measured = [1e3 * s for s in held_out["measured_s"]]
+    fit_ax.scatter(measured, [1e3 * s for s in held_out["predicted_s"]], s=4, alpha=0.4)
+    low, high = min(measured), max(measured)
+    fit_ax.plot([low, high], [low, high], color="black", linewidth=1, label="prediction = measured")
+    fit_ax.fill_between([low, high], [0.85 * low, 0.85 * high], [1.15 * low, 1.15 * high],
+                        color="gray", alpha=0.2, label="within 15%")
+    fit_ax.set_xscale("log")
+    fit_ax.set_yscale("log")
+    fit_ax.set_xlabel("Measured step (ms)")
+    fit_ax.set_ylabel("Predicted step (ms)")
+    fit_ax.set_title(f"Held-out engine steps: median error {errors['median_pct']:.1f}%, "
+                     f"p90 {errors['p90_pct']:.1f}%", fontsize=10)
+    fit_ax.legend(fontsize=7)
+    _curve_panel(check_ax, scenarios["cpu-smollm2-sharegpt"],
+                 "SmolLM2-135M on this CPU: simulated (solid), engine (dashed)",
+                 engine=figure12["sharegpt"])
+    names = [_save(fig, out_dir, "accelerators_cpu_check.png")]
+    for name, keys, title in (
+            ("accelerators_figure12_a100.png", ("a100-opt13b-sharegpt", "a100-opt13b-alpaca"),
+             "Figure 12 in simulation: OPT-13B on an A100-40GB, the paper's KV pool"),
+            ("accelerators_projections.png",
+             ("h200-llama3-8b-sharegpt", "tpu-v5e-4-llama3-8b-sharegpt"),
+             "Projections: a Llama-3-8B-shaped model, ShareGPT-like requests")):
+        fig, axes = plt.subplots(1, len(keys), figsize=(5.6 * len(keys), 4.6), squeeze=False)
+        for ax, key in zip(axes[0], keys, strict=True):
+            result = scenarios[key]
+            _curve_panel(ax, result, f"{result['device']}, {result['settings']['dataset']}-like, "
+                                     f"pool {result['pool_tokens']} tokens")
+        fig.suptitle(title)
+        names.append(_save(fig, out_dir, name))
+    return names
+
+
 def draw_all(report: dict, out_dir: Path) -> list[str]:
     """Every figure whose data the report holds; the PNG file names written."""
     names = []
@@ -236,4 +299,6 @@ def draw_all(report: dict, out_dir: Path) -> list[str]:
         names.append(preemption_cost(report["figure19"], out_dir))
     if "figures14_15" in report:
         names.append(sharing_savings(report["figures14_15"], out_dir))
+    if "accelerators" in report:
+        names += accelerator_figures(report["accelerators"], report["figure12"], out_dir)
     return names

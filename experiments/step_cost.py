@@ -391,6 +391,6 @@ def relative_errors(cost: StepCost, shapes: Sequence[StepShape], seconds: Sequen
 def error_summary(errors: np.ndarray) -> dict[str, float | int]:
     """Median and 90th percentile of relative errors, in %, and how many steps."""
     if errors.size == 0:
-        return {"steps": 0, "median_pct": math.nan, "p90_pct": math.nan}
-    return {"steps": int(errors.size), "median_pct": float(100 * np.median(errors)),
+        return {"num_steps": 0, "median_pct": math.nan, "p90_pct": math.nan}
+    return {"num_steps": int(errors.size), "median_pct": float(100 * np.median(errors)),
             "p90_pct": float(100 * np.percentile(errors, 90))}

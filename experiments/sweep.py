@@ -440,7 +440,7 @@ def main(argv: list[str] | None = None) -> None:
     # figures: files apart.
     timelines = [run.pop("timeline") for run in report.get("runs", [])]
     (args.out_dir / "sweep_timelines.json").write_text(json.dumps(timelines))
-    (args.out_dir / "sweep_steps.json").write_text(json.dumps(split_off(report, "steps")))
+    (args.out_dir / "sweep_steps.json").write_text(json.dumps(split_off(report, "step_log")))
     (args.out_dir / "sweep.json").write_text(json.dumps(report, indent=1, default=str))
     summary = engine_studies.summary_rows(report)
     print(f"\nSummary\n{format_table(summary)}")

@@ -31,7 +31,7 @@ def smoke_run(tmp_path_factory) -> tuple[dict, dict]:
 def test_the_report_is_written_and_printed_whole(smoke_run):
     printed, written = smoke_run
     assert printed == written
-    assert set(printed["sections"]) == {"machine", "tests", "kernels", "engine"}
+    assert set(printed["sections"]) == {"machine", "tests", "kernels", "engine", "step_cost"}
     for name, section in printed["sections"].items():
         assert "error" not in section and "timed_out" not in section, name
     assert printed["sections"]["machine"]["backend"] == "cpu"
@@ -78,6 +78,20 @@ def test_engine_sides_generate_every_requested_token(smoke_run):
     tokens = SMOKE.max_num_seqs * min(SMOKE.max_model_len - 32, 64)
     assert {run["output_tokens"] for run in decode.values()} == {tokens}
     assert decode["loop8"]["round_trips_per_token"] < decode["single"]["round_trips_per_token"]
+
+
+def test_step_cost_fits_the_engines_own_steps(smoke_run):
+    """On CPU the device's peaks are measured; the fitted fractions of them lie in (0, 1]
+    and the second run's steps were predicted (their error is a share, not a guess)."""
+    section = smoke_run[0]["sections"]["step_cost"]
+    assert section["device_key"] == "cpu" and section["device"]["peak_flops"] > 0
+    assert section["run0_steps"] > 0 and section["run1_steps"] > 0
+    assert section["held_out_error"]["num_steps"] == section["run1_steps"]
+    assert section["held_out_error"]["median_pct"] >= 0
+    for phase in ("decode", "prefill"):
+        fitted = section["calibration"][phase]
+        assert 0 < fitted["compute"] <= 1 and 0 < fitted["bandwidth"] <= 1
+        assert fitted["overhead_s"] > 0
 
 
 def test_a_time_limit_of_zero_is_refused(capsys):

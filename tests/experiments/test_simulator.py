@@ -10,7 +10,9 @@ import pytest
 
 from experiments import sweep
 from experiments.simulator import SimConfig, simulate
+from experiments.step_cost import StepShape
 from experiments.workloads import RequestSpec, make_workload
+from jpaged.core.step_shapes import default_buckets
 
 
 def output_lengths_match(result, requests) -> bool:
@@ -117,6 +119,40 @@ def test_orca_slabs_as_the_paper_sizes_them(allocator, admitted):
     result = simulate(requests, SimConfig(allocator=allocator, num_kv_slots=arena))
     assert result.peak_running_seqs == admitted
     assert output_lengths_match(result, requests)
+
+
+@pytest.mark.parametrize("allocator", ["orca-pow2", "orca-oracle"])
+def test_orca_on_blocks_rounds_each_reservation_up_to_blocks(allocator):
+    """orca_blocks: the engine's reserving blocks, each reservation in whole blocks (by
+    hand as above, then rounded up to block_size 16); a pool one block short of the
+    five requests' blocks never runs all five at once, where an arena of as many slots
+    does (their slots fit)."""
+    def blocks(r) -> int:
+        reserved = r.total_len if allocator == "orca-oracle" else (
+            len(r.prompt_token_ids) + 2 ** math.ceil(math.log2(r.output_len)))
+        return math.ceil(reserved / 16)
+
+    workload = make_workload("alpaca", 40, seed=6)[:5]
+    pool = 16 * (sum(blocks(r) for r in workload) - 1)
+    on_blocks = simulate(workload, SimConfig(allocator=allocator, num_kv_slots=pool,
+                                             orca_blocks=True))
+    on_slots = simulate(workload, SimConfig(allocator=allocator, num_kv_slots=pool))
+    assert on_blocks.peak_running_seqs == 4
+    assert on_slots.peak_running_seqs >= 5
+    assert output_lengths_match(on_blocks, workload)
+
+
+def test_the_clock_adds_each_steps_cost_of_its_shape():
+    """One request of a 20-token prompt and 5 output tokens: a prefill step of the
+    prompt, then 4 decode steps over 21..24 tokens; the clock is their costs' sum."""
+    config = SimConfig(num_kv_slots=1024)
+    result = simulate([RequestSpec("r", 0.0, tuple(range(20)), 5)], config)
+    buckets = default_buckets("xla", 1, config.max_num_seqs)
+    steps = [StepShape.of([20], [20], buckets, 16)] + [
+        StepShape.of([1], [context], buckets, 16) for context in range(21, 25)]
+    assert result.num_steps == 5
+    assert result.simulated_s == pytest.approx(sum(config.step_cost.seconds(s) for s in steps))
+    assert result.mean_normalized_latency_s == pytest.approx(result.simulated_s / 5)
 
 
 @pytest.mark.parametrize("block_size", [1, 16])

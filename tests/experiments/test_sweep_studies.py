@@ -41,12 +41,15 @@ def test_every_figure_and_table_is_written(quick_sweep):
     assert set(report["figures"]) == {
         "figure2_memory_breakdown.png", "block_size_simulator.png",
         "figure12_latency_vs_rate.png", "figure18_block_size_engine.png",
-        "figure19_preemption_cost.png", "figures14_15_sharing.png"}
+        "figure19_preemption_cost.png", "figures14_15_sharing.png",
+        "accelerators_cpu_check.png", "accelerators_figure12_a100.png",
+        "accelerators_projections.png"}
     for name in report["figures"]:
         assert (out_dir / name).read_bytes()[:8] == PNG_SIGNATURE
     for table in ("block_size", "figure2", "sharing", "window", "kv_dtype", "figure12",
                   "capacity", "validation", "figure18", "figure19_operations", "figure19_runs",
-                  "kv_dtype_engine", "figures14_15"):
+                  "kv_dtype_engine", "figures14_15", "accelerators_calibration",
+                  "accelerators_rates", "accelerators_decode_steps", "accelerators_devices"):
         with (out_dir / f"sweep_{table}.csv").open() as f:
             assert list(csv.DictReader(f)), table
     assert report["versions"]["jax"] and report["args"]["quick"] == "True"
@@ -175,6 +178,40 @@ def test_block_size_and_sharing_studies_are_in_sane_ranges(quick_sweep):
         assert all(0 <= r["common_output_prefix"] <= r["output_len"] for r in requests)
 
 
+def test_accelerators_study_is_in_sane_ranges(quick_sweep):
+    """Fractions of a peak lie in (0, 1]; a step's modelled time grows with its batch; the
+    paper's pool is Figure 1's 30% of 40 GiB over OPT-13B's 2 x 40 layers x 5,120 x 2
+    bytes a token; every policy's search brackets on ascending rates; the engine steps
+    it was fitted to are all the rate study's, each run's log in sweep_steps.json."""
+    out_dir, report = quick_sweep
+    section = report["accelerators"]
+    for phase in ("decode", "prefill"):
+        fitted = section["calibration"]["calibration"][phase]
+        assert 0 < fitted["compute"] <= 1 and 0 < fitted["bandwidth"] <= 1, phase
+        assert fitted["overhead_s"] > 0
+        error = section["calibration"]["held_out_error"][phase]
+        assert error["num_steps"] > 0 and 0 <= error["median_pct"] <= error["p90_pct"], phase
+    scenarios = section["scenarios"]
+    assert scenarios["a100-opt13b-sharegpt"]["pool_tokens"] == int(
+        0.30 * 40 * 2**30 // (2 * 40 * 5120 * 2))
+    for name, result in scenarios.items():
+        steps = list(result["decode_step_ms"].values())
+        assert steps == sorted(steps) and steps[0] > 0, name
+        for policy, points in result["curves"].items():
+            rates = [p["request_rate"] for p in points]
+            assert rates == sorted(rates) and rates[0] > 0, (name, policy)
+            assert all(p["normalized_latency_s_mean"] > 0 for p in points)
+        assert result["capacity_requests_per_s"]["orca-max"] \
+            <= result["capacity_requests_per_s"]["paged"], name
+    assert {d["source"] != "" for d in section["devices"].values()} == {True}
+    assert 0 < report["study_wall_s"]["accelerators"] < report["wall_s"]
+    steps = json.loads((out_dir / "sweep_steps.json").read_text())
+    engine_steps = sum(len(columns["seconds"]) for columns in steps.values())
+    assert section["calibration"]["num_steps"] <= engine_steps
+    assert section["calibration"]["num_runs"] == sum(1 for key in steps if key.startswith(
+        "figure12."))
+
+
 @pytest.mark.parametrize("block_size", [1, 3, 16, 256])
 def test_block_tables_for_lay_out_every_context_on_distinct_blocks(block_size):
     context_lens = np.array([0, 1, 17, 300, 256, 5], np.int32)
@@ -195,6 +232,7 @@ def test_the_results_page_places_the_quick_sweep(quick_sweep, tmp_path):
     reports = results_page.load_reports(data)
     page = results_page.render(reports)
     for title in ("Figure 2 in simulation", "Figure 12 on the engine", "Figure 18 on the engine",
+                  "Figure 12 in simulation: sustained request rates under the rate study's rules",
                   "Figure 19 (a) on the engine", "Figures 14 and 15 on the engine", "Summary"):
         assert f"### {title}" in page
     assert unaccounted_numbers(page, reports) == []
