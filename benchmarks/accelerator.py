@@ -760,9 +760,7 @@ def step_cost_section(plan: Plan) -> Iterator[dict]:
     yield section | {
         "device": dataclasses.asdict(device),
         "held_out_error": error_summary(errors),
-        "calibration": {"decode": dataclasses.asdict(calibration.decode),
-                        "prefill": dataclasses.asdict(calibration.prefill),
-                        "source": calibration.source}}
+        "calibration": calibration.as_dict()}
 
 
 SECTIONS = {"machine": machine_section, "kernels": kernels_section,

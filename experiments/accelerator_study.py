@@ -13,7 +13,9 @@ The sweep's `accelerators` study, after the rate study (whose engine runs it nee
    ShareGPT-like requests, pool and limits under the rate study's rules
    (experiments.rate_study: capacity all at once, the threshold from paged's
    unloaded run, the bracketing search), its Orca policies reserving paged
-   blocks as the engine's do; its rate ratios stand beside the engine's.
+   blocks as the engine's do; its rate ratios stand beside the engine's. The
+   same requests, pool and model (in bfloat16) then run on an A100's clock: the
+   ratios the clock alone changes.
 3. Figure 12 in simulation: OPT-13B on an A100-40GB with the paper's KV pool, on
    ShareGPT-like and Alpaca-like requests at full length, paged against the
    three Orca policies on contiguous slabs (the paper's Orca), beside the
@@ -53,7 +55,6 @@ from experiments.step_cost import (
     OPT_13B,
     Calibration,
     Device,
-    Efficiency,
     ModelShape,
     StepCost,
     StepShape,
@@ -63,7 +64,6 @@ from experiments.step_cost import (
 )
 from experiments.workloads import VOCAB_SIZE
 
-ORCA_POLICIES = rate_study.ORCA_POLICIES
 PAPER_DEVICE = "a100-40gb"
 PROJECTED_DEVICES = ("h200", "tpu-v5e-4")
 # Full-length requests; vLLM's sequence cap, OPT's context, a chunk of a context's size.
@@ -219,16 +219,13 @@ def measure_cpu(repeats: int = 5) -> Device:
                          f"{read_bytes >> 20} MiB ({bandwidth / 1e9:.1f} GB/s) under XLA")
 
 
-def engine_runs(figure12: dict) -> list[tuple[str, dict]]:
-    """(label, steps columns) of every engine run of the rate study, in the order run."""
-    runs = []
-    for dataset, result in figure12.items():
-        for policy, summary in result["all_at_once"].items():
-            runs.append((f"{dataset} {policy} all at once", summary["step_log"]))
-        for policy, points in result.get("curves", {}).items():
-            for p in points:
-                runs.append((f"{dataset} {policy} {p['request_rate']:.3f} req/s", p["step_log"]))
-    return runs
+def engine_step_logs(figure12: dict) -> list[dict]:
+    """The step log of every engine run of the rate study, in the order run."""
+    logs = []
+    for result in figure12.values():
+        logs += [summary["step_log"] for summary in result["all_at_once"].values()]
+        logs += [p["step_log"] for points in result.get("curves", {}).values() for p in points]
+    return logs
 
 
 def usable_steps(columns: dict) -> tuple[list[StepShape], list[float]]:
@@ -241,7 +238,7 @@ def usable_steps(columns: dict) -> tuple[list[StepShape], list[float]]:
 def calibrate(figure12: dict, cost: StepCost) -> tuple[Calibration, dict]:
     """The CPU's calibration fitted to every rate-study run, and its held-out errors:
     runs alternate between two folds, each fold's fit predicts the other's steps."""
-    runs = [(label, *usable_steps(columns)) for label, columns in engine_runs(figure12)]
+    runs = [usable_steps(log) for log in engine_step_logs(figure12)]
     folds = [runs[0::2], runs[1::2]]
     held_out = {"decode": [], "prefill": [], "measured_s": [], "predicted_s": []}
     for train, test in ((folds[0], folds[1]), (folds[1], folds[0])):
@@ -265,9 +262,7 @@ def calibrate(figure12: dict, cost: StepCost) -> tuple[Calibration, dict]:
     return calibration, {
         "device": device_summary(cost.device), "model": cost.model.name,
         "num_runs": len(runs), "num_steps": len(seconds),
-        "calibration": {"decode": dataclasses.asdict(calibration.decode),
-                        "prefill": dataclasses.asdict(calibration.prefill),
-                        "source": calibration.source},
+        "calibration": calibration.as_dict(),
         "held_out_error": errors,
         "held_out_rule": "runs alternate between two folds; each fold's fit predicts the "
                          "other's steps (split by run, not by step)",
@@ -276,10 +271,10 @@ def calibrate(figure12: dict, cost: StepCost) -> tuple[Calibration, dict]:
     }
 
 
-def _pooled(runs: list[tuple[str, list[StepShape], list[float]]]
+def _pooled(runs: list[tuple[list[StepShape], list[float]]]
             ) -> tuple[list[StepShape], list[float]]:
-    shapes = [shape for _, run_shapes, _ in runs for shape in run_shapes]
-    seconds = [s for _, _, run_seconds in runs for s in run_seconds]
+    shapes = [shape for run_shapes, _ in runs for shape in run_shapes]
+    seconds = [s for _, run_seconds in runs for s in run_seconds]
     return shapes, seconds
 
 
@@ -299,10 +294,7 @@ def device_calibrations(path: Path | None) -> dict[str, Calibration]:
     if path is None:
         return {}
     fitted = json.loads(path.read_text())["sections"]["step_cost"]
-    calibration = Calibration(Efficiency(**fitted["calibration"]["decode"]),
-                              Efficiency(**fitted["calibration"]["prefill"]),
-                              fitted["calibration"]["source"])
-    return {fitted["device_key"]: calibration}
+    return {fitted["device_key"]: Calibration.from_dict(fitted["calibration"])}
 
 
 def scenarios(figure12: dict, cpu_cost: StepCost, quick: bool, seed: int,
@@ -312,9 +304,13 @@ def scenarios(figure12: dict, cpu_cost: StepCost, quick: bool, seed: int,
     engine_settings = {k: v for k, v in engine["settings"].items() if k != "length_scale"}
     engine_settings["rate_fractions"] = tuple(engine_settings["rate_fractions"])
     engine_settings["policies"] = tuple(engine_settings["policies"])
-    out = [Scenario("cpu-smollm2-sharegpt", RateSettings(**engine_settings),
-                    engine["pool_tokens"], cpu_cost, orca_blocks=True,
-                    vocab_size=cpu_cost.model.vocab_size)]
+    check = Scenario("cpu-smollm2-sharegpt", RateSettings(**engine_settings),
+                     engine["pool_tokens"], cpu_cost, orca_blocks=True,
+                     vocab_size=cpu_cost.model.vocab_size)
+    # The same requests, pool and model on an A100's clock, where a step hardly grows with
+    # the batch: what the clock alone changes in the ratios.
+    a100 = StepCost(DEVICES[PAPER_DEVICE], dataclasses.replace(cpu_cost.model, dtype_bytes=2))
+    out = [check, dataclasses.replace(check, name="a100-smollm2-sharegpt", cost=a100)]
     paper_pool = paper_pool_tokens()
     for dataset in ("sharegpt", "alpaca"):
         settings = RateSettings(dataset, num_requests=requests[dataset], seed=seed,
@@ -388,6 +384,8 @@ def tables(section: dict) -> dict:
                 "scenario": name, "policy": policy, "pool_tokens": result["pool_tokens"],
                 "capacity_req_s": _f(result["capacity_requests_per_s"][policy]),
                 "sustained_req_s": _f(sustained["rate"]), "bound": sustained["bound"],
+                "capacity_paged_over_policy": _f(result["capacity_ratios"].get(
+                    key.replace("rate_ratio", "capacity_ratio")), 2),
                 "paged_over_policy": _f(ratios.get(key), 2),
                 "engine_paged_over_policy": _f(engine.get(key), 2),
                 "paper": "-" if key not in paper else "{:g}-{:g}".format(*paper[key])})
@@ -425,6 +423,11 @@ def summary_rows(section: dict | None) -> list[dict]:
         if not key.endswith("_bound"):
             rows.append({"measure": f"{key}, simulated on this CPU (engine {engine:.2f})",
                          "value": _f(check["rate_ratios"][key], 2), "paper": "-"})
+    on_a100 = section["scenarios"]["a100-smollm2-sharegpt"]["rate_ratios"]
+    for key in ("rate_ratio_vs_orca_oracle", "rate_ratio_vs_orca_max"):
+        rows.append({"measure": f"{key}, the same requests and pool on an A100's clock "
+                               f"({on_a100[key + '_bound']})",
+                     "value": _f(on_a100[key], 2), "paper": "-"})
     paper = section["scenarios"]["a100-opt13b-sharegpt"]
     for key, (low, high) in paper["paper_rate_ratios"].items():
         ratio_key = "rate_ratio_" + key

@@ -24,6 +24,7 @@ accelerators study, a GPU or TPU in benchmarks.accelerator.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -271,6 +272,15 @@ class Calibration:
     decode: Efficiency
     prefill: Efficiency
     source: str
+
+    def as_dict(self) -> dict:
+        """JSON-ready; `from_dict` reads it back."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, fields: dict) -> Calibration:
+        return cls(Efficiency(**fields["decode"]), Efficiency(**fields["prefill"]),
+                   fields["source"])
 
 
 ASSUMED = Calibration(

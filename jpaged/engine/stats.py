@@ -109,6 +109,8 @@ class EngineStats:
     kv_utilization, num_running and num_waiting aggregate every step; ttft and
     tpot hold the last LATENCY_WINDOW finished requests' values. kv_cache_dtype and
     kv_bytes_per_token describe the pool (KVCacheInfo's dtype and bytes_per_token).
+    step_log: when a list, every step appends its StepRecord (a study's record of the
+    steps' shapes); None, the default, keeps a server's memory constant.
     """
 
     num_steps: int = 0
