@@ -238,7 +238,7 @@ def _curve_panel(ax, result: dict, title: str, engine: dict | None = None) -> No
                label="threshold")
     if engine is not None:
         ax.plot([], [], color="gray", linestyle="--", label="engine")
-    ax.set_xlabel("Request rate (req/s, simulated clock)")
+    ax.set_xlabel("Request rate (req/s)")
     ax.set_ylabel("Normalized latency (s/token)")
     ax.set_yscale("log")
     ax.set_title(title, fontsize=10)
