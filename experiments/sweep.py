@@ -4,7 +4,7 @@
                                            accelerators]
                                 [--quick] [--out-dir results]
 
-Studies (all by default; --quick runs each with small settings in about two
+Studies (all by default; --quick runs each with small settings in a few
 minutes, to check the pipeline rather than the numbers):
 
 - memory: the model-free simulator (below);
@@ -310,7 +310,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--studies", type=lambda s: s.split(","), default=list(STUDIES),
                         help=f"comma-separated, of {','.join(STUDIES)}")
     parser.add_argument("--quick", action="store_true",
-                        help="every study with small settings (about two minutes)")
+                        help="every study with small settings (a few minutes)")
     parser.add_argument(
         "--block-sizes",
         type=lambda s: [int(b) for b in s.split(",")],
