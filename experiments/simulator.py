@@ -317,10 +317,12 @@ def _params(spec: RequestSpec) -> SamplingParams | BeamSearchParams:
 
 class _Simulation:
     def __init__(self, requests: Sequence[RequestSpec], config: SimConfig):
-        if config.allocator != "paged" and any(r.n > 1 for r in requests):
+        if config.allocator != "paged" and not config.orca_blocks and any(
+                r.n > 1 for r in requests):
             raise ValueError(
-                f"allocator {config.allocator!r} serves one sequence per request; "
-                "parallel sampling and beam search need allocator='paged'"
+                f"allocator {config.allocator!r} on contiguous slabs serves one sequence "
+                "per request; parallel sampling and beam search need allocator='paged' "
+                "or orca_blocks=True"
             )
         self.config = config
         self.specs = {r.request_id: r for r in requests}
