@@ -53,6 +53,19 @@ def test_a_request_that_cannot_fit_is_ignored_and_the_rest_finish():
 
 
 @pytest.mark.parametrize("beam_search", [False, True])
+def test_orca_on_blocks_serves_samples_and_beams_privately(beam_search):
+    """Orca reserves a block table for each of a request's sequences and shares none:
+    every sample or beam gets its length, and sharing saves nothing (the blocks held
+    for sequences yet to fork even count against it)."""
+    requests = make_workload("alpaca", 30, n=3, beam_search=beam_search, seed=2)
+    result = simulate(requests, SimConfig(allocator="orca-oracle", num_kv_slots=4096,
+                                          orca_blocks=True))
+    assert result.num_finished == len(requests)
+    assert output_lengths_match(result, requests)
+    assert result.sharing_saved <= 0.0
+
+
+@pytest.mark.parametrize("beam_search", [False, True])
 def test_parallel_samples_and_beams_share_blocks(beam_search):
     requests = make_workload("alpaca", 60, n=4, beam_search=beam_search, seed=2)
     result = simulate(requests, SimConfig(num_kv_slots=4096))
