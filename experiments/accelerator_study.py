@@ -340,9 +340,8 @@ def run(figure12: dict, model: ModelShape, args: argparse.Namespace) -> dict:
     check["sim_minus_engine_rate_ratio"] = {
         key: check["rate_ratios"][key] - engine_ratios[key]
         for key in engine_ratios if not key.endswith("_bound")}
-    for dataset in ("sharegpt",):
-        results[f"a100-opt13b-{dataset}"]["paper_rate_ratios"] = {
-            key: [span.low, span.high] for key, span in FIGURE12_SHAREGPT_RATE_RATIO.items()}
+    results["a100-opt13b-sharegpt"]["paper_rate_ratios"] = {
+        key: [span.low, span.high] for key, span in FIGURE12_SHAREGPT_RATE_RATIO.items()}
     return {"calibration": calibration_report, "devices": {
                 key: device_summary(device) for key, device in DEVICES.items()},
             "paper_pool_rule": f"{FIGURE1_KV_CACHE_SHARE:.0%} of the A100's 40 GB (Figure 1)",
