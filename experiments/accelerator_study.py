@@ -63,6 +63,7 @@ from experiments.step_cost import (
     relative_errors,
 )
 from experiments.workloads import VOCAB_SIZE
+from jpaged.core.step_shapes import default_buckets
 
 PAPER_DEVICE = "a100-40gb"
 PROJECTED_DEVICES = ("h200", "tpu-v5e-4")
@@ -179,8 +180,6 @@ def decode_step_ms(cost: StepCost, batches: Iterable[int] = DECODE_BATCHES,
                    context: int = DECODE_CONTEXT) -> dict[str, float]:
     """The modelled decode step (ms) at each batch, every sequence at `context` tokens:
     how much a step grows with the batch on the device."""
-    from jpaged.core.step_shapes import default_buckets
-
     buckets = default_buckets("xla", 1, max(batches))
     return {str(batch): 1e3 * cost.seconds(StepShape.of([1] * batch, [context] * batch,
                                                          buckets, 16))

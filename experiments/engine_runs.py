@@ -128,9 +128,6 @@ def step_log_columns(shapes: list[StepShape], seconds: list[float], compiled: li
     return {"block_size": shapes[0].block_size if shapes else 0,
             "query_lens": [list(s.query_lens) for s in shapes],
             "context_lens": [list(s.context_lens) for s in shapes],
-            "num_tokens": [sum(s.query_lens) for s in shapes],
-            "num_seqs": [len(s.query_lens) for s in shapes],
-            "context_tokens": [sum(s.context_lens) for s in shapes],
             "padded_tokens": [s.padded_tokens for s in shapes],
             "logit_rows": [s.logit_rows for s in shapes],
             "seconds": seconds, "compiled": compiled}

@@ -25,8 +25,6 @@ def test_each_step_is_recorded_with_its_shape(loaded):
     # decode steps of two rows; logits of the two sequences every step.
     assert steps["query_lens"] == [[5, 9], [1, 1], [1, 1]]
     assert steps["context_lens"] == [[5, 9], [6, 10], [7, 11]]
-    assert steps["num_tokens"] == [14, 2, 2] and steps["num_seqs"] == [2, 2, 2]
-    assert steps["context_tokens"] == [14, 16, 18]
     assert steps["padded_tokens"] == [16, 2, 2] and steps["logit_rows"] == [2, 2, 2]
     # A step that compiled counts its time less the compiling, which may leave nothing.
     assert len(steps["seconds"]) == len(steps["compiled"]) == 3
