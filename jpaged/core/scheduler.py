@@ -84,11 +84,19 @@ class Scheduler:
 
     def add_request(self, group: SequenceGroup) -> None:
         """Queue a new request: one WAITING sequence holding the prompt, which gets its
-        seq_id here. Raises ValueError, changing nothing, for a request that can never
-        run: a prompt of no tokens or over max_model_len, a beam search with no room
-        for output, or one the KV pool can never hold."""
+        seq_id here. Raises ValueError, changing nothing, for a request already queued
+        or one that can never run (`check_request`)."""
         if group.request_id in self._unfinished:
             raise ValueError(f"request id {group.request_id!r} is already in the scheduler")
+        self.check_request(group)
+        group.seqs[0].seq_id = self._new_seq_id()
+        self.waiting.append(group)
+        self._unfinished[group.request_id] = group
+
+    def check_request(self, group: SequenceGroup) -> None:
+        """ValueError for a request that can never run: a prompt of no tokens or over
+        max_model_len, a beam search with no room for output, or one the KV pool can
+        never hold."""
         if len(group.seqs) != 1 or group.seqs[0].status is not _WAITING:
             raise ValueError(
                 f"a new request must hold exactly one WAITING sequence, got "
@@ -96,9 +104,6 @@ class Scheduler:
             )
         self._check_prompt(group)
         self.block_manager.check_fits(group)
-        group.seqs[0].seq_id = self._new_seq_id()
-        self.waiting.append(group)
-        self._unfinished[group.request_id] = group
 
     def _check_prompt(self, group: SequenceGroup) -> None:
         num_prompt, limit = group.seqs[0].num_prompt_tokens, self.config.max_model_len

@@ -5,18 +5,29 @@ compiled steps) on its own mesh of tensor_parallel_size devices; a new request
 goes to the replica with the fewest unfinished requests. A step steps every busy
 replica, each in a thread of its own: the host work of one replica (scheduling,
 batch building, detokenizing) runs while the devices of the others compute.
+
+In a job of several processes (jpaged.launch, several hosts) every process
+gets the same requests and routes them alike, but builds and steps only the
+replicas on its own devices; after each step the processes exchange their
+replicas' outputs, so that each returns every replica's (and agrees on which
+requests remain).
 """
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
+import pickle
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+
+import jax
 
 from jpaged.engine.config import EngineConfig
 from jpaged.engine.input_processor import EngineRequest
 from jpaged.engine.llm_engine import LLMEngine
+from jpaged.engine.lockstep import ProcessGroup, check_process_layout, local_devices, mesh_processes
 from jpaged.engine.protocol import EngineState
 from jpaged.engine.stats import CombinedStats
 from jpaged.inputs import PromptType
@@ -29,7 +40,8 @@ from jpaged.sampling_params import BeamSearchParams, SamplingParams
 class DataParallelEngine:
     """The engine protocol (jpaged.engine.protocol.Engine) over config.data_parallel_size
     LLMEngine replicas (see EngineConfig for the meshes they run on): requests go to
-    replicas, stats and state() are all replicas' together."""
+    replicas, stats and state() are all `replicas`' together: every replica's in one
+    process, the replicas on this process's devices in a job of several."""
 
     def __init__(
         self, config: EngineConfig, *, loaded: tuple[Any, LlamaConfig, Any] | None = None
@@ -38,19 +50,28 @@ class DataParallelEngine:
         (once: each replica lays out its own copy of the parameters on its devices)."""
         self.config = config
         meshes = config.replica_meshes()
+        check_process_layout(meshes)
         model, model_config, tokenizer = loaded or load_model(config.model, config.dtype)
         # A tokenizer is not thread-safe: each replica detokenizes with its own.
-        self.replicas = [
-            LLMEngine(
+        self._local = {
+            index: LLMEngine(
                 dataclasses.replace(config, mesh=mesh, data_parallel_size=1,
                                     tensor_parallel_size=mesh.size),
                 loaded=(model, model_config, copy.deepcopy(tokenizer)),
             )
-            for mesh in meshes
-        ]
+            for index, mesh in enumerate(meshes) if local_devices(mesh)
+        }
+        self.replicas = list(self._local.values())
+        self.num_replicas = len(meshes)
+        # Outputs a process passes on: those of the replicas whose first process it is.
+        self._leads = [index for index in self._local
+                       if mesh_processes(meshes[index])[0] == jax.process_index()]
+        self._processes = None
+        if len(self._local) < len(meshes):
+            self._processes = ProcessGroup(jax.devices())
         self.tokenizer = tokenizer
         self.max_model_len = self.replicas[0].max_model_len
-        self._replica_of: dict[str, LLMEngine] = {}
+        self._replica_of: dict[str, int] = {}
         self._threads = ThreadPoolExecutor(len(self.replicas), thread_name_prefix="jpaged-dp")
 
     @property
@@ -84,34 +105,53 @@ class DataParallelEngine:
         *,
         cache_salt: str | None = None,
     ) -> None:
-        """Queue a request on the least-loaded replica (see `LLMEngine.add_request`)."""
+        """Queue a request on the least-loaded replica (see `LLMEngine.add_request`); one
+        on another process's replica is only checked here."""
         if request_id in self._replica_of:
             raise ValueError(f"request id {request_id!r} is already in use")
-        replica = min(self.replicas, key=LLMEngine.num_unfinished_requests)
-        replica.add_request(request_id, prompt, params, cache_salt=cache_salt)
-        self._replica_of[request_id] = replica
+        load = collections.Counter(self._replica_of.values())
+        index = min(range(self.num_replicas), key=load.__getitem__)
+        if index in self._local:
+            self._local[index].add_request(request_id, prompt, params, cache_salt=cache_salt)
+        else:
+            request = prompt if isinstance(prompt, EngineRequest) else self.process_request(
+                request_id, prompt, params, cache_salt=cache_salt)
+            self.replicas[0].check_request(request)
+        self._replica_of[request_id] = index
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks now; unknown ids are ignored."""
-        replica = self._replica_of.pop(request_id, None)
-        if replica is not None:
-            replica.abort(request_id)
+        index = self._replica_of.pop(request_id, None)
+        if index in self._local:
+            self._local[index].abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return any(replica.has_unfinished_requests() for replica in self.replicas)
+        return bool(self._replica_of)
 
     def num_unfinished_requests(self) -> int:
-        return sum(replica.num_unfinished_requests() for replica in self.replicas)
+        return len(self._replica_of)
 
     def step(self) -> list[RequestOutput]:
-        """One step of every replica with work, concurrently; their outputs together."""
-        busy = [replica for replica in self.replicas if replica.has_unfinished_requests()]
-        outputs = [output for replica_outputs in self._threads.map(LLMEngine.step, busy)
-                   for output in replica_outputs]
+        """One step of every replica with work, concurrently; their outputs together (in
+        a job of several processes, every process's replicas' outputs)."""
+        busy = [index for index, replica in self._local.items()
+                if replica.has_unfinished_requests()]
+        stepped = dict(zip(busy, self._threads.map(lambda i: self._local[i].step(), busy),
+                           strict=True))
+        if self._processes is None:
+            outputs = [output for replica_outputs in stepped.values() for output in replica_outputs]
+        else:
+            outputs = self._exchange([stepped.get(index, []) for index in self._leads])
         for output in outputs:
             if output.finished:
                 self._replica_of.pop(output.request_id, None)
         return outputs
+
+    def _exchange(self, outputs: list[list[RequestOutput]]) -> list[RequestOutput]:
+        """Every process's replicas' outputs, in replica order, from this process's."""
+        payloads = self._processes.allgather_bytes(pickle.dumps(outputs))
+        return [output for payload in payloads for replica_outputs in pickle.loads(payload)
+                for output in replica_outputs]
 
     def warmup(self) -> int:
         """`LLMEngine.warmup` of every replica, concurrently (each compiles for its own

@@ -43,6 +43,7 @@ from jpaged.core.step_shapes import StepShapes, bucket, padded_sizes
 from jpaged.engine.beam_search import BeamSearch, Hypothesis
 from jpaged.engine.config import EngineConfig
 from jpaged.engine.decode_loop import LoopInput
+from jpaged.engine.lockstep import Lockstep
 from jpaged.engine.runner import ModelRunner
 from jpaged.engine.stats import KVBlockCounts
 from jpaged.memory.block_manager import BlockManager
@@ -176,14 +177,17 @@ class EngineCore:
     tokens per sequence and step (None: no speculative decoding).
     draft_runner: a draft model's runner (its proposer's): it runs every step's input
     after the target, so its cache holds what the target's does under the same blocks.
+    lockstep: where the runner's mesh spans processes, the check that all of them
+    planned the same step, made before it is dispatched (jpaged.engine.lockstep).
     """
 
     def __init__(self, scheduler: Scheduler, kv_manager: KVManager, runner: ModelRunner,
                  shapes: StepShapes, *, vocab_size: int, max_logprobs: int,
                  proposer: Proposer | DraftModelProposer | None = None,
                  draft_runner: ModelRunner | None = None, num_decode_steps: int = 1,
-                 async_scheduling: bool = False):
+                 async_scheduling: bool = False, lockstep: Lockstep | None = None):
         self.scheduler = scheduler
+        self.lockstep = lockstep
         self.num_decode_steps = num_decode_steps
         self.async_scheduling = async_scheduling
         self._in_flight: InFlight | None = None
@@ -216,7 +220,7 @@ class EngineCore:
             return self._step_async()
         if self.proposer is not None:
             self._propose()
-        plan = self.scheduler.schedule()
+        plan = self._schedule()
         output = CoreOutput(plan, plan.stats, self._kv_blocks())
         if plan.is_empty:
             return [output]
@@ -249,7 +253,7 @@ class EngineCore:
             self.scheduler.predict(previous.plan)
         elif self.proposer is not None:
             self._propose()
-        plan = self.scheduler.schedule()
+        plan = self._schedule()
         output = CoreOutput(plan, plan.stats, self._kv_blocks())
         outputs = []
         if not plan.is_empty:
@@ -264,6 +268,12 @@ class EngineCore:
         if plan.is_empty and (previous is None or plan.ignored):
             outputs.append(output)
         return outputs
+
+    def _schedule(self) -> SchedulerOutput:
+        plan = self.scheduler.schedule()
+        if self.lockstep is not None:
+            self.lockstep.check(plan, self.kv_manager.block_tables)
+        return plan
 
     def _predictable(self, plan: SchedulerOutput) -> bool:
         """Whether the next schedule may take `plan`'s tokens as drawn before they are

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jpaged.engine import machine
+from jpaged.engine import lockstep, machine
 from jpaged.engine.config import EngineConfig
 from jpaged.engine.machine import ACCELERATOR_DEFAULTS, CPU_DEFAULTS
 from jpaged.memory.kv_cache_groups import KVCacheGroups
@@ -136,7 +136,8 @@ def size_kv_cache(config: EngineConfig, model_config, model, max_model_len: int,
                   draft: tuple | None = None) -> KVCacheInfo:
     """The pool of an engine whose model is loaded (on `device`, by default the default
     device), laid out for `groups`: `kv_cache_num_blocks` on the memory the machine
-    reports. draft: (model, config) of a draft model, whose cache has a block for each
+    reports (the smallest of any process of a multi-process job). draft: (model, config)
+    of a draft model, whose cache has a block for each
     of the target's: its bytes count in every token's and its weights in the memory."""
     token_bytes = bytes_per_token(model_config, config.kv_dtype)
     if draft is not None:
@@ -147,5 +148,7 @@ def size_kv_cache(config: EngineConfig, model_config, model, max_model_len: int,
         weight_bytes(model) + (0 if draft is None else weight_bytes(draft[0])),
         machine.on_accelerator())
     num_blocks = kv_cache_num_blocks(config, max_model_len, info.block_bytes, memory, groups)
+    # Processes of one job measure their own memory; their pools must be the same.
+    num_blocks = lockstep.smallest_over_processes(num_blocks)
     return dataclasses.replace(info, num_blocks=num_blocks)
 

@@ -20,12 +20,13 @@ import time
 import warnings
 from typing import Any
 
+import jax
 import numpy as np
 
 from jpaged._deprecation import moved_names
 from jpaged.config import SchedulerConfig
 from jpaged.core.scheduler import Scheduler
-from jpaged.engine import compilation, machine
+from jpaged.engine import compilation, lockstep, machine
 from jpaged.engine.beam_search import BeamSearch
 from jpaged.engine.config import EngineConfig
 from jpaged.engine.engine_core import (
@@ -77,6 +78,9 @@ class LLMEngine:
             raise ValueError(f"an LLMEngine is one replica, got {len(meshes)} data-parallel "
                              "replicas; run them with LLM or DataParallelEngine")
         mesh = meshes[0]
+        if mesh is not None and not lockstep.local_devices(mesh):
+            raise ValueError(f"process {jax.process_index()} drives none of the mesh's "
+                             f"devices {mesh.devices.flatten().tolist()}")
         spec = config.speculative_config
         if spec is not None and spec.method == "draft_model":
             check_draft_model(spec, loaded[1] if loaded else read_model_config(config.model))
@@ -93,7 +97,8 @@ class LLMEngine:
         if spec is not None and spec.method == "draft_model":
             draft = load_model(spec.model, config.dtype)[:2]
         self.kv_cache_info = size_kv_cache(config, self.model_config, model, self.max_model_len,
-                                           None if mesh is None else mesh.devices.flat[0], groups,
+                                           None if mesh is None else lockstep.local_devices(mesh)[0],
+                                           groups,
                                            draft)
         logger.info("%s", self.kv_cache_info)
         num_blocks = self.kv_cache_info.num_blocks
@@ -123,7 +128,9 @@ class LLMEngine:
                                max_logprobs=config.max_logprobs, proposer=proposer,
                                draft_runner=draft_runner,
                                num_decode_steps=config.num_decode_steps,
-                               async_scheduling=config.async_scheduling)
+                               async_scheduling=config.async_scheduling,
+                               lockstep=lockstep.Lockstep(mesh) if lockstep.spans_processes(mesh)
+                               else None)
         eos, tokenizer_eos = self.model_config.eos_token_ids, self.tokenizer.eos_token_id
         self.eos_token_ids = eos if tokenizer_eos in (None, *eos) else (*eos, tokenizer_eos)
         limits = RequestLimits(vocab_size, min(config.max_num_seqs, config.max_num_batched_tokens),
@@ -189,20 +196,31 @@ class LLMEngine:
                              f"{request.request_id!r}")
         if request_id in self.output_processor:
             raise ValueError(f"request id {request_id!r} is already in use")
+        group, search = self._new_group(request)
+        self.core.add_request(group, search)
+        # An unseeded request draws its seed once accepted: rejected requests do not shift
+        # the seeds of the ones after them.
+        params = request.params
+        seeded = isinstance(params, SamplingParams) and params.seed is not None
+        group.seed = params.seed if seeded else int(self._seeds.integers(2**32))
+        self.output_processor.add_request(request, group)
+
+    def check_request(self, request: EngineRequest) -> None:
+        """ValueError, changing nothing, unless `request` (from `process_request`) could be
+        added: it can run in this engine's limits and pool."""
+        self.core.scheduler.check_request(self._new_group(request)[0])
+
+    def _new_group(self, request: EngineRequest) -> tuple[SequenceGroup, BeamSearch | None]:
+        """The request's sequence group, and its beam search if it is one."""
         params, prompt_len = request.params, len(request.prompt_token_ids)
-        group = SequenceGroup(request_id, [Sequence(0, list(request.prompt_token_ids))], params,
-                              arrival_time=request.arrival_time, cache_salt=request.cache_salt,
-                              eos_token_ids=self.eos_token_ids)
+        group = SequenceGroup(request.request_id, [Sequence(0, list(request.prompt_token_ids))],
+                              params, arrival_time=request.arrival_time,
+                              cache_salt=request.cache_salt, eos_token_ids=self.eos_token_ids)
         search = None
         if isinstance(params, BeamSearchParams):
             max_tokens = min(params.max_tokens, self.max_model_len - prompt_len)
             search = BeamSearch(params, prompt_len, self.eos_token_ids, max_tokens)
-        self.core.add_request(group, search)
-        # An unseeded request draws its seed once accepted: rejected requests do not shift
-        # the seeds of the ones after them.
-        seeded = isinstance(params, SamplingParams) and params.seed is not None
-        group.seed = params.seed if seeded else int(self._seeds.integers(2**32))
-        self.output_processor.add_request(request, group)
+        return group, search
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks now; unknown ids are ignored."""

@@ -29,8 +29,10 @@ ACCELERATOR_DEFAULTS = MachineDefaults(max_num_seqs=256, max_num_batched_tokens=
 
 
 def on_accelerator() -> bool:
-    """Whether the default device reports its own memory (a GPU or TPU, not the host)."""
-    stats = jax.devices()[0].memory_stats()
+    """Whether this process's first device reports its own memory (a GPU or TPU, not the
+    host). Only a process's own devices report memory: on several hosts
+    `jax.devices()[0]` belongs to process 0."""
+    stats = jax.local_devices()[0].memory_stats()
     return bool(stats) and "bytes_limit" in stats
 
 
@@ -39,9 +41,9 @@ def machine_defaults() -> MachineDefaults:
 
 
 def free_device_memory(device: jax.Device | None = None) -> int:
-    """Bytes free on `device`, by default the default device (free host RAM when the
-    device is a CPU)."""
-    stats = (device or jax.devices()[0]).memory_stats()
+    """Bytes free on `device`, by default this process's first device (free host RAM when
+    the device is a CPU)."""
+    stats = (device or jax.local_devices()[0]).memory_stats()
     if stats and "bytes_limit" in stats:
         return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
     return available_host_memory()

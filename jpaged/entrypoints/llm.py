@@ -17,6 +17,7 @@ from tqdm import tqdm
 from jpaged.engine.config import EngineConfig
 from jpaged.engine.data_parallel import DataParallelEngine
 from jpaged.engine.llm_engine import LLMEngine
+from jpaged.engine.lockstep import check_process_layout
 from jpaged.inputs import PromptType, as_prompt_list
 from jpaged.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from jpaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
@@ -35,8 +36,9 @@ class LLM:
 
     def __init__(self, model: str = "smollm2", *, loaded: tuple | None = None, **kwargs: Any):
         config = EngineConfig(model=model, **kwargs)
-        parallel = len(config.replica_meshes()) > 1
-        engine_type = DataParallelEngine if parallel else LLMEngine
+        meshes = config.replica_meshes()
+        check_process_layout(meshes)
+        engine_type = DataParallelEngine if len(meshes) > 1 else LLMEngine
         self.engine = engine_type(config, loaded=loaded)
         self._request_ids = itertools.count()
 

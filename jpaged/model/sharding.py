@@ -127,6 +127,15 @@ def kv_cache_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, KV_CACHE_SPEC)
 
 
+def place_array(value: jax.Array, sharding: NamedSharding) -> jax.Array:
+    """`value`, which every process holds whole, laid out with `sharding`. Where the
+    sharding spans processes each takes only its own devices' slices of its copy
+    (`jax.device_put` would first compare the copies, gathering each whole)."""
+    if sharding.is_fully_addressable:
+        return jax.device_put(value, sharding)
+    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+
 def shard_model(
     model: LlamaForCausalLM, config: LlamaConfig, mesh: Mesh
 ) -> tuple[LlamaForCausalLM, LlamaConfig]:
@@ -144,7 +153,7 @@ def shard_model(
 
     def place(path: tuple, variable: nnx.Variable) -> nnx.Variable:
         value = _regrouped(path, values[path].get_value(), config, size)
-        return variable.replace(jax.device_put(value, param_sharding(path, mesh)))
+        return variable.replace(place_array(value, param_sharding(path, mesh)))
 
     return nnx.merge(graphdef, nnx.map_state(place, abstract_state)), sharded_config
 
