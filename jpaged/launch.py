@@ -12,10 +12,10 @@ every process's devices and a mesh over them spans the processes: the path a
 TPU pod slice or several GPU hosts take, short of the interconnect
 (docs/multihost.md).
 
-The launcher waits for every process. When one fails, the others get the
-heartbeat timeout and a margin to stop on their own (JAX's coordination
-service notices a dead peer and stops them), then are killed; `--timeout`
-kills them all. It exits with the first failure's status (128 + N for signal
+The launcher waits for every process. When one fails, the others get
+`--stop-timeout` seconds (by default the heartbeat timeout and a margin) to stop
+on their own (JAX's coordination service notices a dead peer and stops them),
+then are killed; `--timeout` kills them all. It exits with the first failure's status (128 + N for signal
 N), 124 on a timeout, 0 when every process ended well.
 """
 
@@ -73,6 +73,8 @@ class LaunchConfig:
     log_dir: write process i's output to log_dir/process_i.log (else every process
     writes to this terminal). timeout_s: kill every process after this many
     seconds (None: no limit). heartbeat_timeout_s: JPAGED_HEARTBEAT_TIMEOUT.
+    stop_timeout_s: once a process failed, seconds the others get to stop on their
+    own before they are killed (None: heartbeat_timeout_s + STOP_MARGIN_S).
     """
 
     command: tuple[str, ...]
@@ -82,6 +84,7 @@ class LaunchConfig:
     log_dir: Path | None = None
     timeout_s: float | None = None
     heartbeat_timeout_s: int = DEFAULT_HEARTBEAT_TIMEOUT_S
+    stop_timeout_s: float | None = None
 
     def __post_init__(self):
         if not self.command:
@@ -90,8 +93,15 @@ class LaunchConfig:
         for name in ("num_processes", "devices_per_process", "heartbeat_timeout_s"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.timeout_s is not None and self.timeout_s <= 0:
-            raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
+        for name in ("timeout_s", "stop_timeout_s"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+    @property
+    def stop_after_failure_s(self) -> float:
+        if self.stop_timeout_s is not None:
+            return self.stop_timeout_s
+        return self.heartbeat_timeout_s + STOP_MARGIN_S
 
 
 def free_port() -> int:
@@ -150,7 +160,7 @@ def launch(config: LaunchConfig) -> int:
 
 def _wait(processes: list[subprocess.Popen], config: LaunchConfig, started: float) -> int:
     """Poll until every process ended, reporting each exit; after a failure the others get
-    heartbeat + STOP_MARGIN_S, then are killed, as all are on the timeout. A SIGINT or
+    `stop_after_failure_s`, then are killed, as all are on the timeout. A SIGINT or
     SIGTERM is passed on to every process; a second one kills them."""
     received = []
 
@@ -176,7 +186,7 @@ def _wait(processes: list[subprocess.Popen], config: LaunchConfig, started: floa
                         f"{time.monotonic() - started:.1f} s")
                 if process.returncode and first_failure is None:
                     first_failure = process.returncode
-                    stop_by = time.monotonic() + config.heartbeat_timeout_s + STOP_MARGIN_S
+                    stop_by = time.monotonic() + config.stop_after_failure_s
                     deadline = stop_by if deadline is None else min(deadline, stop_by)
             if deadline is not None and time.monotonic() > deadline and len(ended) < len(processes):
                 timed_out = first_failure is None
@@ -212,6 +222,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="kill every process after S seconds (exit status 124)")
     parser.add_argument("--heartbeat-timeout", type=int, default=DEFAULT_HEARTBEAT_TIMEOUT_S,
                         metavar="S", help="seconds before a silent process counts as dead")
+    parser.add_argument("--stop-timeout", type=float, default=None, metavar="S",
+                        help="once a process failed, kill the others after S seconds "
+                        f"(default: the heartbeat timeout + {STOP_MARGIN_S})")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     return parser
 
@@ -221,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     try:
         config = LaunchConfig(tuple(command), args.num_processes, args.devices_per_process,
-                              args.port, args.log_dir, args.timeout, args.heartbeat_timeout)
+                              args.port, args.log_dir, args.timeout, args.heartbeat_timeout,
+                              args.stop_timeout)
     except ValueError as error:
         _parser().error(str(error))
     return launch(config)

@@ -1,0 +1,150 @@
+"""Jobs of two processes on loopback (python -m jpaged.launch), four CPU devices each:
+the multi-controller path of several hosts, short of the interconnect.
+
+Each job runs tests/multidevice/multihost_worker.py in both processes. The oracle
+of the tokens is the same engine on this process's one device; of the lockstep,
+the two processes' records of every step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jpaged.entrypoints.llm import LLM
+from tests.multidevice import multihost_worker as worker
+from tests.plugins.hf_models import _save, oracle_transformers, randomize, tiny_tokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+HEARTBEAT_TIMEOUT_S = 10
+# A job that has not ended by then hangs: the launcher kills it and the test fails.
+JOB_TIMEOUT_S = 240
+# Where the one-device and the sharded sums, added in another order, may pick another token.
+NEAR_TIE = 1e-4
+# Eight query heads (two KV heads, each replicated over four devices): tensor parallel 8.
+WIDE_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256)
+
+
+@pytest.fixture(scope="module")
+def wide_model_dirs(tmp_path_factory) -> list[Path]:
+    """A random Llama (untied) and Qwen2 (q/k/v biases, tied embeddings) of eight heads."""
+    transformers = oracle_transformers()
+    tokenizer = tiny_tokenizer()
+    dirs = []
+    for name, config_type, model_type, seed in (
+            ("wide_llama", transformers.LlamaConfig, transformers.LlamaForCausalLM, 0),
+            ("wide_qwen2", transformers.Qwen2Config, transformers.Qwen2ForCausalLM, 1)):
+        config = config_type(vocab_size=len(tokenizer), **WIDE_SHAPE,
+                             tie_word_embeddings=name == "wide_qwen2",
+                             bos_token_id=tokenizer.bos_token_id,
+                             eos_token_id=tokenizer.eos_token_id)
+        model = randomize(model_type(config), seed)
+        dirs.append(_save(model, tokenizer, tmp_path_factory.mktemp(name)))
+    return dirs
+
+
+def launch(mode: str, tmp_path: Path, model_dirs: list[Path]) -> tuple[int, str, list]:
+    """Run the worker's job; (the launcher's status, its report, each process's record
+    (None where the process wrote none))."""
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    command = [sys.executable, "-m", "jpaged.launch", "--num-processes", "2",
+               "--devices-per-process", "4", "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S),
+               "--timeout", str(JOB_TIMEOUT_S), "--log-dir", str(tmp_path / "logs"), "--",
+               worker.__file__, mode, str(out_dir), *map(str, model_dirs)]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
+                            timeout=JOB_TIMEOUT_S + 60)
+    logs = "".join(f"\n--- process {i}:\n" + log(tmp_path, i)[-6000:] for i in (0, 1))
+    records = [json.loads(path.read_text()) if path.exists() else None
+               for path in (out_dir / f"process_{i}.json" for i in (0, 1))]
+    return result.returncode, result.stderr + logs, records
+
+
+def log(tmp_path: Path, process: int) -> str:
+    path = tmp_path / "logs" / f"process_{process}.log"
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def one_device_outputs(model_dir: Path):
+    """The worker's prompts on this process's first device, with the top-2 log-probabilities."""
+    llm = LLM(str(model_dir), **worker.ENGINE)
+    params = dataclasses.replace(worker.GREEDY, logprobs=2)
+    prompts = [{"prompt_token_ids": prompt} for prompt in worker.PROMPTS]
+    return llm.generate(prompts, params)
+
+
+def assert_greedy_tokens_equal(reference, tokens: dict[str, list[int]]) -> None:
+    """Tokens equal the one-device ones up to the first near tie of a sequence (after
+    which its contexts differ)."""
+    assert sorted(tokens) == [str(i) for i in range(len(reference))]
+    for index, expected in enumerate(reference):
+        expected, got = expected.outputs[0], tokens[str(index)]
+        assert len(got) == len(expected.token_ids)
+        for step, (want, have) in enumerate(zip(expected.token_ids, got, strict=True)):
+            if want != have:
+                top = sorted((lp.logprob for lp in expected.logprobs[step].values()),
+                             reverse=True)
+                assert top[0] - top[1] < NEAR_TIE, (
+                    f"request {index} step {step}: token {have} instead of {want}")
+                break
+
+
+@pytest.mark.parametrize("mode", ["tp8", "tp4dp2"])
+def test_two_processes_give_one_devices_tokens_in_lockstep(mode, wide_model_dirs, tmp_path):
+    """Tensor parallel 8 over both processes, or 4 within each with a data-parallel
+    replica per process: greedy tokens as on one device; both processes return the
+    same outputs after every step and, for a replica spanning both, hold the same
+    queues and block tables."""
+    status, report, records = launch(mode, tmp_path, wide_model_dirs)
+    assert status == 0, report
+    first, second = records
+    for model_dir in wide_model_dirs:
+        name = model_dir.name
+        assert first[name]["steps"] == second[name]["steps"]
+        assert len(first[name]["steps"]) > 1
+        assert_greedy_tokens_equal(one_device_outputs(model_dir), first[name]["tokens"])
+        if mode == "tp4dp2":
+            # Each process's replica took half the requests.
+            assert first[name]["local_requests"] == second[name]["local_requests"] == [2]
+        else:
+            assert all(step["state"][0] for step in first[name]["steps"][:-1])
+
+
+def process_exits(report: str) -> dict[int, tuple[int, float]]:
+    """{process: (exit status, seconds after the start)} from the launcher's report."""
+    return {int(process): (int(status), float(seconds)) for process, status, seconds in
+            re.findall(r"process (\d) exited with status (\d+) after ([\d.]+) s", report)}
+
+
+@pytest.mark.parametrize("exiting", [0, 1])
+def test_a_process_that_exits_stops_the_other(exiting, wide_model_dirs, tmp_path):
+    """One process exits mid-run (process 0 also hosts the coordinator): the other stops
+    itself (the launcher kills no one) with JAX's error naming a dead task, within the
+    heartbeat timeout and a margin."""
+    status, report, _ = launch(f"exit:{exiting}", tmp_path, wide_model_dirs[:1])
+    assert status == worker.EXIT_STATUS, report
+    exits = process_exits(report)
+    other = 1 - exiting
+    assert exits[exiting][0] == worker.EXIT_STATUS, report
+    assert exits[other][0] not in (0, 128 + 9), report  # failed, not killed (SIGKILL)
+    assert exits[other][1] - exits[exiting][1] < HEARTBEAT_TIMEOUT_S + 15, report
+    assert not re.search(r"jpaged.launch: .*killing", report)
+    assert "another task died" in log(tmp_path, other), report
+
+
+def test_processes_given_different_requests_stop_at_once(wide_model_dirs, tmp_path):
+    """Process 1 gets another last prompt: both processes raise LockstepError before the
+    first step runs, rather than wait in collectives that never meet."""
+    status, report, records = launch("diverge", tmp_path, wide_model_dirs[:1])
+    assert status == 1, report
+    assert records == [None, None]
+    for process in (0, 1):
+        assert re.search(r"LockstepError: step 1: processes \[1\] planned another step",
+                         log(tmp_path, process)), report
