@@ -15,8 +15,8 @@ TPU pod slice or several GPU hosts take, short of the interconnect
 The launcher waits for every process. When one fails, the others get
 `--stop-timeout` seconds (by default the heartbeat timeout and a margin) to stop
 on their own (JAX's coordination service notices a dead peer and stops them),
-then are killed; `--timeout` kills them all. It exits with the first failure's status (128 + N for signal
-N), 124 on a timeout, 0 when every process ended well.
+then are killed; `--timeout` kills them all. It exits with the first failure's
+status (128 + N for signal N), 124 on a timeout, 0 when every process ended well.
 """
 
 from __future__ import annotations

@@ -96,10 +96,9 @@ class LLMEngine:
         draft = None
         if spec is not None and spec.method == "draft_model":
             draft = load_model(spec.model, config.dtype)[:2]
+        device = None if mesh is None else lockstep.local_devices(mesh)[0]
         self.kv_cache_info = size_kv_cache(config, self.model_config, model, self.max_model_len,
-                                           None if mesh is None else lockstep.local_devices(mesh)[0],
-                                           groups,
-                                           draft)
+                                           device, groups, draft)
         logger.info("%s", self.kv_cache_info)
         num_blocks = self.kv_cache_info.num_blocks
         kv_manager = make_kv_manager(config, num_blocks, self.max_model_len, groups)
