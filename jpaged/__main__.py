@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
 from typing import TYPE_CHECKING
 
@@ -56,6 +57,12 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("--seed", type=int, default=None)
         sub.add_argument("--ignore-eos", action="store_true",
                          help="generate max-tokens tokens whatever the model says")
+    for sub in (generate, serve):
+        sub.add_argument("--distributed", action="store_true",
+                         help="join a job of several processes (python -m jpaged.launch, "
+                         "or one process per host; see docs/multihost.md): every process "
+                         "runs the command, process 0 prints or serves")
+    chat.set_defaults(distributed=False)  # it reads this terminal: one process
     for sub in (generate, chat, serve):
         sub.add_argument("--model", default="smollm2",
                          help="'smollm2' (the default), 'gemma3', a Hugging Face model "
@@ -166,12 +173,22 @@ def _generate(llm: LLM, args: argparse.Namespace) -> None:
     else:
         conversations = [[{"role": "user", "content": p}] for p in args.prompts]
         outputs = llm.chat(conversations, _sampling_params(args))
+    if not _is_first_process(args):
+        return
     for prompt, output in zip(args.prompts, outputs, strict=True):
         if len(outputs) > 1:
             print(f"### {prompt}")
         print(output.outputs[0].text.strip())
     if args.stats:
         print(json.dumps(llm.engine.stats.summary(), indent=2))
+
+
+def _is_first_process(args: argparse.Namespace) -> bool:
+    if not args.distributed:
+        return True
+    import jax
+
+    return jax.process_index() == 0
 
 
 def _chat(llm: LLM, args: argparse.Namespace) -> None:
@@ -191,9 +208,21 @@ def _chat(llm: LLM, args: argparse.Namespace) -> None:
 
 
 def _serve(llm: LLM, args: argparse.Namespace) -> None:
+    from jpaged.engine.mirror import RequestMirror, follow
     from jpaged.entrypoints.server import serve  # the HTTP stack loads only for this command
 
-    serve(llm.engine, served_model_name=args.served_model_name or args.model, host=args.host,
+    engine = llm.engine
+    if not _is_first_process(args):
+        if args.warmup:
+            engine.warmup()
+        follow(engine)
+        return
+    if args.distributed:
+        engine = RequestMirror(engine)
+        # The server ends by raising the signal that stopped it again; as an exception it
+        # lets serve() stop the other processes before this one exits.
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    serve(engine, served_model_name=args.served_model_name or args.model, host=args.host,
           port=args.port, api_key=args.api_key, max_waiting=args.max_waiting,
           warmup=args.warmup, shutdown_timeout=args.shutdown_timeout)
 
@@ -210,6 +239,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("jpaged").addHandler(handler)
     logging.getLogger("jpaged").setLevel(logging.INFO)
     try:
+        if args.distributed:
+            from jpaged.launch import initialize
+
+            initialize()
         llm = _llm(args)
         COMMANDS[args.command](llm, args)
     except KeyboardInterrupt:

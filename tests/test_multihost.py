@@ -11,15 +11,20 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from jpaged import launch as launch_module
+from jpaged.engine import mirror
 from jpaged.entrypoints.llm import LLM
 from tests.multidevice import multihost_worker as worker
 from tests.plugins.hf_models import _save, oracle_transformers, randomize, tiny_tokenizer
+from tests.plugins.http_server import http_request, wait_until_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
 HEARTBEAT_TIMEOUT_S = 10
@@ -148,3 +153,42 @@ def test_processes_given_different_requests_stop_at_once(wide_model_dirs, tmp_pa
     for process in (0, 1):
         assert re.search(r"LockstepError: step 1: processes \[1\] planned another step",
                          log(tmp_path, process)), report
+
+
+def test_a_server_on_process_0_runs_its_requests_on_both(wide_model_dirs, tmp_path):
+    """`serve --distributed`, tensor parallel 4 x data parallel 2 over the two processes:
+    completions as on one device, before and after an idle spell longer than the
+    heartbeat; SIGTERM to the launcher stops process 0's server, which stops process 1."""
+    model_dir, port = wide_model_dirs[0], launch_module.free_port()
+    engine = {"block-size": 8, "num-blocks": 48, "max-num-seqs": 4,
+              "max-num-batched-tokens": 64, "max-model-len": 128}
+    command = [sys.executable, "-m", "jpaged.launch", "--num-processes", "2",
+               "--devices-per-process", "4", "--timeout", str(JOB_TIMEOUT_S),
+               "--log-dir", str(tmp_path / "logs"), "--", "-m", "jpaged", "serve",
+               "--distributed", "--model", str(model_dir), "--port", str(port),
+               "--tensor-parallel-size", "4", "--data-parallel-size", "2",
+               *(f"--{name}={value}" for name, value in engine.items())]
+    launcher = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_healthy(base_url, launcher, timeout=JOB_TIMEOUT_S)
+        reference = [o.outputs[0].text for o in one_device_outputs(model_dir)]
+        texts = []
+        for index, prompt in enumerate(worker.PROMPTS):
+            if index == 2:
+                time.sleep(mirror.HEARTBEAT_S + 1)
+            body = {"model": str(model_dir), "prompt": prompt, "temperature": 0,
+                    "max_tokens": worker.GREEDY.max_tokens, "ignore_eos": True}
+            reply = http_request(base_url, "POST", "/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+            assert reply.status == 200, reply.text
+            texts.append(reply.json()["choices"][0]["text"])
+        assert texts == reference
+        launcher.send_signal(signal.SIGTERM)
+        _, report = launcher.communicate(timeout=60)
+    finally:
+        launcher.kill()
+    report += "".join(f"\n--- process {i}:\n" + log(tmp_path, i)[-6000:] for i in (0, 1))
+    statuses = {process: status for process, (status, _) in process_exits(report).items()}
+    assert statuses == {0: 128 + signal.SIGTERM, 1: 0}, report

@@ -109,13 +109,18 @@ class AsyncLLMEngine:
     max_waiting bounds the requests admitted but not yet producing output
     (counted on the event loop from `generate` to a request's first output,
     so prefilling requests count too: a conservative count of the waiting queue).
+    on_idle: called on the engine thread every idle_s seconds while no request is
+    unfinished and no command comes (a RequestMirror's `sync`, the heartbeat of the
+    processes that follow it).
     """
 
-    def __init__(self, engine: Engine, max_waiting: int = 1024):
+    def __init__(self, engine: Engine, max_waiting: int = 1024, *,
+                 on_idle: Callable[[], None] | None = None, idle_s: float = 5.0):
         if max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
         self.engine = engine
         self.max_waiting = max_waiting
+        self.on_idle, self.idle_s = on_idle, idle_s
         self.state: EngineState = engine.state()
         self.error: BaseException | None = None
         self._num_waiting = 0
@@ -219,9 +224,12 @@ class AsyncLLMEngine:
     def _loop(self) -> None:
         try:
             while not self._stopping:
-                self._run_commands(block=not self.engine.has_unfinished_requests())
+                idle = not self.engine.has_unfinished_requests()
+                ran = self._run_commands(block=idle)
                 if self.engine.has_unfinished_requests() and not self._stopping:
                     self._deliver(self.engine.step())
+                elif idle and not ran and self.on_idle is not None:
+                    self.on_idle()
                 self._publish_state()
         except Exception as error:
             logger.exception("the engine thread failed; the server admits no more requests")
@@ -232,18 +240,20 @@ class AsyncLLMEngine:
             self._close_commands(stopped)
             self._end_all(stopped)
 
-    def _run_commands(self, block: bool) -> None:
-        """Run the queued commands; with block=True wait for the first one."""
+    def _run_commands(self, block: bool) -> bool:
+        """Run the queued commands; with block=True wait for the first one (at most idle_s
+        with on_idle). Whether any ran."""
+        timeout = self.idle_s if self.on_idle is not None else None
         try:
-            command = self._commands.get(block=block)
+            command = self._commands.get(block=block, timeout=timeout if block else None)
         except queue.Empty:
-            return
+            return False
         while True:
             self._run_command(*command)
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
-                return
+                return True
 
     def _run_command(self, fn: Callable[[Engine], object],
                      future: concurrent.futures.Future | None) -> None:

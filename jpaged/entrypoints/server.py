@@ -44,6 +44,7 @@ from jpaged.engine.async_engine import (
     EngineStoppedError,
     QueueFullError,
 )
+from jpaged.engine.mirror import HEARTBEAT_S, RequestMirror
 from jpaged.entrypoints.errors import ApiError, RequestFailedError, validation_error
 from jpaged.entrypoints.serving import OpenAIServing
 from jpaged.entrypoints.tokenization import TokenizerEndpoints
@@ -221,16 +222,24 @@ def serve(engine: Engine, *, served_model_name: str, host: str = "127.0.0.1",
     requests get shutdown_timeout seconds to finish, the rest are aborted (their streams
     end with an error event and [DONE]), and the engine thread is joined. warmup=True
     compiles every step shape first (`LLMEngine.warmup`, every replica's for a
-    DataParallelEngine), so no request waits for a compile."""
+    DataParallelEngine), so no request waits for a compile.
+
+    In a job of several processes `engine` is process 0's RequestMirror (the others
+    run `jpaged.engine.mirror.follow`): while idle it beats every HEARTBEAT_S
+    seconds, and once the server ended the others stop."""
     if warmup:
         started = time.perf_counter()
         num_shapes = engine.warmup()
         logger.info("compiled %d step shapes in %.1f s", num_shapes,
                     time.perf_counter() - started)
-    async_engine = AsyncLLMEngine(engine, max_waiting=max_waiting)
+    mirror = engine if isinstance(engine, RequestMirror) else None
+    async_engine = AsyncLLMEngine(engine, max_waiting=max_waiting,
+                                  on_idle=mirror and mirror.sync, idle_s=HEARTBEAT_S)
     try:
         app = build_app(async_engine, served_model_name, api_key, max_body_bytes)
         DrainingServer(app, async_engine, shutdown_timeout, host=host, port=port,
                        log_level="info").run()
     finally:
         async_engine.shutdown()
+        if mirror is not None and not async_engine.is_running:
+            mirror.stop()

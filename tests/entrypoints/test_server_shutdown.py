@@ -8,28 +8,14 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
-from tests.plugins.http_server import http_connection, http_request
+from tests.plugins.http_server import http_connection, wait_until_healthy
 
 
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def _wait_until_healthy(base_url: str, process: subprocess.Popen, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert process.poll() is None, process.stderr.read()
-        try:
-            if http_request(base_url, "GET", "/health").status == 200:
-                return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError("the server did not start")
 
 
 def test_sigterm_ends_a_running_stream_with_its_final_event_and_done(tiny_llama_dir):
@@ -41,7 +27,7 @@ def test_sigterm_ends_a_running_stream_with_its_final_event_and_done(tiny_llama_
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     base_url = f"http://127.0.0.1:{port}"
     try:
-        _wait_until_healthy(base_url, process)
+        wait_until_healthy(base_url, process)
         connection = http_connection(base_url)
         body = {"model": "tiny", "prompt": "the", "max_tokens": 240, "ignore_eos": True,
                 "stream": True}

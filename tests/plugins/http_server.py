@@ -11,6 +11,7 @@ import copy
 import http.client
 import json
 import socket
+import subprocess
 import threading
 import time
 from dataclasses import dataclass
@@ -110,6 +111,20 @@ def http_request(base_url: str, method: str, path: str, body: bytes | None = Non
                      response.read().decode())
     finally:
         connection.close()
+
+
+def wait_until_healthy(base_url: str, process: subprocess.Popen, timeout: float = 300) -> None:
+    """Until the server `process` started answers /health; fails if the process ends."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert process.poll() is None, process.stderr.read()
+        try:
+            if http_request(base_url, "GET", "/health").status == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError("the server did not start")
 
 
 def metric(base_url: str, name: str) -> float:
