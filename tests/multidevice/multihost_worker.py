@@ -7,9 +7,9 @@ parallel 4 in each process, a data-parallel replica per process), "exit:K"
 (tp8; process K exits after STEPS_BEFORE_EXIT steps), "diverge" (tp8; process 1
 is given another last prompt than process 0).
 
-Each model's prompts run step by step; after every step the process writes down
-what it returned and, for a replica spanning the processes, its queues and
-block tables, in OUT_DIR/process_<id>.json.
+Each model's prompts (greedy, and two samples of one prompt) run step by step;
+after every step the process writes down what it returned and, for a replica
+spanning the processes, its queues and block tables, in OUT_DIR/process_<id>.json.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ STEPS_BEFORE_EXIT = 2
 PROMPTS = [[5, 6, 7, 8, 9], list(range(10, 27)), [40, 41, 3, 99, 7, 250, 11, 12, 13],
            [200, 201, 202]]
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+# Two samples sharing the prompt's blocks (copy-on-write), drawn from the engine's seeds.
+SAMPLED = SamplingParams(n=2, temperature=1.0, top_p=0.9, max_tokens=8, ignore_eos=True)
 # One padded shape for mixed steps and one for decode steps.
 ENGINE = dict(block_size=8, num_blocks=48, max_num_seqs=4, max_num_batched_tokens=64,
               max_model_len=128, persistent_compilation_cache=False,
@@ -57,6 +59,7 @@ def run(model_dir: str, mode: str) -> dict:
         prompts[-1] = prompts[-1][:-1]
     for index, prompt in enumerate(prompts):
         engine.add_request(str(index), {"prompt_token_ids": prompt}, GREEDY)
+    engine.add_request("sampled", {"prompt_token_ids": PROMPTS[1]}, SAMPLED)
     replicas = engine.replicas if mode == "tp4dp2" else [engine]
     local_requests = [replica.num_unfinished_requests() for replica in replicas]
     steps, tokens = [], {}
@@ -65,9 +68,10 @@ def run(model_dir: str, mode: str) -> dict:
             os._exit(EXIT_STATUS)
         outputs = engine.step()
         for output in outputs:
-            tokens[output.request_id] = output.outputs[0].token_ids
+            tokens[output.request_id] = [sample.token_ids for sample in output.outputs]
         steps.append({
-            "outputs": [[o.request_id, o.outputs[0].token_ids, o.finished] for o in outputs],
+            "outputs": [[o.request_id, [c.token_ids for c in o.outputs], o.finished]
+                        for o in outputs],
             "state": None if mode == "tp4dp2" else spanning_state(engine),
         })
     return {"steps": steps, "tokens": tokens, "local_requests": local_requests}
