@@ -146,15 +146,21 @@ def test_a_process_that_exits_stops_the_other(exiting, wide_model_dirs, tmp_path
     assert "another task died" in log(tmp_path, other), report
 
 
-def test_processes_given_different_requests_stop_at_once(wide_model_dirs, tmp_path):
-    """Process 1 gets another last prompt: both processes raise LockstepError before the
-    first step runs, rather than wait in collectives that never meet."""
-    status, report, records = launch("diverge", tmp_path, wide_model_dirs[:1])
+@pytest.mark.parametrize("mode, message", [
+    ("diverge", r"LockstepError: step 1: processes \[1\] planned another step"),
+    ("diverge-dp", r"LockstepError: processes \[1\] routed other requests"),
+])
+def test_processes_given_different_requests_stop_at_once(mode, message, wide_model_dirs,
+                                                         tmp_path):
+    """Process 1 gets another last prompt (TP 8: before the first step runs), or one more
+    request (TP 4 x DP 2: when the first step's outputs are exchanged): both processes
+    raise LockstepError, rather than wait in collectives that never meet or return
+    what the other did not run."""
+    status, report, records = launch(mode, tmp_path, wide_model_dirs[:1])
     assert status == 1, report
     assert records == [None, None]
     for process in (0, 1):
-        assert re.search(r"LockstepError: step 1: processes \[1\] planned another step",
-                         log(tmp_path, process)), report
+        assert re.search(message, log(tmp_path, process)), report
 
 
 def test_a_server_on_process_0_runs_its_requests_on_both(wide_model_dirs, tmp_path):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import hashlib
 import pickle
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -27,7 +28,14 @@ import jax
 from jpaged.engine.config import EngineConfig
 from jpaged.engine.input_processor import EngineRequest
 from jpaged.engine.llm_engine import LLMEngine
-from jpaged.engine.lockstep import ProcessGroup, check_process_layout, local_devices, mesh_processes
+from jpaged.engine.lockstep import (
+    DIGEST_BYTES,
+    LockstepError,
+    ProcessGroup,
+    check_process_layout,
+    local_devices,
+    mesh_processes,
+)
 from jpaged.engine.protocol import EngineState
 from jpaged.engine.stats import CombinedStats
 from jpaged.inputs import PromptType
@@ -72,6 +80,7 @@ class DataParallelEngine:
         self.tokenizer = tokenizer
         self.max_model_len = self.replicas[0].max_model_len
         self._replica_of: dict[str, int] = {}
+        self._routing = b""  # a digest of every add and abort so far
         self._threads = ThreadPoolExecutor(len(self.replicas), thread_name_prefix="jpaged-dp")
 
     @property
@@ -118,12 +127,20 @@ class DataParallelEngine:
                 request_id, prompt, params, cache_salt=cache_salt)
             self.replicas[0].check_request(request)
         self._replica_of[request_id] = index
+        self._route(f"+{request_id}:{index}")
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks now; unknown ids are ignored."""
         index = self._replica_of.pop(request_id, None)
+        if index is not None:
+            self._route(f"-{request_id}")
         if index in self._local:
             self._local[index].abort(request_id)
+
+    def _route(self, change: str) -> None:
+        """Fold a change of the routing into its digest, which the processes compare."""
+        self._routing = hashlib.blake2b(self._routing + change.encode(),
+                                        digest_size=DIGEST_BYTES).digest()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._replica_of)
@@ -148,9 +165,17 @@ class DataParallelEngine:
         return outputs
 
     def _exchange(self, outputs: list[list[RequestOutput]]) -> list[RequestOutput]:
-        """Every process's replicas' outputs, in replica order, from this process's."""
-        payloads = self._processes.allgather_bytes(pickle.dumps(outputs))
-        return [output for payload in payloads for replica_outputs in pickle.loads(payload)
+        """Every process's replicas' outputs, in replica order, from this process's;
+        LockstepError unless every process routed the same requests the same way."""
+        payloads = self._processes.allgather_bytes(pickle.dumps((self._routing, outputs)))
+        routings, everyone = zip(*map(pickle.loads, payloads), strict=True)
+        differing = [p for p, routing in zip(self._processes.processes, routings, strict=True)
+                     if routing != routings[0]]
+        if differing:
+            raise LockstepError(f"processes {differing} routed other requests than process "
+                                f"{self._processes.processes[0]}: their requests, or the order "
+                                "they came in, differ")
+        return [output for outputs in everyone for replica_outputs in outputs
                 for output in replica_outputs]
 
     def warmup(self) -> int:

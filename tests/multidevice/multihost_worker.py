@@ -5,7 +5,8 @@
 MODE: "tp8" (tensor parallel over both processes' 8 devices), "tp4dp2" (tensor
 parallel 4 in each process, a data-parallel replica per process), "exit:K"
 (tp8; process K exits after STEPS_BEFORE_EXIT steps), "diverge" (tp8; process 1
-is given another last prompt than process 0).
+is given another last prompt than process 0), "diverge-dp" (tp4dp2; process 1 is
+given one more request).
 
 Each model's prompts (greedy, and two samples of one prompt) run step by step;
 after every step the process writes down what it returned and, for a replica
@@ -52,7 +53,7 @@ def spanning_state(engine) -> list:
 
 
 def run(model_dir: str, mode: str) -> dict:
-    llm = LLM(model_dir, **LAYOUTS.get(mode, LAYOUTS["tp8"]), **ENGINE)
+    llm = LLM(model_dir, **LAYOUTS["tp4dp2" if "dp" in mode else "tp8"], **ENGINE)
     engine, process = llm.engine, jax.process_index()
     prompts = list(PROMPTS)
     if mode == "diverge" and process == 1:
@@ -60,7 +61,9 @@ def run(model_dir: str, mode: str) -> dict:
     for index, prompt in enumerate(prompts):
         engine.add_request(str(index), {"prompt_token_ids": prompt}, GREEDY)
     engine.add_request("sampled", {"prompt_token_ids": PROMPTS[1]}, SAMPLED)
-    replicas = engine.replicas if mode == "tp4dp2" else [engine]
+    if mode == "diverge-dp" and process == 1:
+        engine.add_request("extra", {"prompt_token_ids": PROMPTS[0]}, GREEDY)
+    replicas = engine.replicas if "dp" in mode else [engine]
     local_requests = [replica.num_unfinished_requests() for replica in replicas]
     steps, tokens = [], {}
     while engine.has_unfinished_requests():
@@ -72,7 +75,7 @@ def run(model_dir: str, mode: str) -> dict:
         steps.append({
             "outputs": [[o.request_id, [c.token_ids for c in o.outputs], o.finished]
                         for o in outputs],
-            "state": None if mode == "tp4dp2" else spanning_state(engine),
+            "state": None if "dp" in mode else spanning_state(engine),
         })
     return {"steps": steps, "tokens": tokens, "local_requests": local_requests}
 
