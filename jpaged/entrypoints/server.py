@@ -234,7 +234,8 @@ def serve(engine: Engine, *, served_model_name: str, host: str = "127.0.0.1",
                     time.perf_counter() - started)
     mirror = engine if isinstance(engine, RequestMirror) else None
     async_engine = AsyncLLMEngine(engine, max_waiting=max_waiting,
-                                  on_idle=mirror and mirror.sync, idle_s=HEARTBEAT_S)
+                                  on_idle=None if mirror is None else mirror.sync,
+                                  idle_s=HEARTBEAT_S)
     try:
         app = build_app(async_engine, served_model_name, api_key, max_body_bytes)
         DrainingServer(app, async_engine, shutdown_timeout, host=host, port=port,
