@@ -56,16 +56,22 @@ def smallest_over_processes(value: int) -> int:
 
 
 def check_process_layout(meshes: Sequence[Mesh | None]) -> None:
-    """ValueError unless the data-parallel replicas on these meshes can run as one job:
-    each process drives at least one replica, all the same number (each builds and
-    steps its own in turn, and their collectives must meet), and a replica that spans
-    processes shares them with no other."""
+    """ValueError unless the data-parallel replicas on these meshes can run as one job of
+    this job's processes (`check_replica_processes`)."""
     if jax.process_count() == 1:
         return
     if any(mesh is None for mesh in meshes):
         raise ValueError(f"a job of {jax.process_count()} processes needs a mesh over "
                          "several devices: give tensor_parallel_size or data_parallel_size")
-    holders = [set(mesh_processes(mesh)) for mesh in meshes]
+    check_replica_processes([set(mesh_processes(mesh)) for mesh in meshes],
+                            jax.process_count())
+
+
+def check_replica_processes(holders: Sequence[set[int]], num_processes: int) -> None:
+    """ValueError unless replicas held by these processes (holders[i]: replica i's) can run
+    as one job: each process drives at least one replica, all the same number (each
+    builds and steps its own in turn, and their collectives must meet), and a replica
+    that spans processes shares them with no other."""
     for index, processes in enumerate(holders):
         shared = [other for other, held in enumerate(holders)
                   if other != index and held & processes]
@@ -73,7 +79,7 @@ def check_process_layout(meshes: Sequence[Mesh | None]) -> None:
             raise ValueError(f"replica {index} spans processes {sorted(processes)} and shares "
                              f"them with replicas {shared}")
     counts = {process: sum(process in held for held in holders)
-              for process in range(jax.process_count())}
+              for process in range(num_processes)}
     if min(counts.values()) == 0 or len(set(counts.values())) > 1:
         raise ValueError(f"every process must drive as many replicas as the others, at "
                          f"least one; replicas per process: {counts}")
