@@ -35,7 +35,8 @@ ADDRESS = "JAX_COORDINATOR_ADDRESS"
 PROCESS_ID = "JPAGED_PROCESS_ID"
 NUM_PROCESSES = "JPAGED_NUM_PROCESSES"
 HEARTBEAT_TIMEOUT = "JPAGED_HEARTBEAT_TIMEOUT"
-# Seconds without a peer's heartbeat before JAX's coordination service declares it dead.
+# Seconds without a peer's heartbeat before JAX's coordination service declares it dead,
+# in a job on one machine (JAX's default, for hosts, is longer).
 DEFAULT_HEARTBEAT_TIMEOUT_S = 10
 # Seconds, beyond the heartbeat timeout, the others get to stop after one fails.
 STOP_MARGIN_S = 30
@@ -46,10 +47,11 @@ POLL_S = 0.1
 def initialize() -> bool:
     """Join the job `python -m jpaged.launch` (or a host's own launcher) described in the
     environment: `jax.distributed.initialize` with the coordinator address
-    (JAX_COORDINATOR_ADDRESS), JPAGED_NUM_PROCESSES, JPAGED_PROCESS_ID and
-    JPAGED_HEARTBEAT_TIMEOUT (seconds). Where those are unset (a TPU pod slice, a
-    cluster JAX detects), `jax.distributed.initialize()` finds them itself.
-    Returns whether this process is process 0."""
+    (JAX_COORDINATOR_ADDRESS), JPAGED_NUM_PROCESSES and JPAGED_PROCESS_ID, and
+    JPAGED_HEARTBEAT_TIMEOUT (seconds; JAX's default where unset). Where the first
+    three are unset (a TPU pod slice, a cluster JAX detects),
+    `jax.distributed.initialize()` finds them itself. Returns whether this process
+    is process 0."""
     import jax
 
     kwargs = {}
@@ -57,11 +59,12 @@ def initialize() -> bool:
         kwargs = dict(coordinator_address=os.environ[ADDRESS],
                       num_processes=int(os.environ[NUM_PROCESSES]),
                       process_id=int(os.environ[PROCESS_ID]))
-    timeout = int(os.environ.get(HEARTBEAT_TIMEOUT, DEFAULT_HEARTBEAT_TIMEOUT_S))
+    if HEARTBEAT_TIMEOUT in os.environ:
+        kwargs["heartbeat_timeout_seconds"] = int(os.environ[HEARTBEAT_TIMEOUT])
     # CPU devices of different processes reach each other through gloo (no effect on
     # accelerators; asking for the backend here would start it too early).
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(heartbeat_timeout_seconds=timeout, **kwargs)
+    jax.distributed.initialize(**kwargs)
     return jax.process_index() == 0
 
 
