@@ -13,8 +13,9 @@ processes time the lockstep's collective alone, 100 gathers of a plan's 16-byte
 digest in a row, and the digest of the running plan.
 
 Reported: the median step (ms), the median check (gather and digest, ms) and their
-ratio, the share of a step the check adds. Target: under 5% of a step. Process 0
-prints one JSON object last.
+ratio, the share of a step the check adds. Target: under 5% of a step. The
+processes' output (JAX's and gloo's logs among it) goes to files, whose folder is
+named on stderr; process 0's report is printed, one JSON object last.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -40,7 +43,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--report-file", type=Path, default=None,
+                        help=argparse.SUPPRESS)  # set for the processes: where 0 writes
     return parser.parse_args(argv)
 
 
@@ -75,7 +79,7 @@ def timed_checks(engine) -> tuple[float, float]:
     return gather, hashing
 
 
-def worker(args: argparse.Namespace) -> None:
+def worker(args: argparse.Namespace, arguments: list[str]) -> None:
     from jpaged.launch import initialize
 
     is_first = initialize()
@@ -84,7 +88,6 @@ def worker(args: argparse.Namespace) -> None:
     from jpaged.entrypoints.llm import LLM
     from jpaged.sampling_params import SamplingParams
 
-    arguments = [argument for argument in sys.argv[1:] if argument != "--worker"]
     report = new_report("benchmarks.multihost", arguments) if is_first else None
     llm = LLM(args.model, tensor_parallel_size=jax.device_count(), max_num_seqs=args.batch,
               persistent_compilation_cache=False)
@@ -118,19 +121,26 @@ def worker(args: argparse.Namespace) -> None:
         "check_share_of_step": round(check_ms / step_ms, 4),
         "target_check_share": 0.05,
     }
-    print(json.dumps(report))
+    args.report_file.write_text(json.dumps(report))
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    if args.worker:
-        worker(args)
+    arguments = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(arguments)
+    if args.report_file is not None:
+        worker(args, arguments[:arguments.index("--report-file")])
         return 0
     from jpaged.launch import LaunchConfig, launch
 
-    arguments = sys.argv[1:] if argv is None else list(argv)
-    return launch(LaunchConfig(("-m", "benchmarks.multihost", "--worker", *arguments),
-                               num_processes=args.num_processes))
+    run_dir = Path(tempfile.mkdtemp(prefix="jpaged-multihost-"))
+    progress(f"the processes' output: {run_dir}")
+    report_file = run_dir / "report.json"
+    status = launch(LaunchConfig(
+        ("-m", "benchmarks.multihost", *arguments, "--report-file", str(report_file)),
+        num_processes=args.num_processes, log_dir=run_dir))
+    if status == 0:
+        print(report_file.read_text())
+    return status
 
 
 if __name__ == "__main__":

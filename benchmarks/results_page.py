@@ -25,6 +25,7 @@ DATA_DIR = Path("docs/data")
 RESULTS_PAGE = Path("docs/results.md")
 RUN_KEYS = ("script", "command", "date", "machine", "versions")
 BENCHMARKS = ("accelerator", "cli_start", "decode_loop", "kernels", "kv_quant", "matmul",
+              "multihost",
               "peer_vllm", "sampler", "scheduler", "serving", "sharing", "sliding_window",
               "soak", "speculative", "startup", "throughput", "tp", "warmup")
 SCRIPTS = ("experiments.sweep",) + tuple(f"benchmarks.{name}" for name in BENCHMARKS)
