@@ -30,7 +30,8 @@ MIN_PAYLOAD_BYTES = 1024
 
 
 class LockstepError(RuntimeError):
-    """The processes of a job planned different steps: their schedulers diverged."""
+    """The processes of a job diverged: they planned different steps, or routed different
+    requests to their data-parallel replicas."""
 
 
 def mesh_processes(mesh: Mesh) -> list[int]:
