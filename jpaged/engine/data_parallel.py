@@ -123,12 +123,8 @@ class DataParallelEngine:
         if index in self._local:
             self._local[index].add_request(request_id, prompt, params, cache_salt=cache_salt)
         else:
-            request = prompt if isinstance(prompt, EngineRequest) else self.process_request(
-                request_id, prompt, params, cache_salt=cache_salt)
-            if request.request_id != request_id:
-                raise ValueError(f"request id {request_id!r} names a processed request "
-                                 f"{request.request_id!r}")
-            self.replicas[0].check_request(request)
+            self.replicas[0].check_request(
+                self.replicas[0].request_of(request_id, prompt, params, cache_salt=cache_salt))
         self._replica_of[request_id] = index
         self._route(f"+{request_id}:{index}")
 

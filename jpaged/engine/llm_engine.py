@@ -188,11 +188,7 @@ class LLMEngine:
         prompt: text, token ids, a vLLM prompt dict (jpaged.inputs; a "cache_salt"
         in it counts as the cache_salt argument), or what `process_request` made.
         """
-        request = prompt if isinstance(prompt, EngineRequest) else self.process_request(
-            request_id, prompt, params, cache_salt=cache_salt)
-        if request.request_id != request_id:
-            raise ValueError(f"request id {request_id!r} names a processed request "
-                             f"{request.request_id!r}")
+        request = self.request_of(request_id, prompt, params, cache_salt=cache_salt)
         if request_id in self.output_processor:
             raise ValueError(f"request id {request_id!r} is already in use")
         group, search = self._new_group(request)
@@ -203,6 +199,18 @@ class LLMEngine:
         seeded = isinstance(params, SamplingParams) and params.seed is not None
         group.seed = params.seed if seeded else int(self._seeds.integers(2**32))
         self.output_processor.add_request(request, group)
+
+    def request_of(self, request_id: str, prompt: PromptType | EngineRequest,
+                   params: SamplingParams | BeamSearchParams | None = None, *,
+                   cache_salt: str | None = None) -> EngineRequest:
+        """`prompt` as the processed request `request_id` (`process_request`, unless it is
+        one already); ValueError if it is one of another id."""
+        request = prompt if isinstance(prompt, EngineRequest) else self.process_request(
+            request_id, prompt, params, cache_salt=cache_salt)
+        if request.request_id != request_id:
+            raise ValueError(f"request id {request_id!r} names a processed request "
+                             f"{request.request_id!r}")
+        return request
 
     def check_request(self, request: EngineRequest) -> None:
         """ValueError, changing nothing, unless `request` (from `process_request`) could be
