@@ -49,7 +49,7 @@ def loaded_modules(code: str) -> set[str]:
     """Run `code` in a fresh interpreter; the top-level names in its sys.modules after."""
     script = f"{code}\nimport sys\nprint(' '.join({{m.partition('.')[0] for m in sys.modules}}))"
     result = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True,
-                            text=True, check=True)
+                            text=True, check=True, timeout=120)
     return set(result.stdout.split())
 
 
@@ -111,7 +111,7 @@ def test_host_tests_pass_where_the_device_stack_is_unimportable(tmp_path):
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *NOT_STATE_MACHINES,
          *HOST_TESTS],
         cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": python_path}, capture_output=True,
-        text=True)
+        text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-3000:]
     summary = result.stdout.strip().splitlines()[-1]
     assert re.fullmatch(r"\d+ passed, \d+ deselected(, \d+ warnings?)? in .*", summary), summary

@@ -18,6 +18,8 @@ import pytest
 from jpaged.entrypoints.llm import LLM
 
 ROOT = Path(__file__).resolve().parent.parent
+# A hung inner run fails this test instead of using up the suite's time.
+TIMEOUT_S = 1800
 
 
 def run_multidevice(marker_expression: str) -> None:
@@ -27,7 +29,8 @@ def run_multidevice(marker_expression: str) -> None:
                                    "--xla_force_host_platform_device_count=8"]).strip())
     command = [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider",
                "-m", marker_expression, str(ROOT / "tests" / "multidevice")]
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=TIMEOUT_S)
     # The inner tests print how many near-tie steps they met; -rA passes it on.
     print(result.stdout[-20000:])
     assert result.returncode == 0, result.stdout[-20000:] + result.stderr[-5000:]

@@ -24,6 +24,8 @@ from __future__ import annotations
 import functools
 import logging
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -134,6 +136,58 @@ def _all_logits(graphdef, params_def, param_leaves, last_hidden):
                    num_rows=last_hidden.shape[0])
 
 
+# Distinct models (or backends, meshes, KV layouts) whose compiled steps a process keeps:
+# the engines a sweep or a notebook builds one after another reuse them.
+STEP_FUNCTIONS_CACHE_SIZE = 8
+
+
+@dataclass(frozen=True)
+class StepFunctions:
+    """The jitted device functions of one model graph on one attention backend, mesh and
+    KV cache layout; each keeps its compiled executables per input shape and dtype.
+
+    mixed_step, decode_step: (param leaves, input_ids, kv_cache (donated), metadata)
+                             -> (last hidden, hidden, kv_cache), with the ragged and
+                             the decode kernel
+    logits:                  (param leaves, last hidden [B, hidden], num_rows)
+    decode_loop:             (param leaves, kv_cache (donated), pool, LoopInput, ...)
+    """
+
+    mixed_step: Callable
+    decode_step: Callable
+    logits: Callable
+    decode_loop: Callable
+
+    def step(self, decode_only: bool) -> Callable:
+        return self.decode_step if decode_only else self.mixed_step
+
+
+@functools.lru_cache(maxsize=STEP_FUNCTIONS_CACHE_SIZE)
+def step_functions(graphdef: nnx.GraphDef, params_def, backend: AttentionBackend,
+                   interpret: bool, mesh: Mesh | None, groups: KVCacheGroups) -> StepFunctions:
+    """The step functions of every runner with this model graph, parameter structure,
+    attention backend, mesh and KV cache groups: built once, so a second engine of the
+    same model compiles nothing its shapes already compiled."""
+    ragged, decode = attention_functions(backend, interpret, mesh)
+    write_kv_fn = kernels_pallas.write_kv if mesh is None else shard_write_kv(
+        kernels_pallas.write_kv, mesh)
+
+    def model_step(attention_fn):
+        return functools.partial(_step, graphdef, params_def, attention_fn=attention_fn,
+                                 write_kv_fn=write_kv_fn, groups=groups)
+
+    logits_fn = functools.partial(_all_logits, graphdef, params_def)
+    return StepFunctions(
+        mixed_step=jax.jit(model_step(ragged), donate_argnums=2),
+        decode_step=jax.jit(model_step(decode), donate_argnums=2),
+        logits=jax.jit(functools.partial(_logits, graphdef, params_def),
+                       static_argnames=("num_rows",)),
+        decode_loop=jax.jit(functools.partial(decode_loop, model_step(decode), logits_fn),
+                            donate_argnums=1,
+                            static_argnames=("num_steps", "num_top", "block_size")),
+    )
+
+
 @jax.jit
 def _feed_tokens(input_ids, tokens, sources):
     return jnp.where(sources >= 0, tokens[jnp.maximum(sources, 0)], input_ids)
@@ -231,26 +285,8 @@ class ModelRunner:
                                     jax.eval_shape(lambda: init_kv_cache(
                                         config, num_host_blocks, block_size, kv_dtype,
                                         self.groups.layers_per_block)))
-        ragged, decode = attention_functions(self.attention_backend, interpret, mesh)
-        write_kv_fn = kernels_pallas.write_kv
-        if mesh is not None:
-            write_kv_fn = shard_write_kv(write_kv_fn, mesh)
-
-        def step(attention_fn):
-            fn = functools.partial(_step, self.graphdef, params_def, attention_fn=attention_fn,
-                                   write_kv_fn=write_kv_fn, groups=self.groups)
-            return jax.jit(fn, donate_argnums=2)
-
-        self._mixed_step = step(ragged)
-        self._decode_step = step(decode)
-        self._logits = jax.jit(functools.partial(_logits, self.graphdef, params_def),
-                               static_argnames=("num_rows",))
-        decode_fn = functools.partial(_step, self.graphdef, params_def, attention_fn=decode,
-                                      write_kv_fn=write_kv_fn, groups=self.groups)
-        logits_fn = functools.partial(_all_logits, self.graphdef, params_def)
-        self._decode_loop = jax.jit(
-            functools.partial(decode_loop, decode_fn, logits_fn), donate_argnums=1,
-            static_argnames=("num_steps", "num_top", "block_size"))
+        self._functions = step_functions(self.graphdef, params_def, self.attention_backend,
+                                         interpret, mesh, self.groups)
 
     @property
     def kv_caches(self) -> KVCache:
@@ -293,7 +329,7 @@ class ModelRunner:
                 decode_only: bool) -> tuple[jax.Array, jax.Array]:
         """Run one step for its K/V alone: (the hidden states at metadata.logits_indices,
         final hidden states [T, hidden]) without logits."""
-        step = self._decode_step if decode_only else self._mixed_step
+        step = self._functions.step(decode_only)
         last_hidden, hidden, self.kv_cache = step(
             self._param_leaves, input_ids, self.kv_cache, metadata
         )
@@ -302,13 +338,13 @@ class ModelRunner:
     def logits(self, last_hidden: jax.Array, num_rows: int) -> jax.Array:
         """Final-normed hidden states [B, hidden] -> logits f32 [num_rows, vocab] of the
         first num_rows rows (num_rows <= B)."""
-        return self._logits(self._param_leaves, last_hidden, num_rows=num_rows)
+        return self._functions.logits(self._param_leaves, last_hidden, num_rows=num_rows)
 
     def decode_loop(self, pool: BlockPool, inputs: LoopInput, *, num_steps: int,
                     num_top: int) -> LoopOutput:
         """Up to num_steps decode steps of `inputs` on the device, allocating from `pool`
         (jpaged.engine.decode_loop) -> its numpy outputs."""
-        output, self.kv_cache = self._decode_loop(
+        output, self.kv_cache = self._functions.decode_loop(
             self._param_leaves, self.kv_cache, pool, inputs, num_steps=num_steps,
             num_top=num_top, block_size=self.block_size)
         return self.fetch(output)
@@ -316,7 +352,7 @@ class ModelRunner:
     def compile_decode_loop(self, pool: BlockPool, inputs: LoopInput, *, num_steps: int,
                             num_top: int) -> jax.stages.Compiled:
         """The compiled loop for the shapes of `pool` and `inputs` (warm-up's threads)."""
-        return self._decode_loop.lower(
+        return self._functions.decode_loop.lower(
             self._param_leaves, self.kv_cache, pool, inputs, num_steps=num_steps,
             num_top=num_top, block_size=self.block_size).compile()
 
@@ -384,7 +420,7 @@ class ModelRunner:
     ) -> jax.stages.Compiled:
         """The compiled model step of the given padded shape (for its `memory_analysis()`;
         `LLMEngine.warmup` compiles shapes with it in threads, filling jit's cache)."""
-        step = self._decode_step if decode_only else self._mixed_step
+        step = self._functions.step(decode_only)
         input_ids, metadata = self._padding_inputs(num_tokens, num_seqs, num_blocks)
         return step.lower(self._param_leaves, input_ids, self.kv_cache, metadata).compile()
 

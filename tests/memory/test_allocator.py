@@ -433,7 +433,7 @@ def test_a_double_free_raises_with_asserts_stripped():
     )
     run = subprocess.run(
         [sys.executable, "-O", "-c", code], capture_output=True, text=True, check=True,
-        cwd=Path(__file__).parents[2],
+        cwd=Path(__file__).parents[2], timeout=120,
     )
     assert run.stdout.splitlines() == [
         "ValueError device block 1 freed more often than referenced: it is already free",
