@@ -131,7 +131,7 @@ ONE_WIDTH = BucketSizes(min_num_tokens=8, min_num_seqs=4, min_blocks_per_seq=16)
 
 @pytest.mark.parametrize(("options"), [{}, {"num_decode_steps": 4, "buckets": ONE_WIDTH},
                                        {"async_scheduling": True}])
-def test_no_recompilation_after_warmup(loaded, options):
+def test_no_recompilation_after_warmup(loaded, options, no_compilation_cache):
     llm = _llm(loaded, block_size=4, num_blocks=96, max_model_len=64, **options)
     llm.engine.warmup()
     rng = np.random.default_rng(1)

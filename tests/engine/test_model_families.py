@@ -106,7 +106,8 @@ def test_seeded_samples_are_the_same_alone_and_in_a_batch(family):
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
-def test_a_gemma_shaped_model_compiles_nothing_after_warmup(tiny_gemma3_dir, kv_cache_dtype):
+def test_a_gemma_shaped_model_compiles_nothing_after_warmup(tiny_gemma3_dir, kv_cache_dtype,
+                                                            no_compilation_cache):
     """Local and global layers, both RoPEs and the window in one scanned step (on float
     and on int8 pages, in KV cache groups): warm-up covers every shape and sampler
     variant the requests below reach."""

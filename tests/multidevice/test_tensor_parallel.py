@@ -331,7 +331,8 @@ def test_data_parallel_summary_combines_the_replicas(two_by_two, loaded_models):
     assert summary["ttft_s"]["p99"] == pytest.approx(np.percentile(ttft, 99))
 
 
-def test_data_parallel_warmup_leaves_nothing_to_compile(two_by_two, loaded_models):
+def test_data_parallel_warmup_leaves_nothing_to_compile(two_by_two, loaded_models,
+                                                       no_compilation_cache):
     """warmup() compiles each replica's step shapes (for its own devices): serving then
     compiles nothing."""
     engine = two_by_two.engine
