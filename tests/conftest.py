@@ -1,5 +1,7 @@
 """The suite's fixtures and hooks, one plugin per concern in tests/plugins.
 
+`python -m pytest` runs the fast tier; `--full` runs every test (tests/plugins/tiers.py).
+
 The tests are laid out like the packages they test (tests/memory for jpaged.memory,
 ...). Every directory is a package, so that pytest imports each test module by its
 full name (tests/memory and tests/engine may both hold a test_prefix_collision.py) and
@@ -17,9 +19,11 @@ from __future__ import annotations
 import os
 
 pytest_plugins = [
+    # First: it sets JAX's compilation cache before anything imports JAX.
+    "tests.plugins.compilation_cache",
+    "tests.plugins.tiers",
     "tests.plugins.shuffle",
     "tests.plugins.kernels",
-    "tests.plugins.compilation_cache",
     "tests.plugins.hf_models",
     "tests.plugins.paged_pool",
     "tests.plugins.default_model",
