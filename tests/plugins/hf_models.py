@@ -205,12 +205,26 @@ def tiny_model_dir(request) -> Path:
 def greedy_continuations(model_dir: Path, prompts: list[list[int]], num_tokens: int
                          ) -> list[list[int]]:
     """transformers' greedy continuation of each prompt, exactly num_tokens long (EOS
-    suppressed), one prompt at a time: the oracle for the engine's greedy outputs."""
+    suppressed), one prompt at a time: the oracle for the engine's greedy outputs.
+    Computed once per model, prompt and length in a run (several modules ask alike)."""
+    key = (str(model_dir), num_tokens)
+    known = _continuations.setdefault(key, {})
+    missing = list(dict.fromkeys(tuple(p) for p in prompts if tuple(p) not in known))
+    if missing:
+        known.update(zip(missing, _generate_greedy(model_dir, missing, num_tokens),
+                         strict=True))
+    return [list(known[tuple(p)]) for p in prompts]
+
+
+_continuations: dict[tuple[str, int], dict[tuple[int, ...], list[int]]] = {}
+
+
+def _generate_greedy(model_dir: Path, prompts, num_tokens: int) -> list[list[int]]:
     torch, transformers = oracle_torch(), oracle_transformers()
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
     outputs = []
     for prompt in prompts:
-        ids = torch.tensor([prompt])
+        ids = torch.tensor([list(prompt)])
         with torch.no_grad():
             out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                  max_new_tokens=num_tokens, min_new_tokens=num_tokens,
