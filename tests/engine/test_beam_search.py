@@ -25,6 +25,7 @@ from jpaged.memory.kv_cache_groups import KVCacheGroups
 from jpaged.model.loader import load_model
 from jpaged.sampling_params import BeamSearchParams, SamplingParams
 from jpaged.sequence import SequenceStatus
+from tests.plugins.layouts import layout_params
 
 TIE = 1e-5
 TINY_ENGINE = dict(num_blocks=None, kv_cache_memory=8 << 20, max_num_seqs=16,
@@ -100,11 +101,14 @@ def _compare(oracle, prompts, params_list, ours, eos) -> int:
     return ties
 
 
-@pytest.fixture(scope="module")
-def tiny(tiny_model_dir):
-    loaded = load_model(tiny_model_dir)
-    oracle = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
-    return loaded, oracle
+@pytest.fixture(scope="module", params=layout_params())
+def tiny(request):
+    """(loaded model, transformers' model, block size) of a row of the layouts' covering
+    array (tests/plugins/layouts.py)."""
+    layout = request.param
+    directory = request.getfixturevalue(layout.model_dir)
+    oracle = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
+    return load_model(directory), oracle, layout.block_size
 
 
 def _transformers_params(prompts):
@@ -117,9 +121,8 @@ def _transformers_params(prompts):
     ]
 
 
-@pytest.mark.parametrize("block_size", [1, 16, 128])
-def test_transformers_scoring_matches_generate(tiny, block_size):
-    (model, config, tokenizer), oracle = tiny
+def test_transformers_scoring_matches_generate(tiny):
+    (model, config, tokenizer), oracle, block_size = tiny
     prompts = _prompts(config.vocab_size, 8, seed=block_size)
     params = _transformers_params(prompts)
     llm = LLM("tiny", loaded=(model, config, tokenizer), block_size=block_size, **TINY_ENGINE)
@@ -162,8 +165,8 @@ def brute_force_vllm(model, prompt, params: BeamSearchParams, eos) -> list[tuple
 
 
 def test_vllm_scoring_matches_brute_force(tiny):
-    (model, config, tokenizer), oracle = tiny
-    llm = LLM("tiny", loaded=(model, config, tokenizer), block_size=4, **TINY_ENGINE)
+    (model, config, tokenizer), oracle, block_size = tiny
+    llm = LLM("tiny", loaded=(model, config, tokenizer), block_size=block_size, **TINY_ENGINE)
     eos = llm.engine.eos_token_ids
     prompts = _prompts(config.vocab_size, 4, seed=5)
     params = [BeamSearchParams(beam_width=w, max_tokens=6, length_penalty=lp, ignore_eos=i)
@@ -219,8 +222,8 @@ def test_beams_hold_one_copy_of_the_prompt(tiny):
     """Every step of a search, all beams share the prompt's full blocks: the pool holds
     them once, plus at most each beam's own blocks past them, in each KV cache group. A
     sliding layers' group holds neither kind once the window has left it."""
-    (model, config, tokenizer), _ = tiny
-    block_size, width, prompt_len = 4, 4, 30  # 7 full blocks and a partial one
+    (model, config, tokenizer), _, block_size = tiny
+    width, prompt_len = 4, 30  # at block size 4, 7 full blocks and a partial one
     llm = LLM("tiny", loaded=(model, config, tokenizer), block_size=block_size, **TINY_ENGINE)
     engine, manager = llm.engine, llm.engine.block_manager
     prompt = _prompts(config.vocab_size, 1, seed=3)[0] * 30

@@ -17,14 +17,27 @@ from jpaged.entrypoints.llm import LLM
 from jpaged.model.loader import load_model
 from jpaged.sampling_params import SamplingParams
 from tests.plugins.hf_models import fed_logits
+from tests.plugins.layouts import layout_params
 
 TOP = 5
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_model_dir):
-    oracle = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
-    return load_model(tiny_model_dir), oracle
+def tiny(request):
+    """(loaded model, transformers' model, block size) of a row of the layouts' covering
+    array (tests/plugins/layouts.py)."""
+    layout = request.param
+    directory = request.getfixturevalue(layout.model_dir)
+    oracle = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
+    return load_model(directory), oracle, layout.block_size
+
+
+def _rows_and_temperatures() -> list:
+    """Each row once, greedy and drawing in turn (the logprobs are the model's either way;
+    the temperature changes which tokens they are of)."""
+    return [pytest.param(row.values[0], temperature, id=f"{row.id}-T{temperature}",
+                         marks=row.marks)
+            for row, temperature in zip(layout_params(), (0.0, 1.3, 0.0, 1.3), strict=True)]
 
 
 def _oracle_log_probs(oracle, prompt: list[int], output: list[int]) -> np.ndarray:
@@ -45,14 +58,17 @@ def _check_entry(entry, token, row: np.ndarray, k: int):
 
 
 @pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
-@pytest.mark.parametrize("temperature", [0.0, 1.3])
+@pytest.mark.parametrize(("tiny", "temperature"), _rows_and_temperatures(), indirect=["tiny"])
 def test_output_and_prompt_logprobs_match_transformers(tiny, temperature):
-    (model, config, tokenizer), oracle = tiny
+    (model, config, tokenizer), oracle, block_size = tiny
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, config.vocab_size, n).tolist() for n in (1, 7, 30)]
     # A 16-token budget splits the long prompt over steps: its prompt logprobs come
     # from several chunks.
-    llm = LLM("tiny", loaded=(model, config, tokenizer), block_size=4, num_blocks=64,
+    # Room for four sequences of 64 tokens in each of up to four KV cache groups.
+    num_blocks = 2 + 16 * -(-64 // block_size)
+    llm = LLM("tiny", loaded=(model, config, tokenizer), block_size=block_size,
+              num_blocks=num_blocks,
               max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64,
               buckets=BucketSizes(min_num_tokens=8, min_num_seqs=4, min_blocks_per_seq=2),
               persistent_compilation_cache=False)
