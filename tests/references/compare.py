@@ -74,8 +74,8 @@ def compare_greedy(case: dict[str, Any], tokens: list[int],
                    atol: float = ATOL, tie: float = TIE) -> tuple[int, int]:
     """Our greedy tokens (and, given, each step's log-probabilities) against a reference
     case. The tokens agree up to the end, or up to a step where ours is one of the
-    reference's candidates within `tie` of its best (a near tie: past it, the two
-    continue from different texts and are not compared). Log-probabilities are compared
+    reference's candidates within `tie` of the reference's token (a near tie: past it, the
+    two continue from different texts and are not compared). Log-probabilities are compared
     up to that step. Returns (token divergences at near ties, boundary ties of the
     top-k)."""
     ref_tokens = case["tokens"]
@@ -87,7 +87,9 @@ def compare_greedy(case: dict[str, Any], tokens: list[int],
         if logprobs is not None:
             boundary_ties += compare_top(step, ids, values, logprobs[step], atol, tie)
         if ours != theirs:
-            if ours not in ids or values[0] - values[ids.index(ours)] >= tie:
+            candidates = dict(zip(ids, values, strict=True))
+            if (ours not in candidates or theirs not in candidates
+                    or abs(candidates[theirs] - candidates[ours]) >= tie):
                 raise Mismatch(f"step {step}: token {ours}, reference {theirs} (reference "
                                f"top {list(zip(ids, values, strict=True))}), not a near tie")
             return 1, boundary_ties

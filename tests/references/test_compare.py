@@ -64,6 +64,21 @@ def test_one_changed_token_fails_unless_at_a_near_tie(case_index):
     assert compare_greedy(tied, tokens) == (1, 0)
 
 
+@pytest.mark.parametrize("case_index", range(len(REFERENCE["greedy"])))
+def test_one_changed_stored_token_fails(case_index):
+    """The reference changed, our tokens the true ones: the stored token is not among
+    the stored candidates, or far from ours."""
+    case = REFERENCE["greedy"][case_index]
+    step = clear_step(case)
+    changed = copy.deepcopy(case)
+    changed["tokens"][step] += 1
+    with pytest.raises(Mismatch, match=f"step {step}: .* not a near tie"):
+        compare_greedy(changed, case["tokens"], stored_logprobs(case))
+    changed["tokens"][step] = case["top_ids"][step][1]
+    with pytest.raises(Mismatch, match=f"step {step}: .* not a near tie"):
+        compare_greedy(changed, case["tokens"], stored_logprobs(case))
+
+
 def test_a_logprob_off_by_more_than_the_tolerance_fails():
     case = REFERENCE["greedy"][0]
     logprobs = stored_logprobs(case)
