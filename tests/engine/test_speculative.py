@@ -320,6 +320,9 @@ def test_a_draft_with_another_vocabulary_fails_before_weights_load(llama, tmp_pa
         LLMEngine(EngineConfig(model=str(llama[0]), speculative_config=_draft(tmp_path)))
 
 
+# Full tier: the fast tier compares the default model with transformers' stored answers
+# (tests/references/test_smollm2_reference.py).
+@pytest.mark.full
 def test_smollm2_speculates_to_transformers_greedy(smollm2, smollm2_oracle):
     """The default model copying a sentence: n-gram proposals, and the model as its own
     draft (every proposal accepted), give transformers' greedy tokens."""

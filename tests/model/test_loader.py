@@ -315,7 +315,10 @@ def jpaged_greedy(model, config, prompts: list[list[int]], book_factory, num_new
     return outputs
 
 
+# Full tier: the fast tier compares the default model with transformers' stored answers
+# (tests/references/test_smollm2_reference.py).
 @pytest.mark.default_model
+@pytest.mark.full
 def test_smollm2_greedy_matches_transformers(paged_cache_book):
     model, config, tokenizer = load_model("smollm2")
     gguf_path = default_model_gguf()

@@ -85,7 +85,10 @@ def assert_same_chat(ours: Tokenizer, theirs) -> None:
             ) == theirs(expected, add_special_tokens=False).input_ids
 
 
+# Full tier: the fast tier compares the default model with transformers' stored answers
+# (tests/references/test_smollm2_reference.py).
 @pytest.mark.default_model
+@pytest.mark.full
 def test_smollm2_gguf_tokenizer_matches_transformers():
     """The default model's GGUF: byte-level BPE, 17 control tokens, ChatML template."""
     path = default_model_gguf()
