@@ -101,6 +101,7 @@ def test_a_deprecated_name_warns_and_resolves_to_its_new_home():
         llm_engine.no_such_name  # noqa: B018
 
 
+@pytest.mark.full
 def test_host_tests_pass_where_the_device_stack_is_unimportable(tmp_path):
     """tests/memory and tests/core, plugins and all, with jax, flax, transformers and torch
     unimportable: every test collected passes, none is skipped (the state machines are

@@ -31,6 +31,7 @@ def exits(stderr: str) -> dict[int, int]:
                                                   stderr)}
 
 
+@pytest.mark.full
 def test_every_process_is_told_the_job(tmp_path):
     port = launch.free_port()
     result = run_launcher("--num-processes", "3", "--devices-per-process", "4", "--port",
@@ -44,6 +45,7 @@ def test_every_process_is_told_the_job(tmp_path):
                         "--xla_force_host_platform_device_count=4"]
 
 
+@pytest.mark.full
 def test_a_job_exits_with_its_first_failure():
     result = run_launcher("--num-processes", "3", "--", "-c",
                           "import os, sys, time; p = int(os.environ['JPAGED_PROCESS_ID']); "
@@ -53,6 +55,7 @@ def test_a_job_exits_with_its_first_failure():
     assert "exit statuses [0, 7, 9]" in result.stderr
 
 
+@pytest.mark.full
 def test_processes_that_do_not_stop_after_a_failure_are_killed():
     started = time.monotonic()
     result = run_launcher("--num-processes", "2", "--stop-timeout", "1", "--", "-c",
@@ -65,6 +68,7 @@ def test_processes_that_do_not_stop_after_a_failure_are_killed():
     assert "killing the processes that did not stop" in result.stderr
 
 
+@pytest.mark.full
 def test_a_job_past_its_timeout_is_killed():
     started = time.monotonic()
     result = run_launcher("--num-processes", "2", "--timeout", "1", "--", "-c", SLEEP)
@@ -73,6 +77,7 @@ def test_a_job_past_its_timeout_is_killed():
     assert exits(result.stderr) == {0: 128 + signal.SIGKILL, 1: 128 + signal.SIGKILL}
 
 
+@pytest.mark.full
 def test_a_signal_is_passed_on_to_every_process():
     command = [sys.executable, "-m", "jpaged.launch", "--num-processes", "2", "--", "-c",
                "import signal, sys, time; "

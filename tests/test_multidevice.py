@@ -22,13 +22,15 @@ ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 1800
 
 
-def run_multidevice(marker_expression: str) -> None:
-    """Run tests/multidevice's tests selected by `-m marker_expression`; fail with their output."""
+def run_multidevice(marker_expression: str, *, full: bool) -> None:
+    """Run tests/multidevice's tests selected by `-m marker_expression` (of its full tier
+    with `full`, else of its fast tier); fail with their output."""
     env = dict(os.environ, JPAGED_TEST_MULTIDEVICE="1", JAX_PLATFORMS="cpu",
                XLA_FLAGS=" ".join([os.environ.get("XLA_FLAGS", ""),
                                    "--xla_force_host_platform_device_count=8"]).strip())
     command = [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider",
-               "-m", marker_expression, str(ROOT / "tests" / "multidevice")]
+               *(["--full"] if full else []), "-m", marker_expression,
+               str(ROOT / "tests" / "multidevice")]
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
                             timeout=TIMEOUT_S)
     # The inner tests print how many near-tie steps they met; -rA passes it on.
@@ -37,12 +39,20 @@ def run_multidevice(marker_expression: str) -> None:
 
 
 def test_tensor_and_data_parallel_on_eight_devices():
-    run_multidevice("not default_model")
+    """The fast tier's tests of tensor and data parallelism."""
+    run_multidevice("not default_model", full=False)
 
 
+@pytest.mark.full
+def test_tensor_and_data_parallel_on_eight_devices_in_full():
+    """The rest of them on tiny models: the covering arrays' other rows."""
+    run_multidevice("full and not default_model", full=True)
+
+
+@pytest.mark.full
 @pytest.mark.default_model
 def test_default_model_tensor_parallel_on_eight_devices():
-    run_multidevice("default_model")
+    run_multidevice("default_model", full=True)
 
 
 def test_more_devices_than_there_are_is_an_error(tiny_llama_dir):

@@ -26,6 +26,9 @@ from tests.multidevice import multihost_worker as worker
 from tests.plugins.hf_models import _save, oracle_transformers, randomize, tiny_tokenizer
 from tests.plugins.http_server import http_request, wait_until_healthy
 
+# Jobs of several processes: the full tier.
+pytestmark = pytest.mark.full
+
 ROOT = Path(__file__).resolve().parent.parent
 HEARTBEAT_TIMEOUT_S = 10
 # A job that has not ended by then hangs: the launcher kills it and the test fails.

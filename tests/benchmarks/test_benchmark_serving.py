@@ -11,6 +11,9 @@ import pytest
 from benchmarks import serving
 from tests.plugins.http_server import SERVER_API_KEY
 
+# A benchmark run: the full tier.
+pytestmark = pytest.mark.full
+
 
 def test_quick_run_measures_every_rate_and_the_http_overhead(server, offline):
     base_url, _ = server

@@ -28,6 +28,7 @@ def smoke_run(tmp_path_factory) -> tuple[dict, dict]:
     return json.loads(completed.stdout.strip().splitlines()[-1]), json.loads(out.read_text())
 
 
+@pytest.mark.full
 def test_the_report_is_written_and_printed_whole(smoke_run):
     printed, written = smoke_run
     assert printed == written
@@ -37,6 +38,7 @@ def test_the_report_is_written_and_printed_whole(smoke_run):
     assert printed["sections"]["machine"]["backend"] == "cpu"
 
 
+@pytest.mark.full
 def test_compiled_test_run_passes_and_skips_other_backends_kernels(smoke_run):
     tests = smoke_run[0]["sections"]["tests"]
     assert tests["passed"] >= 1 and tests["failed"] == tests["errors"] == 0
@@ -44,6 +46,7 @@ def test_compiled_test_run_passes_and_skips_other_backends_kernels(smoke_run):
     assert tests["skipped"] >= 2 and tests["failures"] == []
 
 
+@pytest.mark.full
 def test_every_decode_op_measured_at_every_point_within_tolerance(smoke_run):
     kernels = smoke_run[0]["sections"]["kernels"]
     assert kernels["jpaged_implementation"] == "triton" and kernels["interpret"]
@@ -63,6 +66,7 @@ def test_every_decode_op_measured_at_every_point_within_tolerance(smoke_run):
             assert op["fraction_of_peak"] is None  # a CPU has no entry in the peak table
 
 
+@pytest.mark.full
 def test_engine_sides_generate_every_requested_token(smoke_run):
     engine = smoke_run[0]["sections"]["engine"]
     requested = sum(length for _, length in engine_workload(SMOKE))
@@ -80,6 +84,7 @@ def test_engine_sides_generate_every_requested_token(smoke_run):
     assert decode["loop8"]["round_trips_per_token"] < decode["single"]["round_trips_per_token"]
 
 
+@pytest.mark.full
 def test_step_cost_fits_the_engines_own_steps(smoke_run):
     """On CPU the device's peaks are measured; the fitted fractions of them lie in (0, 1]
     and the second run's steps were predicted (their error is a share, not a guess)."""

@@ -9,6 +9,9 @@ import pytest
 
 from benchmarks import decode_loop
 
+# A benchmark run: the full tier.
+pytestmark = pytest.mark.full
+
 
 def test_quick_run_counts_the_round_trips():
     report = decode_loop.main(["--quick"])

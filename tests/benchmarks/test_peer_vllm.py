@@ -23,6 +23,7 @@ def run(tiny_llama_dir):
     return loads["timed"], run_workloads(jpaged, llm, loads, loads["timed"])
 
 
+@pytest.mark.full
 def test_every_workload_counts_the_tokens_it_asked_for(run):
     load, result = run
     figures = result["figures"]
@@ -36,6 +37,7 @@ def test_every_workload_counts_the_tokens_it_asked_for(run):
         assert figure["per_s"] == pytest.approx(figure["tokens"] / figure["elapsed_s"])
 
 
+@pytest.mark.full
 def test_the_greedy_outputs_compared_are_transformers(run, tiny_llama_dir):
     load, result = run
     sharegpt = load["sharegpt"]

@@ -3,7 +3,12 @@ no block and change no completed greedy output."""
 
 from __future__ import annotations
 
+import pytest
+
 from benchmarks import soak
+
+# A benchmark run: the full tier.
+pytestmark = pytest.mark.full
 
 
 def test_a_short_soak_leaks_nothing(tiny_llama_dir):

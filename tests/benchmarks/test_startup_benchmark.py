@@ -15,6 +15,9 @@ import pytest
 from benchmarks.throughput import mixed_workload
 from tests.plugins.hf_models import tiny_tokenizer
 
+# A benchmark run: the full tier.
+pytestmark = pytest.mark.full
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

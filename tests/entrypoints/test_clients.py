@@ -15,6 +15,9 @@ import pytest
 from tests.plugins.hf_models import oracle_torch, oracle_transformers
 from tests.plugins.http_server import SERVED_MODEL, SERVER_API_KEY
 
+# Client programs in processes of their own: the full tier.
+pytestmark = pytest.mark.full
+
 # Clients must not reach the Hugging Face hub; lm-eval sends OPENAI_API_KEY as the key.
 CLIENT_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
               "OPENAI_API_KEY": SERVER_API_KEY}

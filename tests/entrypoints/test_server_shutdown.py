@@ -9,7 +9,12 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 from tests.plugins.http_server import http_connection, wait_until_healthy
+
+# A server process of its own: the full tier.
+pytestmark = pytest.mark.full
 
 
 def _free_port() -> int:
@@ -50,5 +55,5 @@ def test_sigterm_ends_a_running_stream_with_its_final_event_and_done(tiny_llama_
     finally:
         if process.poll() is None:
             process.kill()
-        _, stderr = process.communicate()
+        _, stderr = process.communicate(timeout=60)
     assert "Traceback" not in stderr, stderr

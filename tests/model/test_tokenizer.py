@@ -151,6 +151,7 @@ def test_gguf_with_a_sentencepiece_tokenizer_other_than_gemmas_is_rejected(tiny_
         Tokenizer.from_gguf_metadata({**fields, "tokenizer.ggml.model": "llama"})
 
 
+@pytest.mark.full
 def test_first_run_of_the_cli_needs_no_torch_and_prints_only_the_answer(tiny_qwen2_dir,
                                                                          tmp_path):
     """`python -m jpaged generate` with torch and transformers unimportable, from a

@@ -132,8 +132,9 @@ def one_device_outputs(loaded_models):
     return outputs
 
 
-@pytest.mark.parametrize("size,name", [(2, "llama"), (4, "qwen2")])
-@pytest.mark.parametrize("option", [{"num_decode_steps": 4}, {"async_scheduling": True}])
+@pytest.mark.parametrize("size,name,option", [
+    (2, "llama", {"num_decode_steps": 4}),
+    pytest.param(4, "qwen2", {"async_scheduling": True}, marks=pytest.mark.full)])
 def test_decode_loop_and_async_scheduling_under_tensor_parallelism(size, name, option,
                                                                    loaded_models,
                                                                    one_device_outputs):
@@ -151,10 +152,18 @@ def test_decode_loop_and_async_scheduling_under_tensor_parallelism(size, name, o
     llm.engine.check_invariants()
 
 
-@pytest.mark.parametrize("backend",
-                         ["reference", "xla", kernels_pallas.pallas_implementation(False)])
-@pytest.mark.parametrize("size,name", [(2, "llama"), (4, "llama"), (2, "qwen2"), (4, "qwen2"),
-                                       (2, "mistral"), (2, "phi3"), (4, "gemma3")])
+PALLAS = kernels_pallas.pallas_implementation(False)
+# Every model at the sizes that split or replicate its KV heads, the backends in turn so
+# that each meets both sizes and models with and without windows (each backend's window
+# against its reference is the kernels' tests' business, on one device).
+TP_CASES = [(2, "llama", PALLAS), (4, "llama", "xla"), (2, "qwen2", "xla"),
+            (4, "qwen2", "reference"), (2, "mistral", "reference"), (2, "phi3", PALLAS),
+            (4, "gemma3", PALLAS)]
+
+
+@pytest.mark.parametrize("size,name,backend", [
+    pytest.param(*case, marks=() if i == 0 else pytest.mark.full)
+    for i, case in enumerate(TP_CASES)])
 def test_tensor_parallel_greedy_matches_one_device(
     size, name, backend, loaded_models, one_device_outputs, request
 ):
@@ -192,6 +201,7 @@ def test_tensor_parallel_greedy_matches_one_device(
         assert module == body
 
 
+@pytest.mark.full
 @pytest.mark.default_model
 def test_smollm2_three_way_matches_one_device(smollm2):
     """9 query heads, 3 KV heads over 3 devices, xla backend."""
@@ -209,6 +219,7 @@ def test_smollm2_three_way_matches_one_device(smollm2):
     assert bytes_per_device(three_cache) * 3 == bytes_per_device(one_cache)
 
 
+@pytest.mark.full
 @pytest.mark.default_model
 def test_gemma3_two_way_matches_one_device(gemma3):
     """Gemma 3 270M: 4 query heads over 2 devices, its one KV head replicated on both;

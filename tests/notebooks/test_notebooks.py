@@ -23,6 +23,9 @@ import pytest
 from ipykernel.kernelspec import write_kernel_spec
 from nbclient import NotebookClient
 
+# Notebooks run in kernels of their own: the full tier.
+pytestmark = pytest.mark.full
+
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = ROOT / "notebooks"
 KERNEL = "jpaged-notebook-test"
