@@ -10,6 +10,7 @@ transformers' greedy tokens; and the engine then serves all eight prompts again.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import jax
@@ -256,7 +257,11 @@ def break_pallas_kernels(monkeypatch) -> None:
     """The Pallas kernels ("tpu", "triton") fail to lower;
     the "xla" and "reference" implementations of the same ops still work."""
     import kernels_pallas
+    from jpaged.engine import runner
 
+    # Step functions an earlier engine built hold the working kernels: a cache of its own.
+    monkeypatch.setattr(runner, "step_functions", functools.lru_cache(
+        runner.STEP_FUNCTIONS_CACHE_SIZE)(runner.step_functions.__wrapped__))
     for name in ("ragged_paged_attention", "paged_decode_attention"):
         op = getattr(kernels_pallas, name)
 
