@@ -12,7 +12,8 @@ launcher's processes, the CLI) inherits it.
 the time a first run on a new machine takes.
 
 A test that counts compilations asks for `no_compilation_cache`: a cache hit is not a
-compile event, so a disk cache would hide a shape that warm-up missed.
+compile event, so a disk cache would hide a shape that warm-up missed. Compiled
+executables in memory are released after each test module.
 """
 
 from __future__ import annotations
@@ -104,6 +105,19 @@ def restore_compilation_cache_dir(starting_compilation_cache_dir):
     jax = sys.modules.get("jax")
     if jax is not None and jax.config.jax_compilation_cache_dir != starting_compilation_cache_dir:
         set_compilation_cache_dir(starting_compilation_cache_dir)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def executables_released_after_each_module():
+    """A process keeps every executable its jitted functions compiled, and each one holds
+    about ten memory maps; the suite's thousands of step shapes would reach the kernel's
+    limit (vm.max_map_count, 65530 by default), where XLA crashes. So each module's
+    executables go when it ends: a later module that needs one again loads it from the
+    disk cache."""
+    yield
+    jax = sys.modules.get("jax")
+    if jax is not None:
+        jax.clear_caches()
 
 
 @pytest.fixture
