@@ -129,6 +129,7 @@ def test_default_buckets_pad_xla_tables_to_one_width(loaded, prompts, expected):
 ONE_WIDTH = BucketSizes(min_num_tokens=8, min_num_seqs=4, min_blocks_per_seq=16)
 
 
+@pytest.mark.full
 @pytest.mark.parametrize(("options"), [{}, {"num_decode_steps": 4, "buckets": ONE_WIDTH},
                                        {"async_scheduling": True}])
 def test_no_recompilation_after_warmup(loaded, options, no_compilation_cache):

@@ -285,6 +285,7 @@ async def _serve_concurrently(engine: AsyncLLMEngine, requests: list) -> list:
     return await asyncio.gather(*(_collect(stream) for stream in streams))
 
 
+@pytest.mark.full
 def test_async_engine_over_two_replicas_matches_one_device(two_by_two, loaded_models,
                                                            one_device_outputs):
     """The server's engine thread drives both replicas: concurrent greedy requests get
@@ -311,6 +312,7 @@ def test_async_engine_over_two_replicas_matches_one_device(two_by_two, loaded_mo
     assert serving.models()["data"][0]["max_model_len"] == ENGINE["max_model_len"]
 
 
+@pytest.mark.full
 def test_data_parallel_summary_combines_the_replicas(two_by_two, loaded_models):
     """The summary of both replicas, against numpy over each replica's own figures."""
     vocab = loaded_models["llama"][1].vocab_size
@@ -342,6 +344,7 @@ def test_data_parallel_summary_combines_the_replicas(two_by_two, loaded_models):
     assert summary["ttft_s"]["p99"] == pytest.approx(np.percentile(ttft, 99))
 
 
+@pytest.mark.full
 def test_data_parallel_warmup_leaves_nothing_to_compile(two_by_two, loaded_models,
                                                        no_compilation_cache):
     """warmup() compiles each replica's step shapes (for its own devices): serving then
@@ -399,6 +402,7 @@ def test_bad_sizes_name_both_numbers(loaded_models):
             data_parallel_size=3, **ENGINE)
 
 
+@pytest.mark.full
 def test_an_int8_cache_and_its_scales_split_by_head_match_one_device(loaded_models):
     """TP 2 on an int8 cache: the pages and their per-head scales are split by KV head
     (each device holds its heads' scales), and greedy tokens equal one device's."""
@@ -419,7 +423,7 @@ def test_an_int8_cache_and_its_scales_split_by_head_match_one_device(loaded_mode
             assert bytes_per_device(leaf) == np.prod(per_device) * width
 
 
-@pytest.mark.parametrize("kv_dtype", [np.float32, jnp.int8])
+@pytest.mark.parametrize("kv_dtype", [np.float32, pytest.param(jnp.int8, marks=pytest.mark.full)])
 def test_swaps_and_copies_keep_the_cache_split_by_head(kv_dtype):
     """Swap out, swap in and copy-on-write copies on a cache over 4 devices move the
     same blocks as numpy indexing of the whole cache (a quantized cache's scales with
