@@ -107,6 +107,10 @@ def test_each_prompt_alone_matches(row):
         assert _tokens(llm.generate([prompt], GREEDY)) == [tokens]
 
 
+# The rows whose sequences grow into new blocks (at 128 tokens a block none does, so a
+# pool admits what it can hold and never preempts; tests/engine/test_engine.py preempts
+# a model without a window).
+@pytest.mark.parametrize("row", layout_params(LAYOUTS[1:]), indirect=True)
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_without_prefix_caching_keeps_greedy_outputs(row, mode):
     # A pool of one 32-token sequence and a block: seven sequences of up to 31 tokens
