@@ -164,10 +164,15 @@ class StepFunctions:
 
 @functools.lru_cache(maxsize=STEP_FUNCTIONS_CACHE_SIZE)
 def step_functions(graphdef: nnx.GraphDef, params_def, backend: AttentionBackend,
-                   interpret: bool, mesh: Mesh | None, groups: KVCacheGroups) -> StepFunctions:
+                   interpret: bool, mesh: Mesh | None, groups: KVCacheGroups,
+                   cache_layout: tuple) -> StepFunctions:
     """The step functions of every runner with this model graph, parameter structure,
-    attention backend, mesh and KV cache groups: built once, so a second engine of the
-    same model compiles nothing its shapes already compiled."""
+    attention backend, mesh, KV cache groups and cache layout (each leaf's shape and
+    dtype: `_leaf_layouts`): built once, so a second engine of the same model and pool
+    compiles nothing its shapes already compiled. Each function keeps an executable per
+    shape it ran; an engine of another pool size shares none of them, so the pool is part
+    of the key and the cache's bound holds the executables a process keeps."""
+    del cache_layout  # a key only: the functions take the cache as an argument
     ragged, decode = attention_functions(backend, interpret, mesh)
     write_kv_fn = kernels_pallas.write_kv if mesh is None else shard_write_kv(
         kernels_pallas.write_kv, mesh)
@@ -186,6 +191,11 @@ def step_functions(graphdef: nnx.GraphDef, params_def, backend: AttentionBackend
                             donate_argnums=1,
                             static_argnames=("num_steps", "num_top", "block_size")),
     )
+
+
+def _leaf_layouts(tree) -> tuple[tuple[tuple[int, ...], str], ...]:
+    """(shape, dtype name) of each leaf of a pytree of arrays or shape structs."""
+    return tuple((tuple(leaf.shape), str(leaf.dtype)) for leaf in jax.tree.leaves(tree))
 
 
 @jax.jit
@@ -285,8 +295,9 @@ class ModelRunner:
                                     jax.eval_shape(lambda: init_kv_cache(
                                         config, num_host_blocks, block_size, kv_dtype,
                                         self.groups.layers_per_block)))
-        self._functions = step_functions(self.graphdef, params_def, self.attention_backend,
-                                         interpret, mesh, self.groups)
+        self.functions = step_functions(self.graphdef, params_def, self.attention_backend,
+                                         interpret, mesh, self.groups,
+                                         _leaf_layouts(jax.eval_shape(self._new_kv_cache)))
 
     @property
     def kv_caches(self) -> KVCache:
@@ -329,7 +340,7 @@ class ModelRunner:
                 decode_only: bool) -> tuple[jax.Array, jax.Array]:
         """Run one step for its K/V alone: (the hidden states at metadata.logits_indices,
         final hidden states [T, hidden]) without logits."""
-        step = self._functions.step(decode_only)
+        step = self.functions.step(decode_only)
         last_hidden, hidden, self.kv_cache = step(
             self._param_leaves, input_ids, self.kv_cache, metadata
         )
@@ -338,13 +349,13 @@ class ModelRunner:
     def logits(self, last_hidden: jax.Array, num_rows: int) -> jax.Array:
         """Final-normed hidden states [B, hidden] -> logits f32 [num_rows, vocab] of the
         first num_rows rows (num_rows <= B)."""
-        return self._functions.logits(self._param_leaves, last_hidden, num_rows=num_rows)
+        return self.functions.logits(self._param_leaves, last_hidden, num_rows=num_rows)
 
     def decode_loop(self, pool: BlockPool, inputs: LoopInput, *, num_steps: int,
                     num_top: int) -> LoopOutput:
         """Up to num_steps decode steps of `inputs` on the device, allocating from `pool`
         (jpaged.engine.decode_loop) -> its numpy outputs."""
-        output, self.kv_cache = self._functions.decode_loop(
+        output, self.kv_cache = self.functions.decode_loop(
             self._param_leaves, self.kv_cache, pool, inputs, num_steps=num_steps,
             num_top=num_top, block_size=self.block_size)
         return self.fetch(output)
@@ -352,7 +363,7 @@ class ModelRunner:
     def compile_decode_loop(self, pool: BlockPool, inputs: LoopInput, *, num_steps: int,
                             num_top: int) -> jax.stages.Compiled:
         """The compiled loop for the shapes of `pool` and `inputs` (warm-up's threads)."""
-        return self._functions.decode_loop.lower(
+        return self.functions.decode_loop.lower(
             self._param_leaves, self.kv_cache, pool, inputs, num_steps=num_steps,
             num_top=num_top, block_size=self.block_size).compile()
 
@@ -420,7 +431,7 @@ class ModelRunner:
     ) -> jax.stages.Compiled:
         """The compiled model step of the given padded shape (for its `memory_analysis()`;
         `LLMEngine.warmup` compiles shapes with it in threads, filling jit's cache)."""
-        step = self._functions.step(decode_only)
+        step = self.functions.step(decode_only)
         input_ids, metadata = self._padding_inputs(num_tokens, num_seqs, num_blocks)
         return step.lower(self._param_leaves, input_ids, self.kv_cache, metadata).compile()
 

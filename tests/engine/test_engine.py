@@ -275,3 +275,18 @@ def test_a_step_calls_the_scheduler_once_back(loaded, prompts, expected):
     assert all(calls == ["schedule", "update_from_output"]
                for calls in steps if "finish_seq" not in calls)
     assert len(steps) > 2
+
+
+def test_engines_of_one_model_and_pool_share_their_compiled_steps(loaded, prompts, expected,
+                                                                   no_compilation_cache):
+    """A second engine of the same model and pool runs on the first one's compiled steps;
+    an engine of another pool size gets functions of its own (its shapes differ)."""
+    first = _llm(loaded)
+    assert _tokens(first.generate(prompts, GREEDY)) == expected
+    compiled = num_compilations()
+    second = _llm(loaded)
+    assert _tokens(second.generate(prompts, GREEDY)) == expected
+    assert num_compilations() == compiled
+    other_pool = _llm(loaded, num_blocks=64)
+    assert other_pool.engine.runner.functions is not first.engine.runner.functions
+    assert second.engine.runner.functions is first.engine.runner.functions
