@@ -295,6 +295,8 @@ class ModelRunner:
                                     jax.eval_shape(lambda: init_kv_cache(
                                         config, num_host_blocks, block_size, kv_dtype,
                                         self.groups.layers_per_block)))
+        # Jitted once per model, backend, mesh and cache layout in a process: engines
+        # built one after another (a sweep, a notebook) reuse each other's compiled steps.
         self.functions = step_functions(self.graphdef, params_def, self.attention_backend,
                                          interpret, mesh, self.groups,
                                          _leaf_layouts(jax.eval_shape(self._new_kv_cache)))
