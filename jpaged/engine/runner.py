@@ -314,6 +314,8 @@ class ModelRunner:
 
         Raises BlockIdOutOfRange, moving nothing, if an op names a block outside its pool.
         """
+        if not (len(ops.swap_out) or len(ops.swap_in) or len(ops.copies)):
+            return  # most steps: nothing to check or move
         self.check_block_ops(ops)
         if len(ops.swap_out):
             self._swap_out(ops.swap_out)

@@ -10,8 +10,8 @@ request. So the ids are checked on the host before a block op or a step takes th
 carries a flag the host reads back (`jpaged.engine.decode_loop`); both raise
 `BlockIdOutOfRange`, which the engine does not recover from.
 
-The checks are two reductions over arrays of a step's size (microseconds), never over
-the pool.
+Each check is one reduction over an array of a step's size (a few microseconds), never
+over the pool.
 """
 
 from __future__ import annotations
@@ -34,13 +34,23 @@ class BlockIdOutOfRange(IndexError):
         self.num_blocks = num_blocks
 
 
+# The unsigned dtype of each signed integer dtype's size.
+_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
 def _id_range(num_blocks: int) -> str:
     return f"0..{num_blocks - 1}" if num_blocks else "it has none"
 
 
 def first_out_of_range(ids: np.ndarray, limit: int) -> int | None:
-    """The first entry of `ids` (an integer array, any shape) outside 0..limit-1, or None."""
-    if ids.size == 0 or (ids.min() >= 0 and ids.max() < limit):
+    """The first entry of `ids` (a signed integer array, any shape) outside 0..limit-1,
+    or None."""
+    ids = np.asarray(ids)
+    if ids.size == 0:
+        return None
+    # Read as unsigned, a negative id is larger than any pool: one maximum checks both
+    # ends, the cheapest test for the common case of every id in range.
+    if np.maximum.reduce(ids.view(_UNSIGNED[ids.itemsize]), axis=None) < limit:
         return None
     flat = ids.reshape(-1)
     return int(flat[np.argmax((flat < 0) | (flat >= limit))])
