@@ -509,7 +509,7 @@ def _loop_error(output: LoopOutput, num_blocks: int) -> BlockIdOutOfRange:
         return BlockIdOutOfRange(f"decode loop: {error}", error.value, num_blocks)
     return BlockIdOutOfRange(
         f"decode loop: a row's position passed its block table (a pool of {num_blocks} "
-        "blocks)", -1, num_blocks)
+        "blocks)", None, num_blocks)
 
 
 def start_runner(config: EngineConfig, model: LlamaForCausalLM, model_config: LlamaConfig, *,

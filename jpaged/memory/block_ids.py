@@ -25,10 +25,11 @@ class BlockIdOutOfRange(IndexError):
     An IndexError, as numpy's own out-of-bounds index is; a class of its own so that
     the engine tells a broken invariant (its state is corrupt: the error leaves
     `LLMEngine.step`) from a failed step it recovers from. `value` is the offending
-    id, `num_blocks` the pool's size.
+    block id (None where no id is to blame: a decode loop's row past its table),
+    `num_blocks` the pool's size.
     """
 
-    def __init__(self, message: str, value: int, num_blocks: int):
+    def __init__(self, message: str, value: int | None, num_blocks: int):
         super().__init__(message)
         self.value = value
         self.num_blocks = num_blocks

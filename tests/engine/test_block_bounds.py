@@ -169,12 +169,26 @@ def test_a_healthy_loop_raises_no_flag():
     assert not output.out_of_range and (output.num_drawn == 4).all()
 
 
-def test_the_runner_turns_the_loop_flag_into_the_error():
-    runner = with_marking_loop(tiny_runner(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE))
+@pytest.fixture(scope="module")
+def marking_runner():
+    return with_marking_loop(tiny_runner(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE))
+
+
+def test_the_runner_turns_the_loop_flag_into_the_error(marking_runner):
     pool = _corrupt(shuffled_state(NUM_BLOCKS).device, 97)
     with pytest.raises(BlockIdOutOfRange,
                        match=rf"^decode loop: block id 97 is out of range {POOL}$"):
-        runner.decode_loop(pool, _loop_rows(), num_steps=4, num_top=1)
+        marking_runner.decode_loop(pool, _loop_rows(), num_steps=4, num_top=1)
+
+
+def test_the_runner_names_a_row_past_its_table(marking_runner):
+    inputs = loop_input(np.array([[5, 0], [6, 7]], np.int32), positions=[3, 8],
+                        live=[True, True], max_output=[4, 4])
+    with pytest.raises(BlockIdOutOfRange, match=r"^decode loop: a row's position passed its "
+                       r"block table \(a pool of 64 blocks\)$") as raised:
+        marking_runner.decode_loop(shuffled_state(NUM_BLOCKS).device, inputs, num_steps=4,
+                                   num_top=1)
+    assert raised.value.value is None
 
 
 # In the engine: the error ends the step's requests and leaves LLMEngine.step.
