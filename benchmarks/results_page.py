@@ -24,8 +24,8 @@ from experiments import engine_studies, sweep
 DATA_DIR = Path("docs/data")
 RESULTS_PAGE = Path("docs/results.md")
 RUN_KEYS = ("script", "command", "date", "machine", "versions")
-BENCHMARKS = ("accelerator", "cli_start", "decode_loop", "kernels", "kv_quant", "matmul",
-              "multihost",
+BENCHMARKS = ("accelerator", "cli_start", "decode_loop", "jax_versions", "kernels", "kv_quant",
+              "matmul", "multihost",
               "peer_vllm", "sampler", "scheduler", "serving", "sharing", "sliding_window",
               "soak", "speculative", "startup", "suite_durations", "throughput", "tp", "warmup")
 SCRIPTS = ("experiments.sweep",) + tuple(f"benchmarks.{name}" for name in BENCHMARKS)
@@ -65,6 +65,8 @@ def render(reports: list[tuple[Path, dict]]) -> str:
         lines += _run_header(path, report)
         if report["script"] == "experiments.sweep":
             lines += _sweep_tables(report)
+        elif report["script"] == "benchmarks.jax_versions":
+            lines += _jax_versions_table(report)
         else:
             lines += _figures_table(report)
     return "\n".join(lines).rstrip() + "\n"
@@ -102,6 +104,24 @@ def _sweep_tables(report: dict) -> list[str]:
         if rows:
             lines += [f"### {title}", "", *_markdown_table(rows), ""]
     return lines
+
+
+def _jax_versions_table(report: dict) -> list[str]:
+    """The two interpreters' versions, then each figure's medians side by side."""
+    sides = report["sides"]
+    lines = [f"- side {side}: " + ", ".join(
+        f"{name} {version}" for name, version in described["versions"].items()
+        if isinstance(version, str) and name != "jpaged") + f" ({described['backend']})"
+        for side, described in sides.items()]
+    end_load = report["machine"].get("load_average_end")
+    if isinstance(end_load, list):
+        lines.append(f"- load average after the runs: {' / '.join(map(_number, end_load))}")
+    rows = [{"figure (ms, lower is better)": figure, "A": _number(row["A"]),
+             "B": _number(row["B"]), "B / A": _number(row["B_over_A"]),
+             "A runs": " / ".join(_number(x) for x in row["A_runs"]),
+             "B runs": " / ".join(_number(x) for x in row["B_runs"])}
+            for figure, row in report["results"].items()]
+    return [*lines, "", *_markdown_table(rows), ""]
 
 
 def _figures_table(report: dict) -> list[str]:

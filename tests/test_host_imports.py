@@ -17,6 +17,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 HEAVY = ("jax", "flax", "transformers", "torch")
 HOST_MODULES = (
     "jpaged.memory.allocator",
+    "jpaged.memory.block_ids",
     "jpaged.memory.block_manager",
     "jpaged.memory.reserving_block_manager",
     "jpaged.core.scheduler",

@@ -15,8 +15,10 @@ One iteration, for every live row b (a sequence that has not finished):
              non-finite logits
 
 The loop ends after `num_steps` iterations, once every row finished, once a row
-finished while requests wait for its place (`LoopInput.yield_on_finish`), or before
-an iteration whose blocks the pool cannot give; the host then takes what the loop
+finished while requests wait for its place (`LoopInput.yield_on_finish`), before
+an iteration whose blocks the pool cannot give, or once a block id it took or reads
+lies outside the pool (`LoopOutput.out_of_range`: a corrupt pool; that iteration
+writes the null block only, and the host raises); the host then takes what the loop
 did (`EngineCore`) and preempts as it does after any step. The first iteration's
 slots are the host's (its schedule made them private, copying on write); every
 later block comes fresh from the queue, held once, so the loop never writes a
@@ -86,12 +88,16 @@ class LoopOutput:
     num_drawn:    int32 [B]     the draws of row b (its first num_drawn[b] entries)
     block_tables: int32 [B, M]  the tables with the blocks the loop took
     pool:         the device BlockPool after the loop
+    out_of_range: bool []       a table held a block id outside the pool, or a live row's
+                                position passed its table, in some iteration (sticky):
+                                on the device an index there would be clamped or dropped
     """
 
     sampled: SamplerOutput
     num_drawn: chex.Array
     block_tables: chex.Array
     pool: BlockPool
+    out_of_range: chex.Array
 
 
 def padding_input(num_rows: int, num_blocks: int, vocab_size: int, draws: bool) -> LoopInput:
@@ -135,6 +141,15 @@ def _slot_blocks(pool: BlockPool, tables: chex.Array, positions: chex.Array,
     return jax.lax.fori_loop(0, tables.shape[0], take, (pool, tables))
 
 
+def _out_of_range(tables: chex.Array, positions: chex.Array, live: chex.Array,
+                  num_blocks: int, block_size: int) -> chex.Array:
+    """bool []: whether a table entry is no block of a pool of num_blocks, or a live
+    row's position lies past its table (`_entries` would clamp it onto the last entry)."""
+    outside = ((tables < 0) | (tables >= num_blocks)).any()
+    past = (live & (positions // block_size >= tables.shape[1])).any()
+    return outside | past
+
+
 def _metadata(tables: chex.Array, positions: chex.Array, live: chex.Array,
               block_size: int) -> AttentionMetadata:
     """One decode step's metadata (one KV cache group): finished and padding rows write
@@ -175,17 +190,21 @@ def decode_loop(step_fn, logits_fn, params, kv_cache, pool: BlockPool, inputs: L
     uses_dense = (base.penalties != jnp.array(NEUTRAL_PENALTIES)).any() | (base.bias != 0).any()
 
     def running(carry):
-        step, _, pool, tables, _, positions, live, _, _, finished, _, _ = carry
+        step, _, pool, tables, _, positions, live, _, _, finished, _, _, out_of_range = carry
         yielded = inputs.yield_on_finish & finished
-        return ((step < num_steps) & live.any() & ~yielded
+        return ((step < num_steps) & live.any() & ~yielded & ~out_of_range
                 & (_needs_block(tables, positions, live, block_size).sum() <= pool.num_free))
 
     def iteration(carry):
         (step, kv_cache, pool, tables, input_ids, positions, live, num_output, counts,
-         finished, num_drawn, outputs) = carry
+         finished, num_drawn, outputs, out_of_range) = carry
         pool, tables = _slot_blocks(pool, tables, positions, live, block_size)
+        out_of_range |= _out_of_range(tables, positions, live, pool.num_blocks, block_size)
+        # Past a bad id every row writes the null block, as padding does: the device
+        # would clamp the id onto another sequence's block or drop the write silently.
+        writing = live & ~out_of_range
         last_hidden, _, kv_cache = step_fn(params, input_ids, kv_cache,
-                                           _metadata(tables, positions, live, block_size))
+                                           _metadata(tables, positions, writing, block_size))
         logits = logits_fn(params, last_hidden)
         suppressing = live & (num_output < inputs.min_tokens)
         sampling = dataclasses.replace(base, positions=positions + 1)
@@ -209,12 +228,12 @@ def decode_loop(step_fn, logits_fn, params, kv_cache, pool: BlockPool, inputs: L
         return (step + 1, kv_cache, pool, tables, jnp.where(live, token, input_ids),
                 positions + grown, live & ~ended, num_output + grown,
                 counts.at[rows, token].add(grown), finished | (live & ended).any(),
-                num_drawn + grown, outputs)
+                num_drawn + grown, outputs, out_of_range)
 
     carry = (jnp.int32(0), kv_cache, pool, inputs.block_tables, inputs.input_ids,
              inputs.positions, inputs.live, inputs.num_output, base.output_counts,
-             jnp.bool_(False), jnp.zeros(num_rows, jnp.int32), first)
-    (_, kv_cache, pool, tables, _, _, _, _, _, _, num_drawn, outputs) = jax.lax.while_loop(
-        running, iteration, carry)
+             jnp.bool_(False), jnp.zeros(num_rows, jnp.int32), first, jnp.bool_(False))
+    (_, kv_cache, pool, tables, _, _, _, _, _, _, num_drawn, outputs,
+     out_of_range) = jax.lax.while_loop(running, iteration, carry)
     flat = jax.tree.map(lambda x: x.reshape(num_rows * num_steps, *x.shape[2:]), outputs)
-    return LoopOutput(flat, num_drawn, tables, pool), kv_cache
+    return LoopOutput(flat, num_drawn, tables, pool, out_of_range), kv_cache

@@ -22,7 +22,10 @@ dispatched before this one's tokens are fetched, against a prediction of them
 
 The core knows token ids only; text is the output processor's. If a step
 raises, its requests end with finish_reason "error" and the core recovers (a
-lost KV cache is allocated again) so that every other request goes on.
+lost KV cache is allocated again) so that every other request goes on. Two errors
+are fatal (`is_fatal`): an interrupt, and a block id outside the KV pool
+(`BlockIdOutOfRange`), whose tables or allocator state are corrupt; `LLMEngine.step`
+raises them once the core has ended the step's requests.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from jpaged.engine.decode_loop import LoopInput
 from jpaged.engine.lockstep import Lockstep
 from jpaged.engine.runner import ModelRunner
 from jpaged.engine.stats import KVBlockCounts
+from jpaged.memory.block_ids import BlockIdOutOfRange
 from jpaged.memory.block_manager import BlockManager
 from jpaged.memory.hybrid_block_manager import HybridBlockManager
 from jpaged.memory.kv_cache_groups import KVCacheGroups
@@ -125,6 +129,13 @@ class InFlight:
     sampled: SamplerOutput | None = None
     draw_sizes: list[int] = field(default_factory=list)
     sampler_rows: dict[int, int] = field(default_factory=dict)
+
+
+def is_fatal(error: BaseException) -> bool:
+    """Whether the engine must not go on after a step raised `error`: an interrupt, or a
+    block id outside the KV pool (an invariant broken: going on would serve requests
+    from corrupt block tables)."""
+    return not isinstance(error, Exception) or isinstance(error, BlockIdOutOfRange)
 
 
 def _has_penalties(params: SamplingParams) -> bool:
@@ -608,7 +619,8 @@ class EngineCore:
         failed = output.failed = _scheduled_groups(plan)
         output.error = error
         logger.error("a step failed (%s: %s); its %d requests finish with finish_reason "
-                     "'error'", type(error).__name__, error, len(failed))
+                     "'error'%s", type(error).__name__, error, len(failed),
+                     "; the error is fatal" if is_fatal(error) else "")
         for group in failed:
             search = self.beam_searches.pop(group.request_id, None)
             if search is not None:

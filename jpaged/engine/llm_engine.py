@@ -33,6 +33,7 @@ from jpaged.engine.engine_core import (
     CoreOutput,
     EngineCore,
     KVManager,
+    is_fatal,
     kv_cache_groups,
     make_kv_manager,
 )
@@ -259,7 +260,8 @@ class LLMEngine:
         If the step raises, its requests finish with finish_reason "error" (the
         exception is kept in `last_step_error`) and every other request goes on;
         an interrupt (KeyboardInterrupt) is raised again once the engine is
-        consistent.
+        consistent, and so is a block id outside the KV pool (BlockIdOutOfRange, an
+        IndexError: the engine's block tables are corrupt, so it must not go on).
         """
         started = time.perf_counter()
         outputs = []
@@ -282,7 +284,7 @@ class LLMEngine:
                                started, time.perf_counter())
         if core.error is not None:
             self.last_step_error = core.error
-            if not isinstance(core.error, Exception):
+            if is_fatal(core.error):
                 raise core.error
         return outputs
 

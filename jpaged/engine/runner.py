@@ -46,6 +46,7 @@ from jpaged.core.step_shapes import (
 from jpaged.engine.config import EngineConfig
 from jpaged.engine.decode_loop import LoopInput, LoopOutput, decode_loop
 from jpaged.memory.allocator import BlockOps, BlockPool
+from jpaged.memory.block_ids import BlockIdOutOfRange, check_block_ids, check_slots
 from jpaged.memory.kv_cache_groups import KVCacheGroups
 from jpaged.model.llama import (
     KVCache,
@@ -290,6 +291,8 @@ class ModelRunner:
             self._new_kv_cache = jax.jit(self._new_kv_cache,
                                           out_shardings=(cache_sharding, cache_sharding))
         self.kv_cache = self._new_kv_cache()
+        # The pools' sizes, which every block id the device gets is checked against.
+        self.num_blocks, self.num_host_blocks = num_blocks, num_host_blocks
         # Laid out as the device cache, so swaps pair their leaves (scales included).
         self.host_kv = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype),
                                     jax.eval_shape(lambda: init_kv_cache(
@@ -320,13 +323,37 @@ class ModelRunner:
         self.kv_cache = self._new_kv_cache()
 
     def apply_block_ops(self, ops: BlockOps) -> None:
-        """Swap out, swap in, then copy-on-write copies, in that order, before the step."""
+        """Swap out, swap in, then copy-on-write copies, in that order, before the step.
+
+        Raises BlockIdOutOfRange, moving nothing, if an op names a block outside its pool.
+        """
+        if not (len(ops.swap_out) or len(ops.swap_in) or len(ops.copies)):
+            return  # most steps: nothing to check or move
+        self.check_block_ops(ops)
         if len(ops.swap_out):
             self._swap_out(ops.swap_out)
         if len(ops.swap_in):
             self._swap_in(ops.swap_in)
         if len(ops.copies):
             self.kv_cache = _copy_blocks(self.kv_cache, self._pad_pairs(ops.copies))
+
+    def check_block_ops(self, ops: BlockOps) -> None:
+        """Raise BlockIdOutOfRange unless every block of `ops` lies in its pool: the
+        device would clamp or drop an id past it, and numpy wraps a negative one."""
+        check_block_ids(ops.swap_out[:, 0], self.num_blocks)
+        check_block_ids(ops.swap_out[:, 1], self.num_host_blocks, "host")
+        check_block_ids(ops.swap_in[:, 0], self.num_host_blocks, "host")
+        check_block_ids(ops.swap_in[:, 1], self.num_blocks)
+        check_block_ids(ops.copies, self.num_blocks)
+
+    def check_metadata(self, metadata: AttentionMetadata) -> None:
+        """Raise BlockIdOutOfRange unless the step's slots and block-table entries lie in
+        the pool (the host's numpy arrays; arrays already on the device are not read
+        back)."""
+        if isinstance(metadata.slot_mapping, np.ndarray):
+            check_slots(metadata.slot_mapping, self.num_blocks, self.block_size)
+        if isinstance(metadata.block_tables, np.ndarray):
+            check_block_ids(metadata.block_tables, self.num_blocks)
 
     def execute(
         self, input_ids: np.ndarray, metadata: AttentionMetadata, *, decode_only: bool,
@@ -341,7 +368,9 @@ class ModelRunner:
     def advance(self, input_ids: np.ndarray, metadata: AttentionMetadata, *,
                 decode_only: bool) -> tuple[jax.Array, jax.Array]:
         """Run one step for its K/V alone: (the hidden states at metadata.logits_indices,
-        final hidden states [T, hidden]) without logits."""
+        final hidden states [T, hidden]) without logits. Raises BlockIdOutOfRange,
+        running nothing, for a slot or table entry outside the pool."""
+        self.check_metadata(metadata)
         step = self.functions.step(decode_only)
         last_hidden, hidden, self.kv_cache = step(
             self._param_leaves, input_ids, self.kv_cache, metadata
@@ -356,11 +385,20 @@ class ModelRunner:
     def decode_loop(self, pool: BlockPool, inputs: LoopInput, *, num_steps: int,
                     num_top: int) -> LoopOutput:
         """Up to num_steps decode steps of `inputs` on the device, allocating from `pool`
-        (jpaged.engine.decode_loop) -> its numpy outputs."""
+        (jpaged.engine.decode_loop) -> its numpy outputs.
+
+        Raises BlockIdOutOfRange for an entry of inputs.block_tables outside the pool
+        (running nothing), or when the loop reports a block it took or used outside it
+        (a corrupt pool: the loop stopped writing there).
+        """
+        check_block_ids(inputs.block_tables, self.num_blocks)
         output, self.kv_cache = self.functions.decode_loop(
             self._param_leaves, self.kv_cache, pool, inputs, num_steps=num_steps,
             num_top=num_top, block_size=self.block_size)
-        return self.fetch(output)
+        output = self.fetch(output)
+        if output.out_of_range:
+            raise _loop_error(output, self.num_blocks)
+        return output
 
     def compile_decode_loop(self, pool: BlockPool, inputs: LoopInput, *, num_steps: int,
                             num_top: int) -> jax.stages.Compiled:
@@ -473,6 +511,18 @@ class ModelRunner:
         host_ids, device_ids = padded[:, 0], padded[:, 1]
         pages = jax.tree.map(lambda host: host[:, :, host_ids], self.host_kv)
         self.kv_cache = _write_blocks(self.kv_cache, pages, device_ids)
+
+
+def _loop_error(output: LoopOutput, num_blocks: int) -> BlockIdOutOfRange:
+    """The error of a decode loop whose out_of_range flag is set, naming the id it left in
+    its block tables when there is one."""
+    try:
+        check_block_ids(output.block_tables, num_blocks)
+    except BlockIdOutOfRange as error:
+        return BlockIdOutOfRange(f"decode loop: {error}", error.value, num_blocks)
+    return BlockIdOutOfRange(
+        f"decode loop: a row's position passed its block table (a pool of {num_blocks} "
+        "blocks)", None, num_blocks)
 
 
 def start_runner(config: EngineConfig, model: LlamaForCausalLM, model_config: LlamaConfig, *,

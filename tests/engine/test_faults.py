@@ -255,13 +255,14 @@ def test_nan_logits_end_only_their_request(tiny_llama_dir, prompts, expected):
 
 def break_pallas_kernels(monkeypatch) -> None:
     """The Pallas kernels ("tpu", "triton") fail to lower;
-    the "xla" and "reference" implementations of the same ops still work."""
+    the "xla" and "reference" implementations of the same ops still work. Runners get
+    their step functions from a cache of the test's own: one built earlier for the same
+    model and backend holds the working kernels, one built here the broken ones."""
     import kernels_pallas
     from jpaged.engine import runner
 
-    # Step functions an earlier engine built hold the working kernels: a cache of its own.
     monkeypatch.setattr(runner, "step_functions", functools.lru_cache(
-        runner.STEP_FUNCTIONS_CACHE_SIZE)(runner.step_functions.__wrapped__))
+        maxsize=runner.STEP_FUNCTIONS_CACHE_SIZE)(runner.step_functions.__wrapped__))
     for name in ("ragged_paged_attention", "paged_decode_attention"):
         op = getattr(kernels_pallas, name)
 
