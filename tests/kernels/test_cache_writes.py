@@ -104,8 +104,9 @@ def test_one_token_and_its_duplicate_land_once():
     np.testing.assert_array_equal(values, -expected.reshape(cache.shape))
 
 
-@pytest.mark.xfail(strict=False, reason="openxla/xla#49176 on this jax: what the tests "
-                   "above check our writes against (an XPASS: fixed upstream)")
+@pytest.mark.xfail(strict=True, reason="openxla/xla#49176 on this jax, the form the tests "
+                   "above keep jpaged's writes out of; once a jax fixes it this test fails: "
+                   "drop the marker and keep the test")
 def test_xla_49176_itself():
     """The upstream reproducer, which none of jpaged's writes may take the form of."""
     x = jnp.arange(4, dtype=jnp.int32).reshape(4, 1, 1)
