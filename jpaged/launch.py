@@ -65,6 +65,10 @@ def initialize() -> bool:
     # accelerators; asking for the backend here would start it too early).
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(**kwargs)
+    if jax.default_backend() == "cpu":
+        # On jax 0.12 a CPU step loaded from the compilation cache on disk never finishes
+        # its cross-process collectives (a second run of a job hangs); 0.10.2 is unaffected.
+        jax.config.update("jax_enable_compilation_cache", False)
     return jax.process_index() == 0
 
 

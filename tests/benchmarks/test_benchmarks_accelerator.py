@@ -3,6 +3,7 @@ mode, and reports numbers within their bounds; the report on disk is the one pri
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.accelerator import SMOKE, engine_workload, main
+from benchmarks.accelerator import GPU_OP, SMOKE, TPU_OP, engine_workload, main
 
 ROOT = Path(__file__).resolve().parents[2]
 # Max abs error of a bfloat16 decode against the float32 reference, as in test_kernels.
@@ -50,7 +51,11 @@ def test_compiled_test_run_passes_and_skips_other_backends_kernels(smoke_run):
 def test_every_decode_op_measured_at_every_point_within_tolerance(smoke_run):
     kernels = smoke_run[0]["sections"]["kernels"]
     assert kernels["jpaged_implementation"] == "triton" and kernels["interpret"]
-    assert set(kernels["jax_ops"].values()) == {"measured"}
+    # jax 0.12 dropped its Triton GPU ops, the GPU paged-attention op among them.
+    shipped = {name for name in (GPU_OP, TPU_OP) if importlib.util.find_spec(name)}
+    assert {name for name, state in kernels["jax_ops"].items() if state == "measured"} == shipped
+    assert all(state.startswith("absent from jax")
+               for name, state in kernels["jax_ops"].items() if name not in shipped)
     grid = {(b, c, s) for b in SMOKE.batches for c in SMOKE.contexts for s in SMOKE.block_sizes}
     assert {(p["batch"], p["context"], p["block_size"]) for p in kernels["points"]} == grid
     _, num_kv_heads, head_dim = SMOKE.attention_shape
