@@ -18,7 +18,6 @@ import pytest
 import torch
 import transformers
 
-from jpaged.core.step_shapes import BucketSizes
 from jpaged.engine.beam_search import vllm_score
 from jpaged.entrypoints.llm import LLM
 from jpaged.memory.kv_cache_groups import KVCacheGroups
@@ -185,40 +184,6 @@ def test_vllm_scoring_matches_brute_force(tiny):
             assert vllm_score(sequence.cum_logprob, length, p.length_penalty) == pytest.approx(
                 score, abs=1e-4)
     print(f"tie divergences: {ties}")
-
-
-SMOLLM2_QUESTIONS = [
-    "What is the capital of France?",
-    "Write a haiku about autumn leaves.",
-    "Explain photosynthesis in one sentence.",
-    "Name three programming languages.",
-    "How many legs does a spider have?",
-    "Give me a synonym for happy.",
-    "What is 12 times 12?",
-    "Describe the color blue to someone who cannot see.",
-]
-
-
-# Full tier: the fast tier compares the default model with transformers' stored answers
-# (tests/references/test_smollm2_reference.py).
-@pytest.mark.full
-def test_smollm2_beams_match_generate(smollm2, smollm2_oracle):
-    """Eight chat prompts, 32 new tokens, widths 2 and 4, all in one batch beside
-    sampled requests. Rows pad to 32 so the run compiles few step shapes."""
-    model, config, tokenizer = smollm2
-    llm = LLM("smollm2", loaded=smollm2, block_size=16, kv_cache_memory=256 << 20,
-              max_num_seqs=32, max_num_batched_tokens=512, max_model_len=256,
-              buckets=BucketSizes(min_num_tokens=32, min_num_seqs=32, min_blocks_per_seq=16),
-              persistent_compilation_cache=False)
-    prompts = [llm.engine.apply_chat_template([{"role": "user", "content": q}])
-               for q in SMOLLM2_QUESTIONS]
-    params = [BeamSearchParams(beam_width=2 if i < 4 else 4, max_tokens=32,
-                               scoring="transformers", length_penalty=1.0)
-              for i in range(len(prompts))]
-    ours = _best_beams(llm, prompts, params, others=prompts[:2])
-    ties = _compare(smollm2_oracle, prompts, params, ours, llm.engine.eos_token_ids)
-    print(f"tie divergences: {ties}")
-    assert "Paris" in tokenizer.decode(ours[0])
 
 
 def test_beams_hold_one_copy_of_the_prompt(tiny):

@@ -19,7 +19,7 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from jpaged.model import default_model
-from jpaged.model.default_model import cache_directory, default_model_gguf
+from jpaged.model.default_model import cache_directory
 from jpaged.model.gguf import convert_gguf, load_gguf
 from jpaged.model.llama import init_kv_cache
 from jpaged.model.loader import load_model
@@ -282,67 +282,6 @@ def test_failed_download_raises_and_leaves_no_partial_files(monkeypatch, tmp_pat
 
 
 # The default model: SmolLM2-135M-Instruct, from PyPI on first use.
-
-SMOLLM2_PROMPTS = [
-    [{"role": "user", "content": "What is the capital of France?"}],
-    [{"role": "user", "content": "Write a short poem about the sea."}],
-    [{"role": "system", "content": "You are a terse assistant."},
-     {"role": "user", "content": "List three prime numbers and explain why they are prime."}],
-    "Once upon a time, in a small village by the mountains,",
-]
-NEW_TOKENS = 64
-
-
-def jpaged_greedy(model, config, prompts: list[list[int]], book_factory, num_new: int):
-    """Greedy continuation of all prompts together: one ragged prefill, then batched decodes
-    over the paged cache (no stopping at EOS, so every prompt yields num_new tokens)."""
-    max_len = max(map(len, prompts)) + num_new
-    blocks_per_seq = -(-max_len // 16)
-    book = book_factory(16, num_blocks=1 + len(prompts) * blocks_per_seq,
-                        max_blocks_per_seq=blocks_per_seq)
-    kv_cache = init_kv_cache(config, book.num_blocks, 16)
-    graphdef, state = nnx.split(model)
-    chunks = list(enumerate(prompts))
-    outputs = [[] for _ in prompts]
-    for step in range(num_new):
-        num_tokens = sum(len(t) for _, t in chunks) if step == 0 else len(prompts)
-        input_ids, metadata = book.step(chunks, num_tokens=num_tokens, num_seqs=len(prompts))
-        logits, kv_cache = model_step(graphdef, state, input_ids, kv_cache, metadata)
-        next_tokens = np.asarray(logits.argmax(-1))
-        for i, token in enumerate(next_tokens):
-            outputs[i].append(int(token))
-        chunks = [(i, [int(t)]) for i, t in enumerate(next_tokens)]
-    return outputs
-
-
-# Full tier: the fast tier compares the default model with transformers' stored answers
-# (tests/references/test_smollm2_reference.py).
-@pytest.mark.default_model
-@pytest.mark.full
-def test_smollm2_greedy_matches_transformers(paged_cache_book):
-    model, config, tokenizer = load_model("smollm2")
-    gguf_path = default_model_gguf()
-    assert (config.num_layers, config.num_heads, config.num_kv_heads) == (30, 9, 3)
-    assert config.tie_word_embeddings and config.eos_token_ids == (2,)
-    prompts = [
-        tokenizer.apply_chat_template(p, add_generation_prompt=True)
-        if isinstance(p, list) else tokenizer.encode(p)
-        for p in SMOLLM2_PROMPTS
-    ]
-    oracle = transformers.AutoModelForCausalLM.from_pretrained(
-        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
-    ).eval()
-
-    ours = jpaged_greedy(model, config, prompts, paged_cache_book, NEW_TOKENS)
-
-    for prompt, tokens in zip(prompts, ours, strict=True):
-        expected = oracle.generate(
-            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
-        )[0, len(prompt):].tolist()
-        assert tokens == expected, tokenizer.decode(prompt)
-    assert "Paris" in tokenizer.decode(ours[0])
-
 
 @pytest.mark.default_model
 def test_smollm2_is_converted_once(monkeypatch):

