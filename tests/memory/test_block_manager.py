@@ -522,12 +522,15 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert self.bm.logical_blocks_used == 0
 
 
+class TestBlockManager(BlockManagerMachine.TestCase):
+    settings = settings(max_examples=40, stateful_step_count=200, deadline=None)
+
+
 # Long runs reach what short ones rarely do: a beam forked, scheduled and pruned
 # in one step while another request swaps in through a nearly full pool.
-BlockManagerMachine.TestCase.settings = settings(
-    max_examples=250, stateful_step_count=200, deadline=None
-)
-TestBlockManager = BlockManagerMachine.TestCase
+@pytest.mark.full
+class TestBlockManagerLongRuns(BlockManagerMachine.TestCase):
+    settings = settings(max_examples=250, stateful_step_count=200, deadline=None)
 
 
 def make_manager(**overrides):
