@@ -16,15 +16,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-import transformers
 
 from jpaged.engine.beam_search import vllm_score
 from jpaged.entrypoints.llm import LLM
 from jpaged.memory.kv_cache_groups import KVCacheGroups
-from jpaged.model.loader import load_model
 from jpaged.sampling_params import BeamSearchParams, SamplingParams
 from jpaged.sequence import SequenceStatus
-from tests.plugins.layouts import layout_params
+from tests.plugins.layouts import layout_models, layout_params
 
 TIE = 1e-5
 TINY_ENGINE = dict(num_blocks=None, kv_cache_memory=8 << 20, max_num_seqs=16,
@@ -104,10 +102,7 @@ def _compare(oracle, prompts, params_list, ours, eos) -> int:
 def tiny(request):
     """(loaded model, transformers' model, block size) of a row of the layouts' covering
     array (tests/plugins/layouts.py)."""
-    layout = request.param
-    directory = request.getfixturevalue(layout.model_dir)
-    oracle = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
-    return load_model(directory), oracle, layout.block_size
+    return layout_models(request, request.param)
 
 
 def _transformers_params(prompts):

@@ -10,14 +10,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-import transformers
 
 from jpaged.core.step_shapes import BucketSizes
 from jpaged.entrypoints.llm import LLM
-from jpaged.model.loader import load_model
 from jpaged.sampling_params import SamplingParams
 from tests.plugins.hf_models import fed_logits
-from tests.plugins.layouts import layout_params
+from tests.plugins.layouts import layout_models, layout_params
 
 TOP = 5
 
@@ -26,10 +24,7 @@ TOP = 5
 def tiny(request):
     """(loaded model, transformers' model, block size) of a row of the layouts' covering
     array (tests/plugins/layouts.py)."""
-    layout = request.param
-    directory = request.getfixturevalue(layout.model_dir)
-    oracle = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
-    return load_model(directory), oracle, layout.block_size
+    return layout_models(request, request.param)
 
 
 def _rows_and_temperatures() -> list:

@@ -52,3 +52,13 @@ def layout_params(layouts=LAYOUTS) -> list:
     return [pytest.param(layout, id=layout.id,
                          marks=() if layout == FAST_LAYOUT else pytest.mark.full)
             for layout in layouts]
+
+
+def layout_models(request: pytest.FixtureRequest, layout: Layout) -> tuple:
+    """(jpaged's loaded model, transformers' model, block size) of a row."""
+    from jpaged.model.loader import load_model
+    from tests.plugins.hf_models import oracle_transformers
+
+    directory = request.getfixturevalue(layout.model_dir)
+    oracle = oracle_transformers().AutoModelForCausalLM.from_pretrained(directory).eval()
+    return load_model(directory), oracle, layout.block_size

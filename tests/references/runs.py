@@ -15,6 +15,18 @@ def prompt_ids(llm: LLM, case: dict) -> list[int]:
     return llm.get_tokenizer().encode(case["prompt"])
 
 
+def check_tokenization(llm: LLM, reference: dict) -> None:
+    """The engine's EOS ids, the tokenizer's ids and decoding of the reference's texts, and
+    every prompt's ids, as the reference has them."""
+    tokenizer = llm.get_tokenizer()
+    assert list(llm.engine.eos_token_ids) == reference["eos_token_ids"]
+    for case in reference["tokenizer"]:
+        assert tokenizer.encode(case["text"]) == case["ids"], case["text"]
+        assert tokenizer.decode(case["ids"]) == case["decoded"], case["text"]
+    for case in reference["greedy"] + reference["beams"]:
+        assert prompt_ids(llm, case) == case["prompt_ids"], case["prompt"]
+
+
 def run_reference(llm: LLM, reference: dict) -> dict[str, object]:
     """Every greedy case and beam search of the reference in one engine run; the finished
     outputs by request id ("greedy-i", "beam-i")."""

@@ -13,21 +13,16 @@ import pytest
 from jpaged.entrypoints.llm import LLM
 from jpaged.sampling_params import SamplingParams
 from tests.references.compare import compare_greedy, load_reference
-from tests.references.runs import compare_run, prompt_ids, run_reference
+from tests.references.runs import check_tokenization, compare_run, run_reference
 
 pytestmark = pytest.mark.full
 REFERENCE = load_reference("gemma3")
 
 
 def test_gemma3_matches_stored_transformers(gemma3):
-    _, config, tokenizer = gemma3
+    _, config, _ = gemma3
     llm = LLM("gemma3", loaded=gemma3, block_size=16, max_model_len=1024, max_num_seqs=16)
-    assert list(llm.engine.eos_token_ids) == REFERENCE["eos_token_ids"]
-    for case in REFERENCE["tokenizer"]:
-        assert tokenizer.encode(case["text"]) == case["ids"], case["text"]
-        assert tokenizer.decode(case["ids"]) == case["decoded"], case["text"]
-    for case in REFERENCE["greedy"] + REFERENCE["beams"]:
-        assert prompt_ids(llm, case) == case["prompt_ids"], case["prompt"]
+    check_tokenization(llm, REFERENCE)
     assert max(len(case["prompt_ids"]) for case in REFERENCE["greedy"]) > config.sliding_window
 
     ties = compare_run(REFERENCE, run_reference(llm, REFERENCE), REFERENCE["eos_token_ids"])

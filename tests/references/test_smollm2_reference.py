@@ -9,7 +9,7 @@ from __future__ import annotations
 from jpaged.core.step_shapes import BucketSizes
 from jpaged.entrypoints.llm import LLM
 from tests.references.compare import load_reference
-from tests.references.runs import compare_run, prompt_ids, run_reference
+from tests.references.runs import check_tokenization, compare_run, run_reference
 
 REFERENCE = load_reference("smollm2")
 
@@ -19,12 +19,7 @@ def test_smollm2_matches_stored_transformers(smollm2):
     llm = LLM("smollm2", loaded=smollm2, block_size=16, kv_cache_memory=128 << 20,
               max_num_seqs=16, max_num_batched_tokens=512, max_model_len=128,
               buckets=BucketSizes(min_num_tokens=16, min_num_seqs=16, min_blocks_per_seq=8))
-    assert list(llm.engine.eos_token_ids) == REFERENCE["eos_token_ids"]
-    for case in REFERENCE["tokenizer"]:
-        assert tokenizer.encode(case["text"]) == case["ids"], case["text"]
-        assert tokenizer.decode(case["ids"]) == case["decoded"], case["text"]
-    for case in REFERENCE["greedy"] + REFERENCE["beams"]:
-        assert prompt_ids(llm, case) == case["prompt_ids"], case["prompt"]
+    check_tokenization(llm, REFERENCE)
 
     done = run_reference(llm, REFERENCE)
     ties = compare_run(REFERENCE, done, REFERENCE["eos_token_ids"])
