@@ -37,11 +37,10 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 import numpy as np
 
-from benchmarks.report import REPO, new_report, progress, record_end_load, versions
+from benchmarks.report import REPO, call_seconds, new_report, progress, record_end_load, versions
 
 # SmolLM2-135M's attention (benchmarks.matmul's ATTENTION).
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
@@ -58,13 +57,7 @@ WORKER_TIMEOUT_S = 900
 def median_ms(call, repeats: int) -> float:
     """Median wall milliseconds of call() (which waits for its result), after one call
     that compiles."""
-    call()
-    samples = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        call()
-        samples.append(time.perf_counter() - started)
-    return 1e3 * statistics.median(samples)
+    return 1e3 * statistics.median(call_seconds(call, repeats))
 
 
 def paged_pool(context_lens: np.ndarray, rng: np.random.Generator):

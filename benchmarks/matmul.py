@@ -28,11 +28,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 
 import numpy as np
 
-from benchmarks.report import new_report, progress, record_end_load
+from benchmarks.report import call_seconds, new_report, progress, record_end_load
 
 # (in, out) of each product of a SmolLM2 layer, and of its tied vocabulary head.
 SHAPES = {"qkv_proj": (576, 960), "o_proj": (576, 576), "gate_up_proj": (576, 3072),
@@ -40,13 +39,7 @@ SHAPES = {"qkv_proj": (576, 960), "o_proj": (576, 576), "gate_up_proj": (576, 30
 
 
 def best_time(call, repeats: int) -> float:
-    call()
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - started)
-    return min(times)
+    return min(call_seconds(call, repeats))
 
 
 def rates(rows: int, size: tuple[int, int], repeats: int) -> dict:

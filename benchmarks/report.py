@@ -25,7 +25,8 @@ import platform
 import shlex
 import subprocess
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -93,3 +94,15 @@ def new_report(script: str, argv: Sequence[str] | None = None,
 def record_end_load(report: dict) -> None:
     """The load average once the runs are done, beside the one at the start."""
     report["machine"]["load_average_end"] = [round(load, 2) for load in os.getloadavg()]
+
+
+def call_seconds(call: Callable[[], object], repeats: int) -> list[float]:
+    """Wall seconds of `repeats` calls of call() (which waits for its result), after one
+    untimed call that compiles."""
+    call()
+    seconds = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        call()
+        seconds.append(time.perf_counter() - started)
+    return seconds

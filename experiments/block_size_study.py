@@ -26,13 +26,13 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-import time
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.report import call_seconds
 from experiments.engine_runs import make_engine, serve
 from experiments.rate_study import LENGTH_SCALES
 from experiments.simulator import SimConfig, simulate
@@ -241,13 +241,7 @@ def operation_seconds(engine, num_tokens: int, vocab_size: int) -> dict:
 
 
 def _median_seconds(call) -> float:
-    call()
-    times = []
-    for _ in range(TIMING_REPEATS):
-        started = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - started)
-    return float(np.median(times))
+    return float(np.median(call_seconds(call, TIMING_REPEATS)))
 
 
 def operation_costs(loaded, settings: BlockSizeSettings, vocab_size: int,
