@@ -38,22 +38,18 @@ from dataclasses import dataclass, field
 import jax
 import numpy as np
 
-from jpaged.config import CacheConfig
 from jpaged.core.batch_builder import build_model_input
 from jpaged.core.scheduler import Scheduler
 from jpaged.core.scheduler_output import BeamChoice, SampledTokens, SchedulerOutput, SchedulerStats
 from jpaged.core.step_shapes import StepShapes, bucket, padded_sizes
 from jpaged.engine.beam_search import BeamSearch, Hypothesis
-from jpaged.engine.config import EngineConfig
 from jpaged.engine.decode_loop import LoopInput
+from jpaged.engine.kv_managers import KVManager
 from jpaged.engine.lockstep import Lockstep
 from jpaged.engine.runner import ModelRunner
 from jpaged.engine.stats import KVBlockCounts
 from jpaged.memory.block_ids import BlockIdOutOfRange
 from jpaged.memory.block_manager import BlockManager
-from jpaged.memory.hybrid_block_manager import HybridBlockManager
-from jpaged.memory.kv_cache_groups import KVCacheGroups
-from jpaged.memory.reserving_block_manager import ReservingBlockManager
 from jpaged.model.sampler import (
     NEUTRAL_PENALTIES,
     SamplerOutput,
@@ -66,9 +62,6 @@ from jpaged.speculative.draft_model import DraftModelProposer, Drafts, RowOf, dr
 from jpaged.speculative.proposer import Proposer
 
 logger = logging.getLogger("jpaged")
-
-KVManager = BlockManager | HybridBlockManager | ReservingBlockManager
-
 
 @dataclass(frozen=True)
 class PromptLogprobs:
@@ -141,42 +134,6 @@ def is_fatal(error: BaseException) -> bool:
 def _has_penalties(params: SamplingParams) -> bool:
     return (params.repetition_penalty, params.presence_penalty,
             params.frequency_penalty) != NEUTRAL_PENALTIES
-
-
-def kv_cache_groups(config: EngineConfig, layer_windows: tuple[int | None, ...]
-                    ) -> KVCacheGroups:
-    """How the model's layers share the pool: groups whose sliding windows free blocks,
-    or, with `disable_hybrid_kv_cache_manager`, one group that keeps every block.
-
-    Raises ValueError for an Orca allocation of a model with a sliding window unless
-    every block is kept: a reservation holds a sequence's blocks until it ends.
-    """
-    keep_every_block = config.disable_hybrid_kv_cache_manager
-    if config.allocation != "paged" and not keep_every_block and any(
-            window is not None for window in layer_windows):
-        raise ValueError(
-            f"allocation={config.allocation!r} reserves every block of a sequence, so it "
-            "cannot free a sliding window's blocks: set disable_hybrid_kv_cache_manager=True "
-            "to run this sliding-window model with every block kept")
-    return KVCacheGroups.of(layer_windows, free_windows=not keep_every_block)
-
-
-def make_kv_manager(config: EngineConfig, num_blocks: int, max_model_len: int,
-                    groups: KVCacheGroups) -> KVManager:
-    """Paged blocks over the KV cache groups (a HybridBlockManager for several), or
-    Orca's reservations on them (`allocation`, one group)."""
-    cache_config = CacheConfig(
-        block_size=config.block_size, num_blocks=num_blocks,
-        num_host_blocks=config.num_host_blocks,
-        enable_prefix_caching=config.enable_prefix_caching and config.allocation == "paged",
-        share_blocks=config.share_blocks, sliding_window=groups.windows[0],
-        max_num_batched_tokens=config.max_num_batched_tokens,
-    )
-    if config.allocation != "paged":
-        return ReservingBlockManager(cache_config, config.allocation, max_model_len)
-    if groups.num_groups == 1:
-        return BlockManager(cache_config)
-    return HybridBlockManager(cache_config, groups)
 
 
 class EngineCore:

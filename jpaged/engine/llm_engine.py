@@ -29,16 +29,10 @@ from jpaged.core.scheduler import Scheduler
 from jpaged.engine import compilation, lockstep, machine
 from jpaged.engine.beam_search import BeamSearch
 from jpaged.engine.config import EngineConfig
-from jpaged.engine.engine_core import (
-    CoreOutput,
-    EngineCore,
-    KVManager,
-    is_fatal,
-    kv_cache_groups,
-    make_kv_manager,
-)
+from jpaged.engine.engine_core import CoreOutput, EngineCore, is_fatal
 from jpaged.engine.input_processor import EngineRequest, InputProcessor, RequestLimits
 from jpaged.engine.kv_cache_sizing import size_kv_cache
+from jpaged.engine.kv_managers import KVManager, kv_cache_groups, make_kv_manager
 from jpaged.engine.output_processor import OutputProcessor
 from jpaged.engine.protocol import EngineState
 from jpaged.engine.runner import ModelRunner, start_runner
