@@ -172,7 +172,7 @@ def jpaged_process(args, loads: dict) -> dict:
         "max_num_seqs": config.max_num_seqs,
         "max_num_batched_tokens": config.max_num_batched_tokens,
         "block_size": config.block_size, "kv_cache": str(llm.engine.kv_cache_info),
-        "attention_backend": llm.engine.core.runner.attention_backend,
+        "attention_backend": llm.engine.runner.attention_backend,
         "threads": f"XLA intra-op threads over {len(os.sched_getaffinity(0))} usable cores",
         "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""), "jax": jax.__version__}
     return result

@@ -34,7 +34,8 @@ import numpy as np
 
 from benchmarks.report import new_report, progress
 from jpaged.model import sampler
-from jpaged.model.sampler import SamplingRow, nucleus_cutoffs, sample, sampling_tensors
+from jpaged.model.sampler import nucleus_cutoffs, sample
+from jpaged.worker.sampling_rows import SamplingRow, sampling_tensors
 
 VOCAB = 49152
 PEAKED, FLAT = 5.0, 3.0

@@ -137,7 +137,7 @@ def batch1_profile(llm, args, rounds: int = 16) -> dict:
     sampling alone, medians over interleaved rounds (a load change hits all alike)."""
     from jpaged import SamplingParams
     from jpaged.core.batch_builder import build_model_input
-    from jpaged.model.sampler import SamplingRow, sampling_tensors
+    from jpaged.worker.sampling_rows import SamplingRow, sampling_tensors
 
     engine, runner = llm.engine, llm.engine.runner
     # 60 tokens: the first decode position has its block already (60 is no multiple

@@ -41,10 +41,10 @@ from flax import nnx  # noqa: E402
 
 from benchmarks.report import new_report, progress  # noqa: E402
 from jpaged.core.attention_metadata import AttentionMetadata  # noqa: E402
-from jpaged.engine.runner import ModelRunner  # noqa: E402
 from jpaged.model.config import LlamaConfig  # noqa: E402
 from jpaged.model.llama import LlamaForCausalLM  # noqa: E402
 from jpaged.model.sharding import bytes_per_device, model_mesh, shard_model  # noqa: E402
+from jpaged.worker.model_runner import ModelRunner  # noqa: E402
 
 SIZES = (1, 2, 4, 8)
 BLOCK_SIZE = 16

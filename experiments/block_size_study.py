@@ -39,8 +39,8 @@ from experiments.simulator import SimConfig, simulate
 from experiments.workloads import RequestSpec, scaled_workload
 from jpaged import SamplingParams
 from jpaged.core.step_shapes import BucketSizes, bucket
-from jpaged.engine.runner import attention_functions
 from jpaged.memory.allocator import BlockOps
+from jpaged.worker.model_runner import attention_functions
 
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # Figure 19 (b) needs two runs per block size: the smallest, the default and the largest.

@@ -161,7 +161,7 @@ def serve(engine, requests: Sequence[RequestSpec], label: str = "",
     arrival = {r.request_id: r.arrival_time for r in requests}
     output_len = {r.request_id: r.output_len for r in requests}
     engine.stats = EngineStats(step_log=[])
-    buckets, block_size = engine.core.shapes.buckets, engine.config.block_size
+    buckets, block_size = engine.shapes.buckets, engine.config.block_size
     preemptions_before = engine.scheduler.num_preemptions
     clock, next_arrival, latencies, step_seconds, finished = 0.0, 0, [], [], {}
     compile_total, step_compiled = 0.0, []

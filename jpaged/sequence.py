@@ -11,8 +11,12 @@ from __future__ import annotations
 import enum
 import warnings
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from jpaged.sampling_params import BeamSearchParams, SamplingParams
+
+if TYPE_CHECKING:
+    from jpaged.core.stop_rule import StopRule
 
 
 class SequenceStatus(enum.Enum):
@@ -125,12 +129,14 @@ class SequenceGroup:
     seed: int = 0
     # Read from params once: the scheduler reads them for every group and token.
     # max_seqs: the most sequences the group holds at once (n samples, or beam_width
-    # beams); stop_token_ids, min_tokens, max_tokens: its stop rule.
+    # beams); stop_token_ids, min_tokens, max_tokens: what its stop rule is made of.
     is_beam_search: bool = field(init=False, repr=False)
     max_seqs: int = field(init=False, repr=False)
     stop_token_ids: frozenset[int] = field(init=False, repr=False)
     min_tokens: int = field(init=False, repr=False)
     max_tokens: int | None = field(init=False, repr=False)
+    # When its sequences end, given by the scheduler that admits it (it knows max_model_len).
+    stop_rule: StopRule | None = field(init=False, repr=False, default=None)
 
     def __post_init__(self):
         params = self.params

@@ -26,13 +26,12 @@ One step is one round trip, as in vLLM v1:
 `update_from_output` is the only call back: it records the computed tokens,
 appends the drawn ones, ends sequences at EOS, a stop token, max_tokens or
 max_model_len, forks a prompt's parallel samples, applies the beams a beam
-search chose, and frees the blocks of whatever ended. With async scheduling it
-comes in two halves around the next `schedule`: `predict(plan)` takes the running
-step's tokens as drawn (placeholder tokens), and `reconcile(plan, sampled)` puts
-the real ones in their place with the stop checks. Between steps, callers end
-requests with `abort` and sequences with `finish_seq` (a stop string the
-detokenized text revealed). Only the scheduler, and the KV cache manager it
-calls, change sequences.
+search chose, and frees the blocks of whatever ended: every drawn token goes through
+`_append`, under the request's stop rule (jpaged.core.stop_rule). With async
+scheduling it comes in two halves around the next `schedule`
+(jpaged.core.async_scheduler). Between steps, callers end requests with `abort` and
+sequences with `finish_seq` (a stop string the detokenized text revealed). Only the
+scheduler, and the KV cache manager it calls, change sequences.
 """
 
 from __future__ import annotations
@@ -40,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import deque
+from collections.abc import Iterable
 
 from jpaged.config import SchedulerConfig
 from jpaged.core.scheduler_output import (
@@ -49,9 +49,10 @@ from jpaged.core.scheduler_output import (
     SchedulerStats,
 )
 from jpaged.core.step_plan import Chunk, StepPlan
+from jpaged.core.stop_rule import StopRule
 from jpaged.errors import InvalidParameter
 from jpaged.memory.kv_cache_manager import AllocStatus, KVCacheManager
-from jpaged.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceGroup, SequenceStatus
+from jpaged.sequence import Sequence, SequenceGroup, SequenceStatus
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,7 @@ _RUNNING = SequenceStatus.RUNNING
 _SWAPPED = SequenceStatus.SWAPPED
 _STOPPED = SequenceStatus.FINISHED_STOPPED
 _LENGTH = SequenceStatus.FINISHED_LENGTH
+_ERROR = SequenceStatus.FINISHED_ERROR
 
 
 class Scheduler:
@@ -75,8 +77,9 @@ class Scheduler:
         self.running: deque[SequenceGroup] = deque()
         self.swapped: deque[SequenceGroup] = deque()
         self._unfinished: dict[str, SequenceGroup] = {}
-        # Groups whose predicted tokens reach a length limit: not scheduled until reconciled.
-        self._awaiting_length: set[str] = set()
+        # Requests the schedule passes over until a running step's tokens are known
+        # (filled by the async scheduler: those whose predicted tokens reach their length).
+        self.held_back: set[str] = set()
         self._next_seq_id = 0
         self.num_preemptions = 0
 
@@ -89,6 +92,7 @@ class Scheduler:
         if group.request_id in self._unfinished:
             raise ValueError(f"request id {group.request_id!r} is already in the scheduler")
         self.check_request(group)
+        group.stop_rule = StopRule.of(group, self.config.max_model_len)
         group.seqs[0].seq_id = self._new_seq_id()
         self.waiting.append(group)
         self._unfinished[group.request_id] = group
@@ -250,21 +254,23 @@ class Scheduler:
             seq.num_computed_tokens += num_new_tokens
             if not seq.spec_token_ids:  # a speculating one once it knows what it keeps
                 mark_computed(seq)
-        if sampled.runs is not None:
-            return self._append_runs(plan, sampled)
+        runs = sampled.runs
         tokens = sampled.tokens.tolist()
         num_accepted = None if sampled.num_accepted is None else sampled.num_accepted.tolist()
         all_finite = bool(sampled.finite.all())
         first, ended = 0, False
         for group, rows in plan.draws:
             end = first + len(rows)
-            if not (all_finite or sampled.finite[first:end].all()):
+            if runs is not None:
+                ended |= self._append_runs(group, [scheduled[row][0] for row in rows],
+                                           runs[first:end], sampled.finite[first:end].tolist())
+            elif not (all_finite or sampled.finite[first:end].all()):
                 self._end_non_finite(group)
                 ended = True
             elif group.is_beam_search:
                 ended |= self._continue_beams(group, sampled.beams[group.request_id])
             elif end - first == 1 and num_accepted is None:  # the common case
-                ended |= self._append(group, scheduled[rows[0]][0], tokens[first])
+                ended |= self._append(group, scheduled[rows[0]][0], (tokens[first],))
             else:
                 accepted = [0] * (end - first) if num_accepted is None else num_accepted[first:end]
                 ended |= self._append_samples(group, [scheduled[row][0] for row in rows],
@@ -274,97 +280,31 @@ class Scheduler:
             self.running = deque(group for group in self.running if not group.is_finished)
         return self.stats()
 
-    # Async scheduling: a step's tokens taken as drawn before they are known.
-
-    def predict(self, plan: SchedulerOutput) -> None:
-        """Take `plan`'s step, still running on the device, as done: its new tokens
-        computed (full blocks registered) and each draw's token a PLACEHOLDER_TOKEN, so
-        the next `schedule` plans the step after it. A group that its tokens take to
-        max_tokens or max_model_len waits for `reconcile` instead of being scheduled.
-        For plans whose draws are single samples (no fork, no beam search, no
-        proposals); sequences that ended since the plan (an abort, a stop string) are
-        left alone."""
-        for seq, num_new_tokens in plan.scheduled:
-            if not seq.is_finished:
-                seq.num_computed_tokens += num_new_tokens
-                self.block_manager.mark_computed(seq)
-        for group, rows in plan.draws:
-            for row in rows:
-                seq = plan.scheduled[row][0]
-                if seq.is_finished:
-                    continue
-                seq.output_token_ids.append(PLACEHOLDER_TOKEN)
-                num_output = len(seq.output_token_ids)
-                if (group.max_tokens is not None and num_output >= group.max_tokens) or (
-                        num_output + seq.num_prompt_tokens >= self.config.max_model_len):
-                    self._awaiting_length.add(group.request_id)
-
-    def reconcile(self, plan: SchedulerOutput, sampled: SampledTokens) -> SchedulerStats:
-        """The tokens of a `predict`ed plan arrived: each replaces its draw's placeholder,
-        with every stop check of `update_from_output` (a non-finite draw ends its group
-        with FINISHED_ERROR). A sequence that ended since keeps the token without a
-        check (a failed step after this one), or had its placeholder cut already (a stop
-        string); one the schedule in between preempted ends where it waits."""
-        ended = False
-        draws = [(group, row) for group, rows in plan.draws for row in rows]
-        for (group, row), token, finite in zip(draws, sampled.tokens.tolist(),
-                                               sampled.finite.tolist(), strict=True):
-            self._awaiting_length.discard(group.request_id)
-            seq = plan.scheduled[row][0]
-            output = seq.output_token_ids
-            if not output or output[-1] != PLACEHOLDER_TOKEN:
-                continue  # never predicted (it had ended), or cut at a stop string
-            if not finite:
-                del output[-1]
-                if not seq.is_finished:
-                    self._end_non_finite(group)
-                    ended = True
-                continue
-            output[-1] = token
-            if not seq.is_finished:
-                ended |= self._stops(group, seq, token)
-        if ended:
-            for queue in (self.running, self.waiting, self.swapped):
-                for group in [g for g in queue if g.is_finished]:
-                    queue.remove(group)
-        return self.stats()
-
-    def _append_runs(self, plan: SchedulerOutput, sampled: SampledTokens) -> SchedulerStats:
-        """A decode loop's tokens: each draw's run appended one by one with every stop
-        check, what follows a stop dropped; a run cut by non-finite logits ends its group
-        with FINISHED_ERROR after its finite tokens."""
-        scheduled, ended = plan.scheduled, False
-        draws = [(group, row) for group, rows in plan.draws for row in rows]
-        for (group, row), run, finite in zip(draws, sampled.runs, sampled.finite.tolist(),
-                                             strict=True):
-            if group.is_finished:
-                continue
-            seq = scheduled[row][0]
-            ended |= self._append_run(group, seq, run)
-            if not finite and not group.is_finished:
-                self._end_non_finite(group)
-                ended = True
-        if ended:
-            self.running = deque(group for group in self.running if not group.is_finished)
-        return self.stats()
-
     def _end_non_finite(self, group: SequenceGroup) -> None:
         """End every unfinished sequence of a group whose logits were not finite."""
         logger.error("request %r: NaN or infinite logits; it finishes with finish_reason "
                      "'error'", group.request_id)
         for seq in group.unfinished_seqs():
-            self._release(group, seq, SequenceStatus.FINISHED_ERROR)
+            self._release(group, seq, _ERROR)
 
-    def _append_run(self, group: SequenceGroup, seq: Sequence, run: list[int]) -> bool:
-        """Append a decode loop's run to `seq`: each token after the first follows one
-        the loop computed. Whether it ended."""
-        for i, token in enumerate(run):
-            if i:
-                seq.num_computed_tokens += 1
-            if self._append(group, seq, token):
-                return True
-        self.block_manager.mark_computed(seq)
-        return False
+    def _append_runs(self, group: SequenceGroup, seqs: list[Sequence], runs: list[list[int]],
+                     finite: list[bool]) -> bool:
+        """A decode loop's runs of tokens, one per sequence: each token after a run's first
+        follows one the loop computed; a run cut by non-finite logits ends the group with
+        FINISHED_ERROR after its finite tokens. Whether any ended."""
+        ended = False
+        for seq, run, run_finite in zip(seqs, runs, finite, strict=True):
+            if group.is_finished:
+                break
+            seq.num_computed_tokens += max(len(run) - 1, 0)
+            if self._append(group, seq, run):
+                ended = True
+            else:
+                self.block_manager.mark_computed(seq)
+            if not run_finite and not group.is_finished:
+                self._end_non_finite(group)
+                ended = True
+        return ended
 
     def _append_samples(self, group: SequenceGroup, seqs: list[Sequence],
                         tokens: list[int], num_accepted: list[int]) -> bool:
@@ -380,40 +320,32 @@ class Scheduler:
             if seq.spec_token_ids:
                 ended |= self._accept(group, seq, accepted, token)
             else:
-                ended |= self._append(group, seq, token)
+                ended |= self._append(group, seq, (token,))
         return ended
 
     def _accept(self, group: SequenceGroup, seq: Sequence, num_accepted: int,
                 token: int) -> bool:
         """Verification's result for a speculating sequence: its first `num_accepted`
-        proposals, then `token`, appended one by one with every stop check (what
-        follows a stop is dropped). The rejected proposals leave num_computed_tokens;
-        their slots stay in the table for the next proposals, and only accepted tokens
-        reach the prefix cache. Whether it ended."""
+        proposals, then `token`. The rejected proposals leave num_computed_tokens; their
+        slots stay in the table for the next proposals, and only accepted tokens reach
+        the prefix cache. Whether it ended."""
         proposals, seq.spec_token_ids = seq.spec_token_ids, []
         seq.num_computed_tokens -= len(proposals) - num_accepted
-        for new_token in (*proposals[:num_accepted], token):
-            if self._append(group, seq, new_token):
-                return True
+        if self._append(group, seq, (*proposals[:num_accepted], token)):
+            return True
         self.block_manager.mark_computed(seq)
         return False
 
-    def _append(self, group: SequenceGroup, seq: Sequence, token: int) -> bool:
-        """Append `token` to `seq` and end it at a stop; whether it ended."""
-        seq.output_token_ids.append(token)
-        return self._stops(group, seq, token)
-
-    def _stops(self, group: SequenceGroup, seq: Sequence, token: int) -> bool:
-        """End `seq` if `token`, its last output token, stops it; whether it ended."""
-        num_output = len(seq.output_token_ids)
-        if token in group.stop_token_ids and num_output >= group.min_tokens:
-            self._release(group, seq, _STOPPED)
-            return True
-        max_tokens = group.max_tokens
-        if (max_tokens is not None and num_output >= max_tokens) or (
-                num_output + len(seq.prompt_token_ids) >= self.config.max_model_len):
-            self._release(group, seq, _LENGTH)
-            return True
+    def _append(self, group: SequenceGroup, seq: Sequence, tokens: Iterable[int]) -> bool:
+        """Append `tokens` to `seq` one by one under the group's stop rule, dropping what
+        follows a stop; whether it ended (its blocks freed)."""
+        output, rule = seq.output_token_ids, group.stop_rule
+        for token in tokens:
+            output.append(token)
+            status = rule.finish_status(token, len(output))
+            if status is not None:
+                self._release(group, seq, status)
+                return True
         return False
 
     def _continue_beams(self, group: SequenceGroup, choice: BeamChoice) -> bool:
@@ -438,11 +370,9 @@ class Scheduler:
             continued.append(self._fork(beams[parent]) if parent in seen else beams[parent])
             seen.add(parent)
         for beam, token in zip(continued, choice.tokens, strict=True):
-            beam.output_token_ids.append(token)
+            beam.output_token_ids.append(token)  # the search's choice: no stop token check
         group.seqs = continued
-        num_output = len(continued[0].output_token_ids)
-        if num_output < group.max_tokens and (
-                num_output + continued[0].num_prompt_tokens < self.config.max_model_len):
+        if not group.stop_rule.reaches_length(len(continued[0].output_token_ids)):
             return False
         for beam in continued:
             self._release(group, beam, _LENGTH)
@@ -458,10 +388,10 @@ class Scheduler:
 
     def _schedule_running(self, plan: StepPlan) -> None:
         queue, self.running = self.running, deque()
-        awaiting = self._awaiting_length
+        held_back = self.held_back
         while queue:
             group = queue.popleft()
-            if awaiting and group.request_id in awaiting:
+            if held_back and group.request_id in held_back:
                 self.running.append(group)
                 continue
             if self._schedule_decode(group, plan):
@@ -523,7 +453,7 @@ class Scheduler:
     def _schedule_swapped(self, plan: StepPlan) -> None:
         while self.swapped:
             group = self.swapped[0]
-            if group.request_id in self._awaiting_length:
+            if group.request_id in self.held_back:
                 return
             seqs = group.seqs_with(_SWAPPED)
             chunk = plan.next_chunk(group, seqs)

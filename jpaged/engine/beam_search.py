@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from jpaged.core.scheduler_output import BeamChoice, SchedulerOutput
+from jpaged.model.sampler import SamplerOutput
 from jpaged.sampling_params import BeamSearchParams
 
 # transformers' stand-in for minus infinity in beam scores.
@@ -269,3 +271,30 @@ class BeamSearch:
         else:
             score = cum / len(beam.output_token_ids) ** self.params.length_penalty
         self.finished.append(Hypothesis(beam, score, reason))
+
+
+def choose_beams(searches: dict[str, BeamSearch], plan: SchedulerOutput,
+                 sampled: SamplerOutput, draw_rows: list[range]
+                 ) -> tuple[dict[str, BeamChoice], dict[str, list[Hypothesis]]]:
+    """Each drawing beam search's next beams, from its rows of `sampled` (draw_rows: each
+    draw's); the results of those that ended, which leave `searches`."""
+    choices, results, first = {}, {}, 0
+    for group, rows in plan.draws:
+        # A beam's draw is one row: the group's rows follow each other.
+        draws = slice(draw_rows[first].start, draw_rows[first + len(rows) - 1].stop)
+        first += len(rows)
+        if not group.is_beam_search:
+            continue
+        search = searches[group.request_id]
+        if not sampled.finite[draws].all():
+            search.fail()  # the scheduler ends the group with FINISHED_ERROR
+        else:
+            k = search.num_candidates
+            step = search.step(sampled.top_ids[draws, :k], sampled.top_logprobs[draws, :k])
+            choices[group.request_id] = BeamChoice(
+                [e.parent for e in step.extensions], [e.token for e in step.extensions],
+                step.done)
+        if search.results is not None:
+            results[group.request_id] = search.results
+            del searches[group.request_id]
+    return choices, results

@@ -85,7 +85,7 @@ class EngineConfig:
     the first of `jax.devices()`.
 
     num_decode_steps: the most decode steps a batch whose sequences all decode runs on
-    the device in one loop before the host schedules again (jpaged.engine.decode_loop);
+    the device in one loop before the host schedules again (jpaged.worker.decode_loop);
     1 schedules every step. None takes the machine's default.
 
     async_scheduling: schedule each step while the device runs the one before it, its

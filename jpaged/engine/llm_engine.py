@@ -25,8 +25,11 @@ import numpy as np
 
 from jpaged._deprecation import moved_names
 from jpaged.config import SchedulerConfig
+from jpaged.core.async_scheduler import AsyncScheduler
 from jpaged.core.scheduler import Scheduler
+from jpaged.core.step_shapes import StepShapes
 from jpaged.engine import compilation, lockstep, machine
+from jpaged.engine.backend_choice import start_runner
 from jpaged.engine.beam_search import BeamSearch
 from jpaged.engine.config import EngineConfig
 from jpaged.engine.engine_core import CoreOutput, EngineCore, is_fatal
@@ -35,7 +38,6 @@ from jpaged.engine.kv_cache_sizing import size_kv_cache
 from jpaged.engine.kv_managers import KVManager, kv_cache_groups, make_kv_manager
 from jpaged.engine.output_processor import OutputProcessor
 from jpaged.engine.protocol import EngineState
-from jpaged.engine.runner import ModelRunner, start_runner
 from jpaged.engine.stats import EngineStats, SpecDecodeCounts
 from jpaged.inputs import PromptType
 from jpaged.model.config import LlamaConfig
@@ -46,6 +48,11 @@ from jpaged.sampling_params import BeamSearchParams, SamplingParams
 from jpaged.sequence import Sequence, SequenceGroup
 from jpaged.speculative.draft_model import DraftModelProposer, check_draft_model
 from jpaged.speculative.ngram import NgramProposer
+from jpaged.speculative.proposer import Proposer
+from jpaged.worker import warmup
+from jpaged.worker.decode_loop_runner import DecodeLoopRunner
+from jpaged.worker.model_runner import ModelRunner
+from jpaged.worker.step_runner import SingleStepRunner
 
 logger = logging.getLogger("jpaged")
 
@@ -97,7 +104,8 @@ class LLMEngine:
         logger.info("%s", self.kv_cache_info)
         num_blocks = self.kv_cache_info.num_blocks
         kv_manager = make_kv_manager(config, num_blocks, self.max_model_len, groups)
-        scheduler = Scheduler(SchedulerConfig(
+        scheduler_class = AsyncScheduler if _async_scheduling(config) else Scheduler
+        scheduler = scheduler_class(SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
@@ -108,21 +116,12 @@ class LLMEngine:
                                       max_model_len=self.max_model_len, mesh=mesh,
                                       groups=groups)
         vocab_size = self.model_config.vocab_size
-        draft_runner = proposer = None
-        if draft is not None:
-            draft_runner = ModelRunner(
-                *draft, num_blocks=num_blocks, block_size=config.block_size,
-                num_host_blocks=config.num_host_blocks, kv_dtype=config.kv_dtype,
-                attention_backend=runner.attention_backend, interpret=config.interpret,
-                logit_rows_per_seq=runner.logit_rows_per_seq)
-            proposer = DraftModelProposer(draft_runner, kv_manager, shapes, vocab_size)
-        elif spec is not None:
-            proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
-        self.core = EngineCore(scheduler, kv_manager, runner, shapes, vocab_size=vocab_size,
-                               max_logprobs=config.max_logprobs, proposer=proposer,
-                               draft_runner=draft_runner,
-                               num_decode_steps=config.num_decode_steps,
-                               async_scheduling=config.async_scheduling,
+        proposer = _proposer(config, draft, runner, kv_manager, shapes, vocab_size)
+        step_runner = SingleStepRunner(runner, kv_manager, shapes, proposer,
+                                       vocab_size=vocab_size, max_logprobs=config.max_logprobs)
+        if _decode_loops(config, kv_manager, proposer):
+            step_runner = DecodeLoopRunner(step_runner, kv_manager, config.num_decode_steps)
+        self.core = EngineCore(scheduler, kv_manager, step_runner, proposer,
                                lockstep=lockstep.Lockstep(mesh) if lockstep.spans_processes(mesh)
                                else None)
         eos, tokenizer_eos = self.model_config.eos_token_ids, self.tokenizer.eos_token_id
@@ -147,19 +146,19 @@ class LLMEngine:
         return self.core.kv_manager
 
     @property
-    def runner(self):
-        return self.core.runner
+    def runner(self) -> ModelRunner:
+        return self.core.step_runner.model_runner
 
     @property
-    def shapes(self):
-        return self.core.shapes
+    def shapes(self) -> StepShapes:
+        return self.core.step_runner.shapes
 
     @property
     def buckets(self):
         """Deprecated: `shapes.buckets`."""
         warnings.warn("LLMEngine.buckets is deprecated: use LLMEngine.shapes.buckets",
                       DeprecationWarning, stacklevel=2)
-        return self.core.shapes.buckets
+        return self.shapes.buckets
 
     # Requests.
 
@@ -283,19 +282,12 @@ class LLMEngine:
         return outputs
 
     def warmup(self) -> int:
-        """Compile every step shape the limits allow (jpaged.engine.compilation.warmup),
-        a draft model's too; returns the number of step shapes run."""
-        core = self.core
-        decode_loop = None
-        if core.runs_decode_loops:
-            decode_loop = (core.kv_manager.state.device, core.num_decode_steps)
-        return max(compilation.warmup(runner, core.shapes,
-                                      vocab_size=self.model_config.vocab_size,
-                                      hidden_size=runner.config.hidden_size,
-                                      num_top=self.config.max_logprobs,
-                                      decode_loop=decode_loop if runner is core.runner else None,
-                                      async_scheduling=core.async_scheduling)
-                   for runner in core.runners)
+        """Compile every step shape the limits allow, and what follows a step, for the
+        step runner and the proposer's runners (jpaged.worker.warmup); returns the number
+        of step shapes run."""
+        feeds_tokens = isinstance(self.scheduler, AsyncScheduler)
+        warmup.run(self.core.step_runner.warmup_calls(feeds_tokens))
+        return len(self.shapes.warmup_shapes())
 
     def check_invariants(self) -> None:
         """Check the KV blocks against the live sequences; RuntimeError on a violation.
@@ -320,3 +312,34 @@ class LLMEngine:
             kv_cache_dtype=self.kv_cache_info.dtype,
             kv_bytes_per_token=self.kv_cache_info.bytes_per_token,
             spec_decode=SpecDecodeCounts().add(self.stats.spec_decode))
+
+
+def _async_scheduling(config: EngineConfig) -> bool:
+    """Async scheduling predicts each step's tokens; proposals need the tokens, so under
+    speculative decoding steps run one after another."""
+    return config.async_scheduling and config.speculative_config is None
+
+
+def _decode_loops(config: EngineConfig, kv_manager: KVManager, proposer: Proposer) -> bool:
+    """Decode loops need a manager that adopts the blocks they take on the device; with
+    proposals the host works between every two steps."""
+    return (config.num_decode_steps > 1 and kv_manager.adopts_device_blocks
+            and not proposer.speculates)
+
+
+def _proposer(config: EngineConfig, draft, runner: ModelRunner, kv_manager: KVManager,
+              shapes: StepShapes, vocab_size: int) -> Proposer:
+    """The speculative_config's proposer (one that proposes nothing without one); a
+    draft model runs on a runner of its own, laid out as the target's."""
+    spec = config.speculative_config
+    if spec is None:
+        return Proposer()
+    if draft is None:
+        return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
+                             spec.prompt_lookup_max)
+    draft_runner = ModelRunner(
+        *draft, num_blocks=runner.num_blocks, block_size=config.block_size,
+        num_host_blocks=config.num_host_blocks, kv_dtype=config.kv_dtype,
+        attention_backend=runner.attention_backend, interpret=config.interpret,
+        logit_rows_per_seq=runner.logit_rows_per_seq)
+    return DraftModelProposer(draft_runner, kv_manager, shapes, vocab_size)

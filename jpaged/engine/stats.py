@@ -23,6 +23,7 @@ import numpy as np
 from jax import monitoring
 
 from jpaged.outputs import RequestMetrics
+from jpaged.sequence import SequenceStatus
 
 if TYPE_CHECKING:
     from jpaged.core.scheduler_output import SchedulerOutput, SchedulerStats
@@ -43,6 +44,27 @@ class KVBlockCounts(NamedTuple):
     physical: int
     logical: int
     groups: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, manager) -> KVBlockCounts:
+        """A KV cache manager's counts now."""
+        return cls(manager.num_device_blocks, manager.physical_blocks_used,
+                   manager.logical_blocks_used, manager.group_blocks_used)
+
+
+def block_usage(manager, groups) -> list[tuple[str, int, int]]:
+    """(request id, logical blocks, distinct blocks) of each of the running sequence
+    groups `groups` in `manager`; entries released from a sliding window (the null block)
+    count in neither."""
+    usage = []
+    for group in groups:
+        tables = [table.array for seq in group.seqs
+                  if seq.status is SequenceStatus.RUNNING for table in manager.block_tables(seq)]
+        logical = sum(int(np.count_nonzero(t)) for t in tables)
+        physical = (logical if len(tables) == 1
+                    else int(np.count_nonzero(np.unique(np.concatenate(tables)))))
+        usage.append((group.request_id, logical, physical))
+    return usage
 
 
 class StepRecord(NamedTuple):

@@ -10,7 +10,7 @@ keeps a Python object per block, and every array has a size fixed by the pool,
 so the transitions of one block (`take_free_block`, `drop_holder`,
 `private_copy`, ...) run unchanged on `jax.numpy` arrays under `jit`, where they
 return updated copies: the host's transitions check their arguments and run
-those, and the on-device decode loop (jpaged.engine.decode_loop) allocates with
+those, and the on-device decode loop (jpaged.worker.decode_loop) allocates with
 them. The host adopts the state the device returns.
 
 Free queue (vLLM v1's LRU order): an intrusive doubly linked list through

@@ -6,8 +6,8 @@ on the host numpy reads a negative id from the end. Another JAX serving engine l
 KV state that way without an error (tpu-inference issue 2366). Such an id means the
 allocator's state or a block table is corrupt: an internal invariant broken, not a bad
 request. So the ids are checked on the host before a block op or a step takes them
-(`jpaged.engine.runner`), and the decode loop, which chooses its blocks on the device,
-carries a flag the host reads back (`jpaged.engine.decode_loop`); both raise
+(`jpaged.worker.model_runner`), and the decode loop, which chooses its blocks on the device,
+carries a flag the host reads back (`jpaged.worker.decode_loop`); both raise
 `BlockIdOutOfRange`, which the engine does not recover from.
 
 Each check is one reduction over an array of a step's size (a few microseconds), never

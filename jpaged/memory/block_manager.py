@@ -145,6 +145,8 @@ class BlockManager:
         self._logical_blocks = 0
 
     num_groups = 1
+    # A decode loop may allocate from its device pool (`adopt_device_blocks`).
+    adopts_device_blocks = True
 
     @property
     def state(self) -> AllocatorState:

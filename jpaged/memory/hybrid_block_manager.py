@@ -49,6 +49,8 @@ class HybridBlockManager:
         self.enable_prefix_caching = anchor.enable_prefix_caching
         self.watermark_blocks = anchor.watermark_blocks
 
+    adopts_device_blocks = False  # a decode loop allocates for one group
+
     @property
     def num_groups(self) -> int:
         return len(self.managers)

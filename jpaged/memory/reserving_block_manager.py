@@ -87,6 +87,7 @@ class ReservingBlockManager:
         return [block for r in reservations.values() for block in r.spare]
 
     num_groups = 1
+    adopts_device_blocks = False  # reservations are the host's
 
     @property
     def group_blocks_used(self) -> tuple[int]:

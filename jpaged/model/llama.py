@@ -309,7 +309,7 @@ class LlamaForCausalLM(nnx.Module):
 
     A step is `hidden_states` (every layer over the step's new tokens, writing their
     K/V into the paged cache and attending through the block tables) followed by
-    `compute_logits` on the rows to sample from. The runner (jpaged.engine.runner)
+    `compute_logits` on the rows to sample from. The runner (jpaged.worker.model_runner)
     jits it as a pure function with the cache donated: it splits the module once
     and merges inside the traced function,
 

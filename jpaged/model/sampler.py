@@ -22,14 +22,8 @@ Per row, from the model's raw logits l (f32 [V]), `sample` applies in this order
    token whatever shares its batch. A 64-bit seed outside [0, 2^32) is key(its low 32
    bits) with its high 32 bits folded in; a seed inside keeps key(seed).
 
-Speculative decoding verifies proposals with the same rows: a row with a proposal d
-drawn from a distribution q (a draft model's, or one-hot for an n-gram's) accepts it
-if greedy and d is the argmax of 2, else with probability min(1, p(d) / q(d))
-(Leviathan et al.), p the distribution 4 to 7 leave, from a uniform drawn with the
-key fold_in(row key, ACCEPT_STREAM); a row that rejects draws from the residual
-max(0, p - q), normalised, with the row's key. A row without a proposal draws as in
-8. A draft model draws its proposals with `draft_sample`: the same steps on its own
-logits, with the key fold_in(row key, DRAFT_STREAM).
+Rows that carry proposals (speculative decoding) are verified with the same steps by
+jpaged.model.verification.
 
 Log-probabilities come from the raw logits (before 1 and 2):
 log_softmax(l / logprob_temperature), with the sampled token's rank and the top ones.
@@ -53,16 +47,23 @@ depend on what follows it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cache
 
 import chex
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jpaged.sampling_params import SamplingParams
+from jpaged._deprecation import moved_names
+
+# Names this module held before the sampling rows and verification moved out of it.
+__getattr__ = moved_names(__name__, {
+    "SamplingRow": "jpaged.worker.sampling_rows",
+    "sampling_tensors": "jpaged.worker.sampling_rows",
+    "draft_sample": "jpaged.model.verification",
+    "ACCEPT_STREAM": "jpaged.model.verification",
+    "DRAFT_STREAM": "jpaged.model.verification",
+})
 
 # Head size of the fast path: lax.top_k grows slowly with it, and 128 candidates
 # answer top_p 0.9 for nearly every row of a real model at moderate temperatures.
@@ -74,11 +75,6 @@ ESCALATION = 8
 TOP_K_CHUNK = 128
 # (repetition, presence, frequency) that leave logits bit-identical.
 NEUTRAL_PENALTIES = (1.0, 0.0, 0.0)
-# The stream folded into a row's key for the uniform that accepts or rejects its
-# proposal, apart from the Gumbel noise of its draw.
-ACCEPT_STREAM = 1
-# The stream of a draft model's draw for a row, independent of both of the above.
-DRAFT_STREAM = 2
 
 
 @jax.tree_util.register_dataclass
@@ -284,7 +280,7 @@ def filter_logits(
     return jnp.where(masked >= cutoff[:, None], masked, -jnp.inf)
 
 
-def _first_argmax(x: chex.Array) -> chex.Array:
+def first_argmax(x: chex.Array) -> chex.Array:
     """jnp.argmax over the last axis (the first maximum), for rows without NaN. -> int32.
 
     Two plain reductions: several times faster on a CPU than XLA's (value, index)
@@ -307,67 +303,17 @@ def _categorical(seed: chex.Array, seed_high: chex.Array, sample_index: chex.Arr
                  position: chex.Array, logits: chex.Array) -> chex.Array:
     """jax.random.categorical(key, logits) for one row ([V] -> int32 []): its definition,
     the argmax of logits plus Gumbel noise, with the faster argmax."""
-    key = _row_key(seed, seed_high, sample_index, position)
-    return _first_argmax(logits + jax.random.gumbel(key, logits.shape))
+    key = row_key(seed, seed_high, sample_index, position)
+    return first_argmax(logits + jax.random.gumbel(key, logits.shape))
 
 
-def _row_key(seed: chex.Array, seed_high: chex.Array, sample_index: chex.Array,
+def row_key(seed: chex.Array, seed_high: chex.Array, sample_index: chex.Array,
              position: chex.Array) -> chex.Array:
     return jax.random.fold_in(jax.random.fold_in(_seed_key(seed, seed_high), sample_index),
                               position)
 
 
-def _verify(seed: chex.Array, seed_high: chex.Array, sample_index: chex.Array,
-            position: chex.Array, logits: chex.Array, proposal: chex.Array,
-            draft_probs: chex.Array | None) -> tuple[chex.Array, chex.Array]:
-    """One row's proposal (-1: none), drawn from draft_probs (f32 [V]; None: one-hot),
-    accepted with probability min(1, p / q) at it, else a draw from max(0, p - q); a row
-    without a proposal draws as `_categorical` does.
-    logits: f32 [V], filtered. -> (token int32 [], accepted bool [])."""
-    key = _row_key(seed, seed_high, sample_index, position)
-    has_proposal = proposal >= 0
-    proposed = jnp.maximum(proposal, 0)
-    probs = jnp.exp(logits - jax.nn.logsumexp(logits))
-    if draft_probs is None:
-        draft_probs = (jnp.arange(logits.shape[-1]) == proposed).astype(probs.dtype)
-    draft_probs = jnp.where(has_proposal, draft_probs, 0.0)
-    ratio = probs[proposed] / jnp.maximum(draft_probs[proposed], jnp.finfo(jnp.float32).tiny)
-    accepted = has_proposal & (
-        jax.random.uniform(jax.random.fold_in(key, ACCEPT_STREAM)) < ratio)
-    residual = jnp.maximum(probs - draft_probs, 0.0)
-    # p <= q everywhere leaves no residual: such a row accepts (p = q) but for rounding.
-    residual = jnp.where(residual.sum() > 0, residual, probs)
-    drawn = _first_argmax(jnp.log(residual) + jax.random.gumbel(key, logits.shape))
-    return jnp.where(accepted, proposed, drawn), accepted
-
-
-def draft_sample(logits: chex.Array, tensors: SamplingTensors) -> tuple[chex.Array, chex.Array]:
-    """A draft model's proposals: one token per row and the distribution it was drawn
-    from, by the steps of `sample` (greedy rows: the argmax, one-hot) with the key
-    fold_in(row key, DRAFT_STREAM). logits: [B, V] -> (int32 [B], f32 [B, V])."""
-    return _compiled_draft_sample()(logits, tensors)
-
-
-def _draft_sample(logits: chex.Array, tensors: SamplingTensors
-                  ) -> tuple[chex.Array, chex.Array]:
-    processed = process_logits(logits.astype(jnp.float32), tensors)
-    greedy_tokens = _first_argmax(processed)
-    sampled = tensors.temperature > 0
-    masked = _filtered(processed, tensors)
-
-    def draw(seed, seed_high, sample_index, position, row):
-        key = jax.random.fold_in(_row_key(seed, seed_high, sample_index, position), DRAFT_STREAM)
-        return _first_argmax(row + jax.random.gumbel(key, row.shape))
-
-    drawn = jax.vmap(draw)(tensors.seeds, tensors.seed_high, tensors.sample_indices,
-                           tensors.positions, masked)
-    tokens = jnp.where(sampled, drawn, greedy_tokens)
-    one_hot = jax.nn.one_hot(greedy_tokens, logits.shape[-1], dtype=jnp.float32)
-    probs = jnp.where(sampled[:, None], jax.nn.softmax(masked, axis=-1), one_hot)
-    return tokens, probs
-
-
-def _filtered(processed: chex.Array, tensors: SamplingTensors) -> chex.Array:
+def filtered_logits(processed: chex.Array, tensors: SamplingTensors) -> chex.Array:
     """Steps 4 to 7: the sampled rows' logits over temperature, -inf outside their
     filters (greedy rows: divided by 1, unfiltered). f32 [B, V] -> [B, V]."""
     sampled = tensors.temperature > 0
@@ -381,18 +327,10 @@ def _filtered(processed: chex.Array, tensors: SamplingTensors) -> chex.Array:
                         scaled, top_k, top_p, min_p)
 
 
-def _draw(processed: chex.Array, tensors: SamplingTensors
-          ) -> tuple[chex.Array, chex.Array | None]:
-    """Steps 4 to 8 for every row (greedy rows' draws are discarded), verifying the rows'
-    proposals if they have any. -> (int32 [B], accepted bool [B] or None)."""
-    masked = _filtered(processed, tensors)
+def _draw(processed: chex.Array, tensors: SamplingTensors) -> chex.Array:
+    """Steps 4 to 8 for every row (greedy rows' draws are discarded). -> int32 [B]."""
     streams = (tensors.seeds, tensors.seed_high, tensors.sample_indices, tensors.positions)
-    if tensors.proposals is None:
-        return jax.vmap(_categorical)(*streams, masked), None
-    if tensors.draft_probs is None:
-        return jax.vmap(lambda *args: _verify(*args, None))(*streams, masked,
-                                                             tensors.proposals)
-    return jax.vmap(_verify)(*streams, masked, tensors.proposals, tensors.draft_probs)
+    return jax.vmap(_categorical)(*streams, filtered_logits(processed, tensors))
 
 
 def logprob_outputs(
@@ -441,7 +379,8 @@ def chunked_top_k(x: chex.Array, k: int) -> tuple[chex.Array, chex.Array]:
 
 def sample(logits: chex.Array, tensors: SamplingTensors, num_top: int) -> SamplerOutput:
     """One token per row, and log-probabilities of the raw logits; compiled with the
-    options of the default backend (`compiler_options`).
+    options of the default backend (`compiler_options`). Proposals are not checked
+    (jpaged.model.verification does).
 
     logits: [B, V] (any float dtype; computed in f32); num_top: static, <= V.
     """
@@ -465,141 +404,21 @@ def _compiled_sample():
                    compiler_options=compiler_options())
 
 
-@cache
-def _compiled_draft_sample():
-    return jax.jit(_draft_sample, compiler_options=compiler_options())
-
-
 def sample_tokens(logits: chex.Array, tensors: SamplingTensors, num_top: int
                   ) -> SamplerOutput:
     """What `sample` compiles, for a caller that traces it into its own jitted function
-    (the decode loop)."""
+    (the decode loop). Rows with proposals are verified by jpaged.model.verification."""
     raw = logits.astype(jnp.float32)
     processed = process_logits(raw, tensors)
-    tokens = _first_argmax(processed)
-    accepted = jnp.zeros(tokens.shape, bool)
-    if tensors.proposals is not None:  # greedy rows accept their argmax
-        accepted = tokens == tensors.proposals
+    tokens = first_argmax(processed)
     if tensors.draws:
-        sampled = tensors.temperature > 0
-        drawn, drawn_accepted = _draw(processed, tensors)
-        tokens = jnp.where(sampled, drawn, tokens)
-        if drawn_accepted is not None:
-            accepted = jnp.where(sampled, drawn_accepted, accepted)
+        tokens = jnp.where(tensors.temperature > 0, _draw(processed, tensors), tokens)
+    return sampler_output(raw, tensors, tokens, jnp.zeros(tokens.shape, bool), num_top)
+
+
+def sampler_output(raw: chex.Array, tensors: SamplingTensors, tokens: chex.Array,
+                   accepted: chex.Array, num_top: int) -> SamplerOutput:
+    """The rows' tokens with the log-probabilities of the raw logits f32 [B, V]."""
     scaled = raw / tensors.logprob_temperature[:, None]
     finite = jnp.isfinite(raw).all(axis=-1)
     return SamplerOutput(tokens, *logprob_outputs(scaled, tokens, num_top), finite, accepted)
-
-
-@dataclass(frozen=True)
-class SamplingRow:
-    """What the host knows of one row to sample (vLLM's conventions already mapped:
-    temperature 0 is greedy, top_k 0 is off)."""
-
-    temperature: float
-    top_k: int
-    top_p: float
-    min_p: float
-    repetition_penalty: float
-    presence_penalty: float
-    frequency_penalty: float
-    seed: int  # 64-bit, signed or not
-    sample_index: int
-    position: int
-    logprob_temperature: float = 1.0
-    prompt_token_ids: Sequence[int] = ()
-    output_token_ids: Sequence[int] = ()
-    suppressed_token_ids: tuple[int, ...] = ()
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
-    proposal: int = -1  # the token proposed for `position`, -1 for none
-
-    @classmethod
-    def of(cls, params: SamplingParams, *, seed: int, sample_index: int, position: int,
-           prompt_token_ids: Sequence[int], output_token_ids: Sequence[int],
-           suppressed_token_ids: tuple[int, ...] = (), proposal: int = -1) -> SamplingRow:
-        """A row of a request: temperature < 1e-5 becomes 0 (greedy), top_k -1 becomes 0."""
-        return cls(
-            temperature=0.0 if params.greedy else params.temperature,
-            top_k=max(params.top_k, 0), top_p=params.top_p, min_p=params.min_p,
-            repetition_penalty=params.repetition_penalty,
-            presence_penalty=params.presence_penalty,
-            frequency_penalty=params.frequency_penalty,
-            seed=seed, sample_index=sample_index, position=position,
-            prompt_token_ids=prompt_token_ids, output_token_ids=output_token_ids,
-            suppressed_token_ids=tuple(suppressed_token_ids),
-            logit_bias=tuple((params.logit_bias or {}).items()),
-            proposal=proposal,
-        )
-
-    @classmethod
-    def greedy(cls, *, position: int, **fields) -> SamplingRow:
-        """A greedy row with every filter and penalty off (beam search, warm-up), but for
-        `fields`."""
-        return cls(**(dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0,
-                           repetition_penalty=1.0, presence_penalty=0.0,
-                           frequency_penalty=0.0, seed=0, sample_index=0, position=position)
-                      | fields))
-
-    @property
-    def penalties(self) -> tuple[float, float, float]:
-        return (self.repetition_penalty, self.presence_penalty, self.frequency_penalty)
-
-    @property
-    def dense(self) -> bool:
-        """The row needs the sampler's [B, V] inputs."""
-        return (self.penalties != NEUTRAL_PENALTIES or bool(self.suppressed_token_ids)
-                or bool(self.logit_bias))
-
-
-def _dense(rows: Sequence[SamplingRow], num_rows: int, vocab_size: int) -> dict:
-    """penalties f32 [B, 3], output_counts int32 [B, V], prompt_mask bool [B, V] and bias
-    f32 [B, V]; counts and prompts are filled only for rows with penalties, the only
-    rows that read them."""
-    penalties = np.tile(np.array(NEUTRAL_PENALTIES, np.float32), (num_rows, 1))
-    counts = np.zeros((num_rows, vocab_size), np.int32)
-    prompt_mask = np.zeros((num_rows, vocab_size), bool)
-    bias = np.zeros((num_rows, vocab_size), np.float32)
-    for i, row in enumerate(rows):
-        for token_id, value in row.logit_bias:
-            bias[i, token_id] = value
-        bias[i, list(row.suppressed_token_ids)] = -np.inf
-        if row.penalties != NEUTRAL_PENALTIES:
-            penalties[i] = row.penalties
-            counts[i] = np.bincount(np.asarray(row.output_token_ids, np.int64),
-                                    minlength=vocab_size)
-            prompt_mask[i, list(row.prompt_token_ids)] = True
-    return dict(penalties=penalties, output_counts=counts, prompt_mask=prompt_mask, bias=bias)
-
-
-def sampling_tensors(
-    rows: Sequence[SamplingRow], num_rows: int, vocab_size: int, dense: bool = False
-) -> SamplingTensors:
-    """Host numpy inputs of `sample`, padded to num_rows with greedy, neutral rows.
-
-    The dense [B, V] arrays are built only when some row needs them (SamplingRow.dense)
-    or `dense` asks for them (the decode loop updates them on the device).
-    """
-    pad = num_rows - len(rows)
-    if pad < 0:
-        raise ValueError(f"{len(rows)} rows do not fit in {num_rows}")
-
-    def column(name: str, fill, dtype) -> np.ndarray:
-        return np.array([getattr(r, name) for r in rows] + [fill] * pad, dtype)
-
-    seeds = [r.seed for r in rows] + [0] * pad
-    return SamplingTensors(
-        temperature=column("temperature", 0.0, np.float32),
-        top_k=column("top_k", 0, np.int32),
-        top_p=column("top_p", 1.0, np.float32),
-        min_p=column("min_p", 0.0, np.float32),
-        seeds=np.array([s & 0xFFFFFFFF for s in seeds], np.uint32),
-        seed_high=np.array([(s >> 32) & 0xFFFFFFFF for s in seeds], np.uint32),
-        sample_indices=column("sample_index", 0, np.int32),
-        positions=column("position", 0, np.int32),
-        logprob_temperature=column("logprob_temperature", 1.0, np.float32),
-        **(_dense(rows, num_rows, vocab_size) if dense or any(r.dense for r in rows)
-           else {}),
-        proposals=(column("proposal", -1, np.int32) if any(r.proposal >= 0 for r in rows)
-                   else None),
-        draws=any(r.temperature > 0 for r in rows),
-    )

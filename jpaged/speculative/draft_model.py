@@ -4,8 +4,8 @@ same engine.
 The draft keeps its own layers' K/V in a cache of its own, laid out like the target's
 and addressed by the target's block ids: the scheduler's one set of block tables serves
 both, so copy-on-write copies, swaps and prefix-cache hits give the draft its K/V with
-the target's. It runs on every step's input after the target (`EngineCore` follows
-each step with it), so it holds K/V for every token the target does. In a verifying
+the target's. It runs on every step's input after the target (`observe`), so it holds
+K/V for every token the target does. In a verifying
 step it first drafts: k decode steps, each over the sequences that still draw a
 proposal, writing its K/V into the slots the scheduler reserved for the proposals.
 
@@ -17,26 +17,26 @@ only once their slots exist.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jpaged.core.attention_metadata import AttentionMetadata
 from jpaged.core.batch_builder import BlockTables, build_model_input
 from jpaged.core.step_shapes import StepShapes
-from jpaged.engine.runner import ModelRunner
 from jpaged.model.config import LlamaConfig
 from jpaged.model.loader import read_model_config
-from jpaged.model.sampler import SamplingRow, draft_sample, sampling_tensors
+from jpaged.model.verification import draft_sample
 from jpaged.sequence import Sequence
 from jpaged.speculative.config import SpeculativeConfig
+from jpaged.speculative.proposer import RowOf, TokenProposer
+from jpaged.worker.model_runner import ModelRunner
+from jpaged.worker.sampling_rows import sampling_tensors
 
 # A proposal the draft model has not drawn yet.
 UNDRAFTED = -1
-# The sampling row of a sequence's token after the given proposals.
-RowOf = Callable[[list[int]], SamplingRow]
 
 
 def check_draft_model(config: SpeculativeConfig, target: LlamaConfig) -> None:
@@ -61,6 +61,14 @@ class Drafts:
     probs: jax.Array
     rows: dict[int, int]
 
+    def row_probs(self, draft_steps: list[tuple[int, int, int]], num_rows: int) -> jax.Array:
+        """f32 [num_rows, V]: the draft's distribution of each sampling row's proposal
+        (draft_steps: (sampling row, draft step, draft row)); zeros elsewhere."""
+        steps, rows = np.zeros(num_rows, np.int32), np.zeros(num_rows, np.int32)
+        for sampling_row, step, row in draft_steps:
+            steps[sampling_row], rows[sampling_row] = step, row
+        return draft_rows(self.probs, steps, rows)
+
 
 @jax.jit
 def _stack(*probs: jax.Array) -> jax.Array:
@@ -73,7 +81,7 @@ def draft_rows(probs: jax.Array, steps: jax.Array, rows: jax.Array) -> jax.Array
     return probs[steps, rows]
 
 
-class DraftModelProposer:
+class DraftModelProposer(TokenProposer):
     """Draws k proposals per verifying sequence from a draft model's runner.
 
     runner: the draft's ModelRunner (its cache has the target's blocks);
@@ -82,14 +90,20 @@ class DraftModelProposer:
 
     def __init__(self, runner: ModelRunner, block_tables: BlockTables, shapes: StepShapes,
                  vocab_size: int):
+        super().__init__(shapes.num_speculative_tokens)
         self.runner = runner
+        self.runners = (runner,)
         self.block_tables = block_tables
         self.shapes = shapes
         self.vocab_size = vocab_size
 
-    def propose(self, seq: Sequence, num_tokens: int) -> list[int]:
+    def propose_tokens(self, seq: Sequence, num_tokens: int) -> list[int]:
         """num_tokens proposals to draw once the step is scheduled."""
         return [UNDRAFTED] * num_tokens
+
+    def observe(self, input_ids: jax.Array, metadata: AttentionMetadata, *,
+                decode_only: bool) -> None:
+        self.runner.advance(input_ids, metadata, decode_only=decode_only)
 
     def draft(self, verifying: list[tuple[Sequence, RowOf]]) -> Drafts | None:
         """Draw each verifying sequence's proposals into its spec_token_ids.

@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from jpaged.sequence import Sequence
+from jpaged.speculative.proposer import TokenProposer
 
 
 def propose_ngram(token_ids: np.ndarray, num_tokens: int, lookup_min: int,
@@ -37,14 +38,15 @@ def propose_ngram(token_ids: np.ndarray, num_tokens: int, lookup_min: int,
     return []
 
 
-class NgramProposer:
+class NgramProposer(TokenProposer):
     """Proposals from a sequence's own tokens (`propose_ngram`)."""
 
-    def __init__(self, lookup_min: int, lookup_max: int):
+    def __init__(self, num_speculative_tokens: int, lookup_min: int, lookup_max: int):
+        super().__init__(num_speculative_tokens)
         self.lookup_min = lookup_min
         self.lookup_max = lookup_max
 
-    def propose(self, seq: Sequence, num_tokens: int) -> list[int]:
+    def propose_tokens(self, seq: Sequence, num_tokens: int) -> list[int]:
         """Up to num_tokens tokens to follow seq; [] when none of its n-grams recurs."""
         return propose_ngram(np.asarray(seq.token_ids, np.int32), num_tokens,
                              self.lookup_min, self.lookup_max)

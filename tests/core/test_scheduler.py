@@ -305,7 +305,7 @@ def test_a_stop_token_inside_a_verified_run_ends_it_there():
     req = Req(0, (1, 2, 3), output_len=20)
     group = driver.add(req)
     stop = token_of(0, 0, 7)  # the third token of the second verified run
-    group.stop_token_ids = frozenset({stop})
+    group.stop_rule = dataclasses.replace(group.stop_rule, stop_token_ids=frozenset({stop}))
     driver.run()
     assert driver.outputs_of("r0") == [req.expected()[0][:8]]
     assert group.seqs[0].status is SequenceStatus.FINISHED_STOPPED

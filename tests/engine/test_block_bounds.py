@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 
 from jpaged.core.step_shapes import BucketSizes
-from jpaged.engine import engine_core
 from jpaged.engine.config import EngineConfig
 from jpaged.engine.llm_engine import LLMEngine
 from jpaged.memory import allocator
@@ -26,6 +25,7 @@ from jpaged.memory.allocator import BlockOps
 from jpaged.memory.block_ids import BlockIdOutOfRange
 from jpaged.model.loader import load_model
 from jpaged.sampling_params import SamplingParams
+from jpaged.worker import step_runner
 from tests.plugins.tiny_runner import (
     loop_input,
     run_marking_loop,
@@ -212,7 +212,7 @@ def _engine(loaded, **kwargs) -> LLMEngine:
 def test_an_out_of_range_slot_leaves_the_engine_step(loaded, monkeypatch):
     engine = _engine(loaded)
     engine.add_request("0", {"prompt_token_ids": [3, 4, 5]}, GREEDY)
-    built = engine_core.build_model_input
+    built = step_runner.build_model_input
 
     def corrupted(*args, **kwargs):
         model_input = built(*args, **kwargs)
@@ -221,7 +221,7 @@ def test_an_out_of_range_slot_leaves_the_engine_step(loaded, monkeypatch):
         return dataclasses.replace(
             model_input, metadata=model_input.metadata._replace(slot_mapping=slots))
 
-    monkeypatch.setattr(engine_core, "build_model_input", corrupted)
+    monkeypatch.setattr(step_runner, "build_model_input", corrupted)
     with pytest.raises(BlockIdOutOfRange, match=r"^slot 161 \(block id 40\) is out of range"):
         engine.step()
     assert isinstance(engine.last_step_error, BlockIdOutOfRange)
@@ -232,7 +232,7 @@ def test_the_decode_loop_flag_leaves_the_engine_step(loaded, monkeypatch):
     engine = _engine(loaded, num_decode_steps=4)
     engine.add_request("0", {"prompt_token_ids": [3, 4, 5]}, GREEDY)
     engine.step()  # the prompt, on the host's path
-    runner = engine.core.runner
+    runner = engine.runner
     loop = runner.decode_loop
 
     def from_a_corrupt_pool(pool, inputs, **kwargs):

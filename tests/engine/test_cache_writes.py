@@ -21,9 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jpaged.engine.runner import _copy_blocks, _read_blocks, _write_blocks
 from jpaged.memory import allocator
 from jpaged.memory.allocator import BlockOps
+from jpaged.worker.model_runner import _copy_blocks, _read_blocks, _write_blocks
 from tests.plugins.tiny_runner import (
     loop_input,
     run_marking_loop,

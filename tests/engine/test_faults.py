@@ -259,7 +259,7 @@ def break_pallas_kernels(monkeypatch) -> None:
     their step functions from a cache of the test's own: one built earlier for the same
     model and backend holds the working kernels, one built here the broken ones."""
     import kernels_pallas
-    from jpaged.engine import runner
+    from jpaged.worker import model_runner as runner
 
     monkeypatch.setattr(runner, "step_functions", functools.lru_cache(
         maxsize=runner.STEP_FUNCTIONS_CACHE_SIZE)(runner.step_functions.__wrapped__))
@@ -275,7 +275,7 @@ def break_pallas_kernels(monkeypatch) -> None:
 
 
 def test_the_default_kernel_falls_back_to_xla(loaded, prompts, expected, monkeypatch, caplog):
-    monkeypatch.setattr("jpaged.engine.runner.device_attention_backend", lambda: "triton")
+    monkeypatch.setattr("jpaged.engine.backend_choice.device_attention_backend", lambda: "triton")
     break_pallas_kernels(monkeypatch)
     with caplog.at_level(logging.WARNING, logger="jpaged"):
         llm = _llm(loaded, interpret=True)
@@ -295,7 +295,7 @@ def test_kernel_limits_are_checked_at_start(loaded, monkeypatch, caplog):
     monkeypatch.setattr("jax.default_backend", lambda: "cpu")
     with pytest.raises(ValueError, match="Triton kernel needs block_size a power of two, got 12"):
         _llm(loaded, attention_backend="triton", interpret=True, block_size=12)
-    monkeypatch.setattr("jpaged.engine.runner.device_attention_backend", lambda: "triton")
+    monkeypatch.setattr("jpaged.engine.backend_choice.device_attention_backend", lambda: "triton")
     with caplog.at_level(logging.WARNING, logger="jpaged"):
         llm = _llm(loaded, interpret=True, block_size=12)
     assert llm.engine.runner.attention_backend == "xla"

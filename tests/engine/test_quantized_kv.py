@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from jpaged.core.step_shapes import BucketSizes
-from jpaged.engine import runner as runner_module
+from jpaged.engine import backend_choice
 from jpaged.engine.config import EngineConfig
 from jpaged.entrypoints.llm import LLM
 from jpaged.model.loader import load_model
@@ -195,7 +195,7 @@ def test_the_default_backend_falls_back_naming_the_dtype(loaded, prompts, unmove
                                                           caplog):
     """The device's own kernel (here the TPU kernel, interpreted) cannot read int8 pages
     in blocks of 8: the engine warns, naming the dtype, and runs the "xla" loop."""
-    monkeypatch.setattr(runner_module, "device_attention_backend", lambda: "tpu")
+    monkeypatch.setattr(backend_choice, "device_attention_backend", lambda: "tpu")
     with caplog.at_level(logging.WARNING, logger="jpaged"):
         llm = _llm(loaded, kv_cache_dtype="int8", interpret=True)
     assert "multiple of 32 for int8" in caplog.text

@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jpaged.engine.runner import ModelRunner
 from jpaged.memory.allocator import BlockOps
 from jpaged.model.loader import load_model
+from jpaged.worker.model_runner import ModelRunner
 from kernels_pallas import EncodedPages
 
 NUM_BLOCKS, NUM_HOST_BLOCKS, BLOCK_SIZE = 12, 6, 4

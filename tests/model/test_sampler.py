@@ -18,17 +18,16 @@ import pytest
 from jpaged.model.sampler import (
     CANDIDATES,
     SamplerOutput,
-    SamplingRow,
     chunked_top_k,
-    draft_sample,
     filter_logits,
     logprob_outputs,
     nucleus_cutoffs,
     process_logits,
     sample,
-    sampling_tensors,
 )
+from jpaged.model.verification import draft_sample, verify
 from jpaged.sampling_params import SamplingParams
+from jpaged.worker.sampling_rows import SamplingRow, sampling_tensors
 
 VOCAB = 16
 ROWS = 8  # most tests pad to this many rows, so they share compilations
@@ -45,11 +44,13 @@ def normal_logits(rows: int, vocab: int = VOCAB, scale: float = 2.0, seed: int =
 
 
 def run(logits: np.ndarray, rows: list[SamplingRow], num_rows: int = ROWS) -> SamplerOutput:
-    """`sample` on the rows, padded to num_rows; logits get zero padding rows."""
+    """`sample` on the rows (`verify` where they carry proposals), padded to num_rows;
+    logits get zero padding rows."""
     padded = np.zeros((num_rows, logits.shape[1]), np.float32)
     padded[: len(logits)] = logits
     tensors = sampling_tensors(rows, num_rows, logits.shape[1])
-    return jax.tree.map(np.asarray, sample(jnp.asarray(padded), tensors, num_top=NUM_TOP))
+    draw = sample if tensors.proposals is None else verify
+    return jax.tree.map(np.asarray, draw(jnp.asarray(padded), tensors, num_top=NUM_TOP))
 
 
 # ---- numpy oracles ------------------------------------------------------------------
@@ -288,7 +289,7 @@ def test_verifying_a_draft_models_proposal_keeps_the_filtered_distribution(
     assert_follows(np.asarray(proposals), q)  # the draft's own draws
     verifying = dataclasses.replace(
         tensors, proposals=np.asarray(proposals, np.int32), draft_probs=draft_probs)
-    out = jax.tree.map(np.asarray, sample(jnp.tile(logits, (num_draws, 1)), verifying,
+    out = jax.tree.map(np.asarray, verify(jnp.tile(logits, (num_draws, 1)), verifying,
                                           num_top=NUM_TOP))
     assert_follows(out.tokens, np_filtered_probs(logits, temperature, top_k, top_p, min_p))
     assert 0 < out.accepted.mean() < 1

@@ -25,7 +25,6 @@ import kernels_pallas
 from jpaged import __main__ as cli
 from jpaged.core.step_shapes import BucketSizes, step_shapes
 from jpaged.engine.async_engine import AsyncLLMEngine
-from jpaged.engine.runner import ModelRunner
 from jpaged.engine.stats import num_compilations
 from jpaged.entrypoints.llm import LLM
 from jpaged.entrypoints.serving import OpenAIServing
@@ -35,6 +34,7 @@ from jpaged.model.llama import LlamaForCausalLM
 from jpaged.model.loader import load_model
 from jpaged.model.sharding import bytes_per_device, model_mesh, shard_model
 from jpaged.sampling_params import SamplingParams
+from jpaged.worker.model_runner import ModelRunner
 from tests.plugins.hf_models import transformers_answer
 from tests.plugins.kernels import kernel_interpret
 

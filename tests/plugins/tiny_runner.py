@@ -16,10 +16,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jpaged.engine.decode_loop import LoopInput, decode_loop
-from jpaged.engine.runner import ModelRunner
 from jpaged.memory import allocator
-from jpaged.model.sampler import SamplingRow, sampling_tensors
+from jpaged.worker.decode_loop import LoopInput, decode_loop
+from jpaged.worker.model_runner import ModelRunner
+from jpaged.worker.sampling_rows import SamplingRow, sampling_tensors
 from kernels_pallas import write_kv
 
 TINY_LLAMA = dict(model_type="llama", vocab_size=32, hidden_size=16, intermediate_size=32,
