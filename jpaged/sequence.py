@@ -41,7 +41,7 @@ class SequenceStatus(enum.Enum):
 
 
 # The output token of a draw still running on the device (async scheduling): the next
-# schedule counts it, and the draw's result replaces it (Scheduler.reconcile).
+# schedule counts it, and the draw's result replaces it (AsyncScheduler.reconcile).
 PLACEHOLDER_TOKEN = -1
 
 

@@ -89,7 +89,7 @@ class EngineConfig:
     1 schedules every step. None takes the machine's default.
 
     async_scheduling: schedule each step while the device runs the one before it, its
-    tokens taken as drawn until they arrive (vLLM's name; jpaged.engine.engine_core).
+    tokens taken as drawn until they arrive (vLLM's name; jpaged.core.async_scheduler).
     Outputs are those of synchronous steps. It overlaps single steps: it cannot be
     combined with num_decode_steps > 1.
 

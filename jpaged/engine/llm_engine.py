@@ -28,6 +28,7 @@ from jpaged.config import SchedulerConfig
 from jpaged.core.async_scheduler import AsyncScheduler
 from jpaged.core.scheduler import Scheduler
 from jpaged.core.step_shapes import StepShapes
+from jpaged.core.stop_rule import StopRule
 from jpaged.engine import compilation, lockstep, machine
 from jpaged.engine.backend_choice import start_runner
 from jpaged.engine.beam_search import BeamSearch
@@ -219,7 +220,7 @@ class LLMEngine:
                               cache_salt=request.cache_salt, eos_token_ids=self.eos_token_ids)
         search = None
         if isinstance(params, BeamSearchParams):
-            max_tokens = min(params.max_tokens, self.max_model_len - prompt_len)
+            max_tokens = StopRule.of(group, self.max_model_len).max_output
             search = BeamSearch(params, prompt_len, self.eos_token_ids, max_tokens)
         return group, search
 

@@ -1,0 +1,140 @@
+"""Every step runner, every proposer and every KV group-table type through the same checks.
+
+The engine's seams (jpaged.worker's step runners, jpaged.speculative's proposers, the
+KV cache manager's group tables) are chosen once when an engine starts. Whatever was
+chosen, a step must: give transformers' greedy tokens (the oracle), keep the block
+invariants after every step (`check_invariants`), leave every block free once the
+requests end, and do what its mode is for (a loop ran, a step was predicted, a proposal
+was accepted). Each case also checks that the engine built the parts it names.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jpaged.core.async_scheduler import AsyncScheduler
+from jpaged.core.scheduler import Scheduler
+from jpaged.core.step_shapes import BucketSizes
+from jpaged.engine.config import EngineConfig
+from jpaged.engine.llm_engine import LLMEngine
+from jpaged.model.loader import load_model
+from jpaged.sampling_params import SamplingParams
+from jpaged.speculative.draft_model import DraftModelProposer
+from jpaged.speculative.ngram import NgramProposer
+from jpaged.speculative.proposer import Proposer
+from jpaged.worker.decode_loop_runner import DecodeLoopRunner
+from jpaged.worker.step_runner import SingleStepRunner
+from tests.plugins.hf_models import greedy_continuations
+
+MAX_TOKENS = 20
+K = 3
+# EOS suppressed to the end, as transformers' min_new_tokens does.
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS)
+BUCKETS = BucketSizes(min_num_tokens=8, min_num_seqs=4, min_blocks_per_seq=2)
+
+
+def _mode(name: str, model_dir) -> tuple[dict, type, type, type]:
+    """(config, step runner, proposer, scheduler) of a mode."""
+    return {
+        "one step": ({}, SingleStepRunner, Proposer, Scheduler),
+        "async scheduling": ({"async_scheduling": True}, SingleStepRunner, Proposer,
+                             AsyncScheduler),
+        "decode loop": ({"num_decode_steps": 8}, DecodeLoopRunner, Proposer, Scheduler),
+        "n-gram proposer": ({"speculative_config": {
+            "method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3}},
+            SingleStepRunner, NgramProposer, Scheduler),
+        # The target drafting for itself: every proposal is accepted.
+        "draft model proposer": ({"speculative_config": {
+            "method": "draft_model", "model": str(model_dir), "num_speculative_tokens": K}},
+            SingleStepRunner, DraftModelProposer, Scheduler),
+    }[name]
+
+
+MODES = ("one step", "async scheduling", "decode loop", "n-gram proposer",
+         "draft model proposer")
+# model -> (block size, KV cache groups): full-attention tables (block size 1: every token
+# crosses a block), one sliding window over every layer, and global and sliding groups
+# over one pool.
+MODELS = {"tiny_llama_dir": (1, 1), "tiny_mistral_dir": (4, 1), "tiny_gemma2_dir": (4, 2)}
+
+
+def _prompts(vocab_size: int) -> list[list[int]]:
+    """Prompts that repeat a phrase (n-grams recur at once) and prompts that do not."""
+    rng = np.random.default_rng(3)
+    phrases = [rng.integers(0, vocab_size, n).tolist() for n in (5, 4)]
+    repeated = [phrase * 3 + rng.integers(0, vocab_size, 2).tolist() for phrase in phrases]
+    return repeated + [rng.integers(0, vocab_size, n).tolist() for n in (1, 11, 17)]
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def model(request):
+    model_dir = request.getfixturevalue(request.param)
+    loaded = load_model(model_dir)
+    prompts = _prompts(loaded[1].vocab_size)
+    return (model_dir, loaded, *MODELS[request.param], prompts,
+            greedy_continuations(model_dir, prompts, MAX_TOKENS))
+
+
+def _run(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, GREEDY)
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+        engine.check_invariants()
+    manager = engine.block_manager
+    assert manager.num_free_blocks == manager.num_device_blocks, "a block leaked"
+    return [finals[str(i)].outputs[0].token_ids for i in range(len(prompts))]
+
+
+class Watch:
+    """Counts what a mode is for: decode loops run, steps predicted."""
+
+    def __init__(self, engine: LLMEngine):
+        self.num_loops = self.num_predicted = 0
+        runner, scheduler = engine.runner, engine.scheduler
+        loop = runner.decode_loop
+
+        def counted_loop(*args, **kwargs):
+            self.num_loops += 1
+            return loop(*args, **kwargs)
+
+        runner.decode_loop = counted_loop
+        if isinstance(scheduler, AsyncScheduler):
+            predict = scheduler.predict
+
+            def counted_predict(plan):
+                self.num_predicted += 1
+                return predict(plan)
+
+            scheduler.predict = counted_predict
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_mode_gives_transformers_tokens_and_keeps_the_blocks(model, mode):
+    model_dir, loaded, block_size, num_groups, prompts, expected = model
+    config, step_runner, proposer, scheduler = _mode(mode, model_dir)
+    engine = LLMEngine(EngineConfig(
+        model="tiny", block_size=block_size, num_blocks=2 + 8 * 128 // block_size,
+        max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, buckets=BUCKETS,
+        persistent_compilation_cache=False, **config), loaded=loaded)
+    assert engine.block_manager.num_groups == num_groups
+    if mode == "decode loop" and not engine.block_manager.adopts_device_blocks:
+        step_runner = SingleStepRunner  # the table's fallback: loops need one group
+    assert type(engine.core.step_runner) is step_runner
+    assert type(engine.core.proposer) is proposer
+    assert type(engine.scheduler) is scheduler
+    watch = Watch(engine)
+    assert _run(engine, prompts) == expected
+    if step_runner is DecodeLoopRunner:
+        assert watch.num_loops > 0
+        assert engine.stats.num_steps < len(prompts) + MAX_TOKENS  # fewer round trips
+    if scheduler is AsyncScheduler:
+        assert watch.num_predicted >= MAX_TOKENS  # every draw after the first step
+    if proposer is not Proposer:
+        assert engine.stats.spec_decode.num_accepted_tokens > 0
+    if proposer is DraftModelProposer:
+        counts = engine.stats.spec_decode
+        assert counts.num_accepted_tokens == counts.num_draft_tokens
