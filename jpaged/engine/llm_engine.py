@@ -9,8 +9,10 @@ A facade over three parts, each of which a request passes through once:
 
 `step()` runs the core once, hands its output to the output processor, ends
 the sequences a stop string ended (through the scheduler) and returns the
-outputs. Start-up sizes the KV pool (jpaged.engine.kv_cache_sizing), picks the
-KV cache manager for `allocation` and starts the runner on its backend.
+outputs. Start-up decides what the config left to the engine against the machine and
+the model (the step modes' table: jpaged.engine.step_modes), sizes the KV pool
+(jpaged.engine.kv_cache_sizing), picks the KV cache manager for `allocation` and starts
+the runner on its backend.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from jpaged.engine.output_processor import OutputProcessor
 from jpaged.engine.protocol import EngineState
 from jpaged.engine.runner import ModelRunner, start_runner
 from jpaged.engine.stats import EngineStats, SpecDecodeCounts
+from jpaged.engine.step_modes import ModeFallbacks, step_mode
 from jpaged.inputs import PromptType
 from jpaged.model.config import LlamaConfig
 from jpaged.model.loader import load_model, read_model_config
@@ -67,7 +70,14 @@ class LLMEngine:
         self, config: EngineConfig, *, loaded: tuple[Any, LlamaConfig, Any] | None = None
     ):
         """loaded: (model, model_config, tokenizer) already in memory, else config.model loads."""
-        config = self.config = config.with_machine_defaults(machine.machine_defaults())
+        # Fallbacks of the step modes (jpaged.engine.step_modes): the defaults that gave
+        # way as the config was resolved, and the steps that ran another way.
+        self.mode_fallbacks = ModeFallbacks()
+        # The model's config before its weights: a setting that conflicts with its layer
+        # windows raises before anything loads.
+        model_config = loaded[1] if loaded else read_model_config(config.model)
+        config = self.config = config.with_machine_defaults(
+            machine.machine_defaults(), model_config.layer_windows, self.mode_fallbacks)
         meshes = config.replica_meshes()
         if len(meshes) > 1:
             raise ValueError(f"an LLMEngine is one replica, got {len(meshes)} data-parallel "
@@ -78,7 +88,7 @@ class LLMEngine:
                              f"devices {mesh.devices.flatten().tolist()}")
         spec = config.speculative_config
         if spec is not None and spec.method == "draft_model":
-            check_draft_model(spec, loaded[1] if loaded else read_model_config(config.model))
+            check_draft_model(spec, model_config)
         model, self.model_config, self.tokenizer = loaded or load_model(config.model, config.dtype)
         if mesh is not None:
             model, self.model_config = shard_model(model, self.model_config, mesh)
@@ -131,7 +141,9 @@ class LLMEngine:
                                config.max_logprobs)
         self.input_processor = InputProcessor(self.tokenizer, limits, self.eos_token_ids)
         self.stats = EngineStats(kv_cache_dtype=self.kv_cache_info.dtype,
-                                 kv_bytes_per_token=self.kv_cache_info.bytes_per_token)
+                                 kv_bytes_per_token=self.kv_cache_info.bytes_per_token,
+                                 step_mode=step_mode(config),
+                                 mode_fallbacks=self.mode_fallbacks)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._seeds = np.random.default_rng(config.seed)
         self.last_step_error: BaseException | None = None
@@ -319,4 +331,5 @@ class LLMEngine:
             kv_group_blocks_used=manager.group_blocks_used,
             kv_cache_dtype=self.kv_cache_info.dtype,
             kv_bytes_per_token=self.kv_cache_info.bytes_per_token,
-            spec_decode=SpecDecodeCounts().add(self.stats.spec_decode))
+            spec_decode=SpecDecodeCounts().add(self.stats.spec_decode),
+            mode_fallbacks=dict(self.mode_fallbacks.counts))
