@@ -46,7 +46,9 @@ class EngineConfig:
     model with sliding-window layers (one block table for all layers) instead of
     freeing the blocks that leave a sequence's window (in KV cache groups, for a
     model that mixes global and sliding layers): the baseline for measuring what
-    freeing saves, and what an Orca allocation of such a model needs.
+    freeing saves. None, the default, frees them unless the allocation is Orca's.
+    enable_prefix_caching: None, the default, caches prefixes unless the allocation is
+    Orca's.
 
     allocation: "paged" allocates blocks as tokens arrive (BlockManager).
     "orca-max", "orca-pow2" and "orca-oracle" are the paper's Orca baselines on
