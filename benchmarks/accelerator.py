@@ -72,7 +72,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from benchmarks.report import REPO, new_report, progress
+from experiments.report import REPO, new_report, progress
 
 if TYPE_CHECKING:
     import jax
@@ -242,7 +242,7 @@ def engine_ratio(engine: dict) -> float | None:
 
 def orchestrate(plan: Plan, smoke: bool, out: Path, time_limit_s: float, header: dict) -> dict:
     """Every section in turn within the time limit; the report, `header`
-    (benchmarks.report's new_report) and the sections, rewritten to `out` after each."""
+    (experiments.report's new_report) and the sections, rewritten to `out` after each."""
     deadline = time.monotonic() + time_limit_s
     env = child_environment(smoke)
     report = header | {"smoke": smoke, "out": str(out),

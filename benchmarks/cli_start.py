@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.report import REPO, new_report, progress, record_end_load
+from experiments.report import REPO, new_report, progress, record_end_load
 
 PROMPT = "What is the capital of France?"
 TRANSFORMERS_PEER = """

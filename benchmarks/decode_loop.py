@@ -34,7 +34,7 @@ import time
 
 import numpy as np
 
-from benchmarks.report import new_report, progress, record_end_load
+from experiments.report import new_report, progress, record_end_load
 
 BATCHES = (1, 8, 64)
 # name -> (num_decode_steps, async_scheduling)

@@ -40,7 +40,7 @@ import sys
 
 import numpy as np
 
-from benchmarks.report import REPO, call_seconds, new_report, progress, record_end_load, versions
+from experiments.report import REPO, call_seconds, new_report, progress, record_end_load, versions
 
 # SmolLM2-135M's attention (benchmarks.matmul's ATTENTION).
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16

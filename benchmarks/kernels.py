@@ -36,7 +36,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 import kernels_pallas as kp
-from benchmarks.report import new_report, progress
+from experiments.report import new_report, progress
 
 # Llama-3-8B attention shape: 32 query heads over 8 KV heads of 128.
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128

@@ -49,7 +49,7 @@ import time
 import numpy as np
 
 from benchmarks.all_at_once import decoding, serve
-from benchmarks.report import new_report, progress, record_end_load
+from experiments.report import new_report, progress, record_end_load
 from experiments.workloads import sample_lengths
 
 # bfloat16, the 2-byte cache, is the yardstick for the 1-byte ones' accuracy.

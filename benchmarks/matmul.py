@@ -31,7 +31,7 @@ import os
 
 import numpy as np
 
-from benchmarks.report import call_seconds, new_report, progress, record_end_load
+from experiments.report import call_seconds, new_report, progress, record_end_load
 
 # (in, out) of each product of a SmolLM2 layer, and of its tied vocabulary head.
 SHAPES = {"qkv_proj": (576, 960), "o_proj": (576, 576), "gate_up_proj": (576, 3072),

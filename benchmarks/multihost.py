@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.report import new_report, progress, record_end_load
+from experiments.report import new_report, progress, record_end_load
 
 CHECKS_PER_ROUND = 100
 PROMPT_TOKENS = 32

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.report import REPO, new_report, progress, record_end_load
+from experiments.report import REPO, new_report, progress, record_end_load
 
 MAX_MODEL_LEN = 4096
 TCMALLOC = "libtcmalloc_minimal.so.4"

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.report import new_report, progress
+from experiments.report import new_report, progress
 from jpaged.model import sampler
 from jpaged.model.sampler import nucleus_cutoffs, sample
 from jpaged.worker.sampling_rows import SamplingRow, sampling_tensors

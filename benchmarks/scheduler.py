@@ -25,8 +25,8 @@ import time
 
 import numpy as np
 
-from benchmarks.report import new_report, progress
 from experiments.baselines import ContiguousArena
+from experiments.report import new_report, progress
 from jpaged.config import CacheConfig, SchedulerConfig
 from jpaged.core.batch_builder import build_model_input
 from jpaged.core.scheduler import Scheduler

@@ -59,8 +59,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from benchmarks.report import new_report, progress
 from benchmarks.throughput import mixed_workload
+from experiments.report import new_report, progress
 from experiments.workloads import arrival_times
 
 if TYPE_CHECKING:
@@ -406,7 +406,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def new_serving_report(argv: list[str] | None = None) -> dict:
-    """The report's common part, taken as the run starts (benchmarks.report)."""
+    """The report's common part, taken as the run starts (experiments.report)."""
     return new_report("benchmarks.serving", argv, peers=("fastapi", "uvicorn", "openai"))
 
 

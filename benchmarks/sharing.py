@@ -35,11 +35,11 @@ import time
 
 import numpy as np
 
-from benchmarks.report import new_report, progress
 from benchmarks.throughput import MAX_TOTAL_LEN
 from experiments import sharing_study
 from experiments.engine_runs import serve
 from experiments.paper import BLOCK_SIZE_TOKENS, FIGURE15_MEMORY_SAVED_PCT
+from experiments.report import new_report, progress
 from experiments.sharing_study import SharingSettings
 from experiments.workloads import RequestSpec
 

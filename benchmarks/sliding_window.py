@@ -37,7 +37,7 @@ import json
 import numpy as np
 
 from benchmarks.all_at_once import serve
-from benchmarks.report import new_report, progress, record_end_load
+from experiments.report import new_report, progress, record_end_load
 from experiments.workloads import sample_lengths
 
 BLOCK_SIZE = 16

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import jax
 
-from benchmarks.report import new_report
+from experiments.report import new_report
 from jpaged import BeamSearchParams, SamplingParams
 from jpaged.engine.llm_engine import EngineConfig, LLMEngine
 from jpaged.model.loader import load_model

@@ -46,7 +46,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from benchmarks.report import new_report, progress, record_end_load
+from experiments.report import new_report, progress, record_end_load
 from jpaged.speculative.config import DEFAULT_LOOKUP_MAX as LOOKUP_MAX
 from jpaged.speculative.config import DEFAULT_LOOKUP_MIN as LOOKUP_MIN
 

@@ -51,8 +51,8 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.cli_start import export_revision
-from benchmarks.report import REPO, new_report, progress
 from benchmarks.throughput import hf_generate, mixed_workload
+from experiments.report import REPO, new_report, progress
 
 FIGURES = ("mixed", "batch1", "bf16", "cli", "cold_warmup")
 DATASETS = ("sharegpt", "alpaca")

@@ -27,7 +27,7 @@ import xml.etree.ElementTree as ET
 from collections import defaultdict
 from pathlib import Path
 
-from benchmarks.report import REPO, new_report, progress, record_end_load
+from experiments.report import REPO, new_report, progress, record_end_load
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -28,7 +28,7 @@ import time
 
 import numpy as np
 
-from benchmarks.report import new_report, progress
+from experiments.report import new_report, progress
 from experiments.workloads import sample_lengths
 from jpaged.engine.stats import percentiles
 

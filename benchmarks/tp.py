@@ -39,7 +39,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from benchmarks.report import new_report, progress  # noqa: E402
+from experiments.report import new_report, progress  # noqa: E402
 from jpaged.core.attention_metadata import AttentionMetadata  # noqa: E402
 from jpaged.model.config import LlamaConfig  # noqa: E402
 from jpaged.model.llama import LlamaForCausalLM  # noqa: E402

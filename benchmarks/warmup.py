@@ -34,7 +34,7 @@ import time
 
 import numpy as np
 
-from benchmarks.report import new_report, progress
+from experiments.report import new_report, progress
 
 TARGET_COLD_WARMUP_S = 30.0
 NUM_DECODE_STEPS = 16

@@ -32,9 +32,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.report import call_seconds
 from experiments.engine_runs import make_engine, serve
 from experiments.rate_study import LENGTH_SCALES
+from experiments.report import call_seconds
 from experiments.simulator import SimConfig, simulate
 from experiments.workloads import RequestSpec, scaled_workload
 from jpaged import SamplingParams

@@ -13,7 +13,6 @@ import dataclasses
 import math
 import time
 
-from benchmarks.report import progress
 from experiments import (
     accelerator_study,
     block_size_study,
@@ -23,6 +22,7 @@ from experiments import (
     validation,
 )
 from experiments.paper import FIGURE12_SHAREGPT_RATE_RATIO
+from experiments.report import progress
 from experiments.step_cost import ModelShape
 
 # --quick: paged's run at its capacity sets the threshold, then one step up where needed.

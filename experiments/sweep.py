@@ -28,7 +28,7 @@ The real-engine studies run the default model (SmolLM2-135M-Instruct, float32)
 with Poisson arrivals replayed on a virtual clock of measured step times
 (experiments.engine_runs). Everything lands in --out-dir: sweep.json (the
 script, command, date, machine and package versions of the run, as every
-benchmark's report has them (benchmarks.report), then every measurement, its
+benchmark's report has them (experiments.report), then every measurement, its
 settings and timings), sweep_timelines.json (each simulation's per-step
 timeline, in the order of sweep.json's runs), sweep_steps.json (each engine run's
 steps: sequences, context tokens, padded bucket, seconds; keyed by where the run
@@ -72,9 +72,9 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks.report import new_report
 from experiments import engine_studies, figures, paper, rate_study
 from experiments.paper import FIGURE2_SHAREGPT_TOKEN_STATES_PCT, FIGURE15_MEMORY_SAVED_PCT
+from experiments.report import new_report
 from experiments.simulator import SimConfig, simulate
 from experiments.workloads import make_workload
 

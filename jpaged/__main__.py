@@ -88,7 +88,8 @@ def _parser() -> argparse.ArgumentParser:
                          help="KV allocation: paged, or an Orca baseline reserving each "
                          "request's max_model_len, prompt + pow2(output) or true length "
                          "(orca-pow2 and orca-oracle need --ignore-eos)")
-        sub.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+        # None unless given: the engine decides (every block is kept under an Orca allocation).
+        sub.add_argument("--disable-hybrid-kv-cache-manager", action="store_true", default=None,
                          help="keep every KV block of a model with sliding-window "
                          "layers, instead of freeing those that leave a sequence's window")
         sub.add_argument("--max-num-seqs", type=int, default=None,

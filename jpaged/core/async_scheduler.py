@@ -7,15 +7,17 @@ device still runs step N.
     schedule()               step N + 1, planned against that prediction
     reconcile(plan N, ...)   the real tokens in the placeholders' place, stop rule applied
 
-Only a `predictable` plan is predicted: one whose tokens the next schedule need not
-know (a fork into samples, beams, penalties and proposals all depend on them); the
-engine finishes any other plan before it schedules again.
+Only a predictable plan is predicted: one whose tokens the next schedule need not know
+(a fork into samples, beams and penalties depend on them: `unpredictable_features`);
+the engine finishes any other plan before it schedules again. Proposals need the
+tokens too: async scheduling and speculative decoding conflict (jpaged.core.step_modes).
 """
 
 from __future__ import annotations
 
 from jpaged.core.scheduler import Scheduler
 from jpaged.core.scheduler_output import SampledTokens, SchedulerOutput, SchedulerStats
+from jpaged.core.step_modes import Feature
 from jpaged.sequence import PLACEHOLDER_TOKEN
 
 
@@ -23,13 +25,19 @@ class AsyncScheduler(Scheduler):
     """A Scheduler whose steps may be taken as done before their tokens are known."""
 
     @staticmethod
-    def predictable(plan: SchedulerOutput) -> bool:
-        """Whether the next schedule may take `plan`'s tokens as drawn: every draw one
-        sample's token without penalties (the next draw's would count it), no fork into
-        samples, no beam choice and no proposals."""
-        return all(not group.is_beam_search and not group.forks_at_next_draw
-                   and not group.params.uses_penalties for group, _ in plan.draws) and not any(
-            seq.spec_token_ids for seq, _ in plan.scheduled)
+    def unpredictable_features(plan: SchedulerOutput) -> set[Feature]:
+        """What keeps the next schedule from taking `plan`'s tokens as drawn (none: every
+        draw is one sample's token without penalties): a beam choice, a fork into
+        samples, penalties (the next draw's would count the token)."""
+        features = set()
+        for group, _ in plan.draws:
+            if group.is_beam_search:
+                features.add(Feature.BEAM_SEARCH)
+            elif group.forks_at_next_draw:
+                features.add(Feature.PARALLEL_SAMPLING)
+            elif group.params.uses_penalties:
+                features.add(Feature.PENALTIES)
+        return features
 
     def predict(self, plan: SchedulerOutput) -> None:
         """Take `plan`'s step, still running on the device, as done: its new tokens

@@ -12,6 +12,8 @@ import numpy as np
 from jax.sharding import Mesh
 
 import kernels_pallas
+from jpaged.core import step_modes
+from jpaged.core.step_modes import ModeFallbacks
 from jpaged.core.step_shapes import BucketSizes
 from jpaged.engine.machine import MachineDefaults
 from jpaged.memory.reservation import Allocation, check_allocation
@@ -44,7 +46,9 @@ class EngineConfig:
     model with sliding-window layers (one block table for all layers) instead of
     freeing the blocks that leave a sequence's window (in KV cache groups, for a
     model that mixes global and sliding layers): the baseline for measuring what
-    freeing saves, and what an Orca allocation of such a model needs.
+    freeing saves. None, the default, frees them unless the allocation is Orca's.
+    enable_prefix_caching: None, the default, caches prefixes unless the allocation is
+    Orca's.
 
     allocation: "paged" allocates blocks as tokens arrive (BlockManager).
     "orca-max", "orca-pow2" and "orca-oracle" are the paper's Orca baselines on
@@ -90,8 +94,12 @@ class EngineConfig:
 
     async_scheduling: schedule each step while the device runs the one before it, its
     tokens taken as drawn until they arrive (vLLM's name; jpaged.core.async_scheduler).
-    Outputs are those of synchronous steps. It overlaps single steps: it cannot be
-    combined with num_decode_steps > 1.
+    Outputs are those of synchronous steps.
+
+    Which of these modes combine with which features is the table of
+    jpaged.core.step_modes: settings given that conflict raise ValueError here; a
+    setting left as None that conflicts gives way as the engine starts
+    (`with_machine_defaults`).
 
     speculative_config: speculative decoding, as vLLM's dict
     ({"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": m,
@@ -109,7 +117,7 @@ class EngineConfig:
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool | None = None
     enable_chunked_prefill: bool = True
     preemption_mode: Literal["recompute", "swap"] = "recompute"
     attention_backend: kernels_pallas.Implementation | None = None
@@ -119,7 +127,7 @@ class EngineConfig:
     seed: int = 0
     max_logprobs: int = 20
     share_blocks: bool = True
-    disable_hybrid_kv_cache_manager: bool = False
+    disable_hybrid_kv_cache_manager: bool | None = None
     allocation: Allocation = "paged"
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
@@ -133,6 +141,11 @@ class EngineConfig:
         if not isinstance(self.async_scheduling, bool):
             raise TypeError(f"async_scheduling must be a bool, got "
                             f"{type(self.async_scheduling).__name__} {self.async_scheduling!r}")
+        for name in ("enable_prefix_caching", "disable_hybrid_kv_cache_manager"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool or None, got "
+                                f"{type(value).__name__} {value!r}")
         object.__setattr__(self, "speculative_config",
                            SpeculativeConfig.of(self.speculative_config))
         name = KV_CACHE_DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
@@ -163,11 +176,6 @@ class EngineConfig:
             if value < minimum:
                 unit = " bytes" if name == "kv_cache_memory" else ""
                 raise ValueError(f"{name} must be >= {minimum}{unit}, got {value}")
-        spec = self.speculative_config
-        if spec is not None and spec.method == "draft_model" and (
-                self.tensor_parallel_size, self.data_parallel_size, self.mesh) != (1, 1, None):
-            raise ValueError("speculative_config['method']='draft_model' runs on one device: "
-                             "tensor_parallel_size and data_parallel_size must be 1, no mesh")
         fraction = self.kv_cache_fraction
         if self.mesh is not None and not isinstance(self.mesh, Mesh):
             raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(self.mesh).__name__}")
@@ -175,6 +183,7 @@ class EngineConfig:
                                      or not isinstance(fraction, int | float)
                                      or not 0.0 < fraction <= 1.0):
             raise ValueError(f"kv_cache_fraction must be in (0, 1], got {fraction!r}")
+        step_modes.check_conflicts(self)
 
     @property
     def kv_dtype(self) -> jnp.dtype:
@@ -187,19 +196,21 @@ class EngineConfig:
         """kv_cache_dtype with "auto" resolved to the model's dtype."""
         return self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
 
-    def with_machine_defaults(self, defaults: MachineDefaults) -> EngineConfig:
-        """This config with each limit left as None taken from `defaults`, and the block
-        size from the attention backend and the KV dtype."""
+    def with_machine_defaults(self, defaults: MachineDefaults,
+                              layer_windows: tuple[int | None, ...] = (),
+                              fallbacks: ModeFallbacks | None = None) -> EngineConfig:
+        """This config with every setting left as None decided: each limit from `defaults`,
+        the block size from the attention backend and the KV dtype, the step mode and
+        prefix caching by jpaged.core.step_modes against the model's `layer_windows`
+        (a default that conflicts gives way, noted in `fallbacks`; a setting given that
+        conflicts with the model raises ValueError)."""
         backend = self.attention_backend or kernels_pallas.default_implementation(self.interpret)
         block_size = self.block_size or kernels_pallas.default_block_size(backend, self.kv_dtype)
         config = dataclasses.replace(self, block_size=block_size, **{
             name: getattr(defaults, name) if getattr(self, name) is None else getattr(self, name)
-            for name in ("max_num_seqs", "max_num_batched_tokens", "num_decode_steps")
-        })
-        if config.async_scheduling and config.num_decode_steps > 1:
-            raise ValueError(
-                f"async_scheduling overlaps single steps; num_decode_steps="
-                f"{config.num_decode_steps} runs loops instead: choose one")
+            for name in ("max_num_seqs", "max_num_batched_tokens")
+        }, **step_modes.resolve(self, defaults.num_decode_steps, layer_windows,
+                                ModeFallbacks() if fallbacks is None else fallbacks))
         k = config.num_speculative_tokens
         if k and k + 1 > config.max_num_batched_tokens:
             raise ValueError(

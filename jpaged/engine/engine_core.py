@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from jpaged.core.async_scheduler import AsyncScheduler
 from jpaged.core.scheduler import Scheduler
 from jpaged.core.scheduler_output import SchedulerOutput, SchedulerStats
+from jpaged.core.step_modes import ModeFallbacks, StepMode
 from jpaged.engine.beam_search import BeamSearch, Hypothesis, choose_beams
 from jpaged.engine.kv_managers import KVManager
 from jpaged.engine.lockstep import Lockstep
@@ -88,17 +89,20 @@ class EngineCore:
     """The scheduler, its KV cache manager and a step runner, stepped one way.
 
     proposer: speculative decoding's (the base Proposer proposes nothing).
+    fallbacks: where the steps async scheduling cannot overlap are counted.
     lockstep: where the runner's mesh spans processes, the check that all of them
     planned the same step, made before it is dispatched (jpaged.engine.lockstep).
     """
 
     def __init__(self, scheduler: Scheduler, kv_manager: KVManager, step_runner: StepRunner,
-                 proposer: Proposer | None = None, *, lockstep: Lockstep | None = None):
+                 proposer: Proposer | None = None, *, fallbacks: ModeFallbacks | None = None,
+                 lockstep: Lockstep | None = None):
         self.scheduler = scheduler
         self.kv_manager = kv_manager
         self.step_runner = step_runner
         self.proposer = proposer or Proposer()
         self.lockstep = lockstep
+        self.fallbacks = fallbacks or ModeFallbacks()
         self.beam_searches: dict[str, BeamSearch] = {}
         # Async scheduling's dispatched step: its output, and whether it was predictable.
         self._in_flight: tuple[InFlight, CoreOutput, bool] | None = None
@@ -150,7 +154,7 @@ class EngineCore:
         if not plan.is_empty:
             try:
                 step = self.step_runner.dispatch(plan, previous)
-                self._in_flight = (step, output, self.scheduler.predictable(plan))
+                self._in_flight = (step, output, self._predictable(plan))
             except BaseException as error:
                 self._fail(plan, error, output)
                 outputs.append(output)
@@ -159,6 +163,12 @@ class EngineCore:
         if plan.is_empty and (previous is None or plan.ignored):
             outputs.append(output)
         return outputs
+
+    def _predictable(self, plan: SchedulerOutput) -> bool:
+        features = self.scheduler.unpredictable_features(plan)
+        for feature in features:
+            self.fallbacks.note(StepMode.ASYNC_SCHEDULING, feature)
+        return not features
 
     def _schedule(self) -> tuple[SchedulerOutput, CoreOutput]:
         plan = self.scheduler.schedule()

@@ -9,8 +9,10 @@ A facade over three parts, each of which a request passes through once:
 
 `step()` runs the core once, hands its output to the output processor, ends
 the sequences a stop string ended (through the scheduler) and returns the
-outputs. Start-up sizes the KV pool (jpaged.engine.kv_cache_sizing), picks the
-KV cache manager for `allocation` and starts the runner on its backend.
+outputs. Start-up decides what the config left to the engine against the machine and
+the model (the step modes' table: jpaged.core.step_modes), sizes the KV pool
+(jpaged.engine.kv_cache_sizing), picks the KV cache manager for `allocation` and starts
+the runner on its backend.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from jpaged._deprecation import moved_names
 from jpaged.config import SchedulerConfig
 from jpaged.core.async_scheduler import AsyncScheduler
 from jpaged.core.scheduler import Scheduler
+from jpaged.core.step_modes import ModeFallbacks, StepMode, step_mode
 from jpaged.core.step_shapes import StepShapes
 from jpaged.core.stop_rule import StopRule
 from jpaged.engine import compilation, lockstep, machine
@@ -75,7 +78,14 @@ class LLMEngine:
         self, config: EngineConfig, *, loaded: tuple[Any, LlamaConfig, Any] | None = None
     ):
         """loaded: (model, model_config, tokenizer) already in memory, else config.model loads."""
-        config = self.config = config.with_machine_defaults(machine.machine_defaults())
+        # Fallbacks of the step modes (jpaged.core.step_modes): the defaults that gave
+        # way as the config was resolved, and the steps that ran another way.
+        self.mode_fallbacks = ModeFallbacks()
+        # The model's config before its weights: a setting that conflicts with its layer
+        # windows raises before anything loads.
+        model_config = loaded[1] if loaded else read_model_config(config.model)
+        config = self.config = config.with_machine_defaults(
+            machine.machine_defaults(), model_config.layer_windows, self.mode_fallbacks)
         meshes = config.replica_meshes()
         if len(meshes) > 1:
             raise ValueError(f"an LLMEngine is one replica, got {len(meshes)} data-parallel "
@@ -86,7 +96,7 @@ class LLMEngine:
                              f"devices {mesh.devices.flatten().tolist()}")
         spec = config.speculative_config
         if spec is not None and spec.method == "draft_model":
-            check_draft_model(spec, loaded[1] if loaded else read_model_config(config.model))
+            check_draft_model(spec, model_config)
         model, self.model_config, self.tokenizer = loaded or load_model(config.model, config.dtype)
         if mesh is not None:
             model, self.model_config = shard_model(model, self.model_config, mesh)
@@ -105,7 +115,8 @@ class LLMEngine:
         logger.info("%s", self.kv_cache_info)
         num_blocks = self.kv_cache_info.num_blocks
         kv_manager = make_kv_manager(config, num_blocks, self.max_model_len, groups)
-        scheduler_class = AsyncScheduler if _async_scheduling(config) else Scheduler
+        mode = step_mode(config)
+        scheduler_class = AsyncScheduler if mode is StepMode.ASYNC_SCHEDULING else Scheduler
         scheduler = scheduler_class(SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -117,12 +128,15 @@ class LLMEngine:
                                       max_model_len=self.max_model_len, mesh=mesh,
                                       groups=groups)
         vocab_size = self.model_config.vocab_size
-        proposer = _proposer(config, draft, runner, kv_manager, shapes, vocab_size)
+        proposer = _proposer(config, draft, runner, kv_manager, shapes, vocab_size,
+                             self.mode_fallbacks)
         step_runner = SingleStepRunner(runner, kv_manager, shapes, proposer,
                                        vocab_size=vocab_size, max_logprobs=config.max_logprobs)
-        if _decode_loops(config, kv_manager, proposer):
-            step_runner = DecodeLoopRunner(step_runner, kv_manager, config.num_decode_steps)
+        if mode is StepMode.DECODE_LOOP:
+            step_runner = DecodeLoopRunner(step_runner, kv_manager, config.num_decode_steps,
+                                           self.mode_fallbacks)
         self.core = EngineCore(scheduler, kv_manager, step_runner, proposer,
+                               fallbacks=self.mode_fallbacks,
                                lockstep=lockstep.Lockstep(mesh) if lockstep.spans_processes(mesh)
                                else None)
         eos, tokenizer_eos = self.model_config.eos_token_ids, self.tokenizer.eos_token_id
@@ -131,7 +145,9 @@ class LLMEngine:
                                config.max_logprobs)
         self.input_processor = InputProcessor(self.tokenizer, limits, self.eos_token_ids)
         self.stats = EngineStats(kv_cache_dtype=self.kv_cache_info.dtype,
-                                 kv_bytes_per_token=self.kv_cache_info.bytes_per_token)
+                                 kv_bytes_per_token=self.kv_cache_info.bytes_per_token,
+                                 step_mode=mode,
+                                 mode_fallbacks=self.mode_fallbacks)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._seeds = np.random.default_rng(config.seed)
         self.last_step_error: BaseException | None = None
@@ -312,24 +328,12 @@ class LLMEngine:
             kv_group_blocks_used=manager.group_blocks_used,
             kv_cache_dtype=self.kv_cache_info.dtype,
             kv_bytes_per_token=self.kv_cache_info.bytes_per_token,
-            spec_decode=SpecDecodeCounts().add(self.stats.spec_decode))
-
-
-def _async_scheduling(config: EngineConfig) -> bool:
-    """Async scheduling predicts each step's tokens; proposals need the tokens, so under
-    speculative decoding steps run one after another."""
-    return config.async_scheduling and config.speculative_config is None
-
-
-def _decode_loops(config: EngineConfig, kv_manager: KVManager, proposer: Proposer) -> bool:
-    """Decode loops need a manager that adopts the blocks they take on the device; with
-    proposals the host works between every two steps."""
-    return (config.num_decode_steps > 1 and kv_manager.adopts_device_blocks
-            and not proposer.speculates)
+            spec_decode=SpecDecodeCounts().add(self.stats.spec_decode),
+            mode_fallbacks=dict(self.mode_fallbacks.counts))
 
 
 def _proposer(config: EngineConfig, draft, runner: ModelRunner, kv_manager: KVManager,
-              shapes: StepShapes, vocab_size: int) -> Proposer:
+              shapes: StepShapes, vocab_size: int, fallbacks: ModeFallbacks) -> Proposer:
     """The speculative_config's proposer (one that proposes nothing without one); a
     draft model runs on a runner of its own, laid out as the target's."""
     spec = config.speculative_config
@@ -337,10 +341,11 @@ def _proposer(config: EngineConfig, draft, runner: ModelRunner, kv_manager: KVMa
         return Proposer()
     if draft is None:
         return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
-                             spec.prompt_lookup_max)
+                             spec.prompt_lookup_max, fallbacks=fallbacks)
     draft_runner = ModelRunner(
         *draft, num_blocks=runner.num_blocks, block_size=config.block_size,
         num_host_blocks=config.num_host_blocks, kv_dtype=config.kv_dtype,
         attention_backend=runner.attention_backend, interpret=config.interpret,
         logit_rows_per_seq=runner.logit_rows_per_seq)
-    return DraftModelProposer(draft_runner, kv_manager, shapes, vocab_size)
+    return DraftModelProposer(draft_runner, kv_manager, shapes, vocab_size,
+                              fallbacks=fallbacks)

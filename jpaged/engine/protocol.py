@@ -4,6 +4,7 @@ several data-parallel replicas behind a `DataParallelEngine`."""
 from __future__ import annotations
 
 import functools
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -36,6 +37,8 @@ class EngineState:
     """KV bytes of one token on one device, scales included (KVCacheInfo.bytes_per_token)."""
     spec_decode: SpecDecodeCounts = field(default_factory=SpecDecodeCounts)
     """Speculative decoding's proposals and acceptances so far."""
+    mode_fallbacks: dict[str, int] = field(default_factory=dict)
+    """How often each fallback of the step modes' table happened (ModeFallbacks.counts)."""
 
     @property
     def kv_usage(self) -> float:
@@ -61,7 +64,8 @@ class EngineState:
             kv_cache_dtype=states[0].kv_cache_dtype if states else "",
             kv_bytes_per_token=states[0].kv_bytes_per_token if states else 0,
             spec_decode=functools.reduce(SpecDecodeCounts.add, (s.spec_decode for s in states),
-                                         SpecDecodeCounts()))
+                                         SpecDecodeCounts()),
+            mode_fallbacks=dict(sum((Counter(s.mode_fallbacks) for s in states), Counter())))
 
 
 class Engine(Protocol):

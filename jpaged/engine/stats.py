@@ -2,8 +2,9 @@
 
 Step-level: KV utilization, logical beside physical KV blocks (what sharing
 saves), running / waiting sequences, preemptions, prefix-cache hit rate,
-compilations, speculative decoding's proposals and acceptances. Request-level:
-output tokens/s, TTFT and TPOT percentiles.
+compilations, speculative decoding's proposals and acceptances, the step mode and
+its fallbacks (jpaged.core.step_modes). Request-level: output tokens/s, TTFT and
+TPOT percentiles.
 
 Memory stays constant however long the engine runs (a server runs for days):
 step series keep running aggregates, and TTFT / TPOT keep the last
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 from jax import monitoring
 
+from jpaged.core.step_modes import ModeFallbacks, StepMode
 from jpaged.outputs import RequestMetrics
 from jpaged.sequence import SequenceStatus
 
@@ -131,6 +133,8 @@ class EngineStats:
     kv_utilization, num_running and num_waiting aggregate every step; ttft and
     tpot hold the last LATENCY_WINDOW finished requests' values. kv_cache_dtype and
     kv_bytes_per_token describe the pool (KVCacheInfo's dtype and bytes_per_token).
+    step_mode: how the engine steps; mode_fallbacks: the defaults that gave way to
+    another setting, and the steps that ran another way than step_mode's.
     step_log: when a list, every step appends its StepRecord (a study's record of the
     steps' shapes); None, the default, keeps a server's memory constant.
     """
@@ -157,6 +161,8 @@ class EngineStats:
     kv_cache_dtype: str = ""
     kv_bytes_per_token: int = 0
     spec_decode: SpecDecodeCounts = field(default_factory=lambda: SpecDecodeCounts())
+    step_mode: StepMode = StepMode.SINGLE_STEP
+    mode_fallbacks: ModeFallbacks = field(default_factory=ModeFallbacks)
     step_log: list[StepRecord] | None = None
 
     def record_blocks(self, blocks: KVBlockCounts) -> None:
@@ -324,6 +330,8 @@ def summarize(replicas: Sequence[EngineStats]) -> dict:
         "tpot_s": percentiles(value for r in replicas for value in r.tpot),
         "spec_decode": functools.reduce(SpecDecodeCounts.add, (r.spec_decode for r in replicas),
                                         SpecDecodeCounts()).summary(),
+        "step_mode": replicas[0].step_mode.value if replicas else StepMode.SINGLE_STEP.value,
+        "mode_fallbacks": dict(sum((r.mode_fallbacks.counts for r in replicas), Counter())),
     }
 
 

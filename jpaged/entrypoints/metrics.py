@@ -56,6 +56,13 @@ class EngineCollector:
         dtype.add_metric([state.kv_cache_dtype], 1)
         yield dtype
         yield from _spec_decode_metrics(state.spec_decode)
+        fallbacks = CounterMetricFamily(
+            "jpaged:mode_fallbacks", "Defaults that gave way to another setting, and steps "
+            "that ran another way than the engine's step mode (jpaged.core.step_modes).",
+            labels=["fallback"])
+        for name, count in sorted(state.mode_fallbacks.items()):
+            fallbacks.add_metric([name], count)
+        yield fallbacks
 
 
 def _spec_decode_metrics(counts: SpecDecodeCounts):

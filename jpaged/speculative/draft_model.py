@@ -25,6 +25,7 @@ import numpy as np
 
 from jpaged.core.attention_metadata import AttentionMetadata
 from jpaged.core.batch_builder import BlockTables, build_model_input
+from jpaged.core.step_modes import Feature, ModeFallbacks
 from jpaged.core.step_shapes import StepShapes
 from jpaged.model.config import LlamaConfig
 from jpaged.model.loader import read_model_config
@@ -88,9 +89,11 @@ class DraftModelProposer(TokenProposer):
     block_tables: the target's KV cache manager; shapes: the target's step shapes.
     """
 
+    feature = Feature.DRAFT_MODEL
+
     def __init__(self, runner: ModelRunner, block_tables: BlockTables, shapes: StepShapes,
-                 vocab_size: int):
-        super().__init__(shapes.num_speculative_tokens)
+                 vocab_size: int, *, fallbacks: ModeFallbacks | None = None):
+        super().__init__(shapes.num_speculative_tokens, fallbacks)
         self.runner = runner
         self.runners = (runner,)
         self.block_tables = block_tables

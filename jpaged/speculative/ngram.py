@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from jpaged.core.step_modes import Feature, ModeFallbacks
 from jpaged.sequence import Sequence
 from jpaged.speculative.proposer import TokenProposer
 
@@ -41,8 +42,11 @@ def propose_ngram(token_ids: np.ndarray, num_tokens: int, lookup_min: int,
 class NgramProposer(TokenProposer):
     """Proposals from a sequence's own tokens (`propose_ngram`)."""
 
-    def __init__(self, num_speculative_tokens: int, lookup_min: int, lookup_max: int):
-        super().__init__(num_speculative_tokens)
+    feature = Feature.NGRAM
+
+    def __init__(self, num_speculative_tokens: int, lookup_min: int, lookup_max: int, *,
+                 fallbacks: ModeFallbacks | None = None):
+        super().__init__(num_speculative_tokens, fallbacks)
         self.lookup_min = lookup_min
         self.lookup_max = lookup_max
 

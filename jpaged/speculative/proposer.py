@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
+from jpaged.core.step_modes import Feature, ModeFallbacks
 from jpaged.sequence import Sequence, SequenceGroup
 
 if TYPE_CHECKING:
@@ -67,15 +68,21 @@ class TokenProposer(Proposer):
     group get as many as the fewest any of them has, so they grow together; a sequence
     gets none while its prompt is computed (where its last chunk ends depends on the
     batch), and no more than its stop rule leaves room for (`StopRule.max_proposals`).
+    feature: the proposer's row of the step modes' table; fallbacks: where the beam
+    searches that get no proposals are counted.
     """
 
-    def __init__(self, num_speculative_tokens: int):
+    feature: Feature
+
+    def __init__(self, num_speculative_tokens: int, fallbacks: ModeFallbacks | None = None):
         self.num_speculative_tokens = num_speculative_tokens
+        self.fallbacks = fallbacks or ModeFallbacks()
 
     def propose(self, queues: Iterable[Iterable[SequenceGroup]]) -> None:
         for queue in queues:
             for group in queue:
                 if group.is_beam_search:
+                    self.fallbacks.note(self.feature, Feature.BEAM_SEARCH)
                     continue
                 seqs = group.unfinished_seqs()
                 proposals = [self._proposals(group, seq) for seq in seqs]

@@ -18,6 +18,7 @@ import jax
 import numpy as np
 
 from jpaged.core.scheduler_output import SampledTokens, SchedulerOutput
+from jpaged.core.step_modes import Feature, ModeFallbacks, StepMode
 from jpaged.core.step_shapes import bucket, padded_sizes
 from jpaged.worker.decode_loop import LoopInput, padding_input
 from jpaged.worker.sampling_rows import sample_indices, sampling_row, sampling_tensors
@@ -29,10 +30,12 @@ class DecodeLoopRunner:
     """Up to num_decode_steps decode steps per plan of lone decodes, one step otherwise.
 
     single: the runner of every other plan (its model runner runs the loop);
-    kv_manager: a manager that adopts the blocks a loop took on the device.
+    kv_manager: a manager that adopts the blocks a loop took on the device;
+    fallbacks: where the plans that run one step are counted, by what they hold.
     """
 
-    def __init__(self, single: SingleStepRunner, kv_manager, num_decode_steps: int):
+    def __init__(self, single: SingleStepRunner, kv_manager, num_decode_steps: int,
+                 fallbacks: ModeFallbacks):
         if not kv_manager.adopts_device_blocks:
             raise ValueError("a decode loop needs a KV cache manager that adopts the blocks "
                              "it takes on the device: one group of paged blocks")
@@ -40,9 +43,13 @@ class DecodeLoopRunner:
         self.model_runner, self.shapes = single.model_runner, single.shapes
         self.kv_manager = kv_manager
         self.num_decode_steps = num_decode_steps
+        self.fallbacks = fallbacks
 
     def dispatch(self, plan: SchedulerOutput, previous: InFlight | None = None) -> InFlight:
-        if not loops(plan):
+        features = single_step_features(plan)
+        if features:
+            for feature in features:
+                self.fallbacks.note(StepMode.DECODE_LOOP, feature)
             return self.single.dispatch(plan, previous)
         return InFlight(plan, PromptLogprobs([]), finished=self._run_loop(plan))
 
@@ -123,10 +130,17 @@ class DecodeLoopRunner:
             yield_on_finish=np.bool_(bool(plan.stats.num_waiting or plan.stats.num_swapped)))
 
 
-def loops(plan: SchedulerOutput) -> bool:
-    """Whether every scheduled sequence of `plan` decodes its next token alone (no prompt
-    chunk, no fork, no beam search)."""
-    return plan.num_draws == len(plan.scheduled) and all(
-        num_new_tokens == 1 and seq.num_uncomputed_tokens == 1
-        and not group.is_beam_search and not group.forks_at_next_draw
-        for (seq, num_new_tokens), group in zip(plan.scheduled, plan.groups, strict=True))
+def single_step_features(plan: SchedulerOutput) -> set[Feature]:
+    """What keeps `plan` from looping (none: every scheduled sequence decodes its next
+    token alone): prompt tokens, a fork into samples, a beam search."""
+    features = set()
+    if plan.num_draws != len(plan.scheduled):
+        features.add(Feature.PREFILL)
+    for (seq, num_new_tokens), group in zip(plan.scheduled, plan.groups, strict=True):
+        if num_new_tokens != 1 or seq.num_uncomputed_tokens != 1:
+            features.add(Feature.PREFILL)
+        if group.is_beam_search:
+            features.add(Feature.BEAM_SEARCH)
+        elif group.forks_at_next_draw:
+            features.add(Feature.PARALLEL_SAMPLING)
+    return features

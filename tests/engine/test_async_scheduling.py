@@ -143,5 +143,5 @@ def test_abort_while_a_step_runs(loaded, prompts, expected):
 def test_the_option_is_checked(loaded):
     with pytest.raises(TypeError, match="async_scheduling must be a bool"):
         EngineConfig(async_scheduling="yes")
-    with pytest.raises(ValueError, match="num_decode_steps=4 runs loops instead"):
+    with pytest.raises(ValueError, match="num_decode_steps=4 conflicts with async_scheduling"):
         _engine(loaded, async_scheduling=True, num_decode_steps=4)

@@ -243,7 +243,8 @@ def test_bad_config_fails_before_weights_load(config, message):
 
 
 def test_a_draft_model_runs_on_one_device():
-    with pytest.raises(ValueError, match="tensor_parallel_size and data_parallel_size"):
+    with pytest.raises(ValueError, match="data_parallel_size=2 conflicts with "
+                                         "speculative_config\\['method'\\]='draft_model'"):
         EngineConfig(speculative_config={"method": "draft_model", "model": "smollm2",
                                          "num_speculative_tokens": 2}, data_parallel_size=2)
 

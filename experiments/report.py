@@ -16,6 +16,8 @@ adds its figures to it:
 `record_end_load` adds "load_average_end" to the machine where a benchmark
 reports the load after its runs too. `python -m experiments.sweep` starts its
 sweep.json the same way; benchmarks.results_page places each report by these keys.
+It lives in experiments/ because the studies use it too, and imports run downward:
+benchmarks/ may import experiments/, never the other way.
 """
 
 from __future__ import annotations

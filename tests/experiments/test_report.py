@@ -1,4 +1,4 @@
-"""benchmarks.report: every benchmark's JSON starts with the run's description, under
+"""experiments.report: every benchmark's JSON starts with the run's description, under
 the keys the results page reads."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from datetime import datetime, timedelta
 
-from benchmarks.report import new_report, record_end_load
 from benchmarks.results_page import RUN_KEYS
+from experiments.report import new_report, record_end_load
 
 
 def test_a_new_report_describes_the_run_under_the_results_page_keys():
