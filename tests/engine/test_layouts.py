@@ -26,6 +26,7 @@ from jpaged.entrypoints.llm import LLM
 from jpaged.memory.kv_cache_groups import KVCacheGroups
 from jpaged.model.loader import load_model
 from jpaged.sampling_params import SamplingParams
+from jpaged.worker.decode_loop_runner import DecodeLoopRunner
 from tests.plugins.hf_models import greedy_continuations
 from tests.plugins.layouts import LAYOUTS, Layout, layout_params
 
@@ -145,7 +146,7 @@ def test_decode_loop_matches_transformers(row):
     # block in one (the conflict itself: tests/engine/test_step_modes.py).
     keep_every_block = row.groups.num_groups > 1
     llm = row.llm(num_decode_steps=4, disable_hybrid_kv_cache_manager=keep_every_block)
-    assert llm.engine.core.runs_decode_loops
+    assert isinstance(llm.engine.core.step_runner, DecodeLoopRunner)
     assert _tokens(llm.generate(row.prompts, GREEDY)) == row.expected
     assert _all_blocks_free(llm)
 
