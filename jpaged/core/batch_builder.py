@@ -182,8 +182,8 @@ def _adapter_slots(seqs: list[Sequence], q_lens: np.ndarray, padded_tokens: int,
     padding; None if no sequence has an adapter."""
     if adapter_slot_of is None:
         return None
-    slots = [adapter_slot_of(seq) for seq in seqs]
-    slots = np.array([NO_ADAPTER if slot is None else slot for slot in slots], np.int32)
+    slots = np.array([NO_ADAPTER if (slot := adapter_slot_of(seq)) is None else slot
+                      for seq in seqs], np.int32)
     if (slots == NO_ADAPTER).all():
         return None
     token_slots = np.full(padded_tokens, NO_ADAPTER, np.int32)
