@@ -10,6 +10,7 @@ sequences).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 from typing import Protocol
@@ -27,6 +28,10 @@ __getattr__ = moved_names(__name__, {name: "jpaged.core.step_shapes"
 
 
 DEFAULT_BUCKETS = BucketSizes()
+# The adapter slot of a token without an adapter (a request of the base model, and
+# padding): slot 0 is reserved, as block 0 is, so that an adapter table's row 0 can
+# hold an adapter of zeros and every token gathers a row without a branch.
+NO_ADAPTER = 0
 
 
 class BlockTables(Protocol):
@@ -48,6 +53,10 @@ class ModelInput:
                num_rows entries of metadata.logits_indices.
     proposal_rows: int32 [num_seqs] the logits row of each sequence's first
                proposal (its others follow it), -1 where it has none.
+    adapter_slots: int32 [T] the adapter slot of each token's sequence (LoRA),
+               NO_ADAPTER for padding tokens and sequences without one; None when
+               no sequence of the step has an adapter, so that steps without
+               adapters keep the inputs they had.
     """
 
     input_ids: np.ndarray
@@ -56,6 +65,7 @@ class ModelInput:
     num_seqs: int
     num_rows: int
     proposal_rows: np.ndarray
+    adapter_slots: np.ndarray | None = None
 
     @property
     def decode_only(self) -> bool:
@@ -69,6 +79,7 @@ def build_model_input(
     buckets: BucketSizes = DEFAULT_BUCKETS,
     min_rows: int = 0,
     num_speculative_tokens: int = 0,
+    adapter_slot_of: Callable[[Sequence], int | None] | None = None,
 ) -> ModelInput:
     """Padded device inputs for one step.
 
@@ -82,6 +93,8 @@ def build_model_input(
                with proposals among them takes the shape of its rows' bucket times
                1 + k tokens; every step then has logits rows for proposals after
                those of the sequences' last tokens (`ModelInput.proposal_rows`).
+    adapter_slot_of: each sequence's adapter slot (None or NO_ADAPTER: none), given
+               to its tokens as `ModelInput.adapter_slots`; None: no adapters.
     """
     block_size = block_tables.block_size
     num_seqs = len(scheduled)
@@ -158,7 +171,24 @@ def build_model_input(
         query_start_loc=query_start_loc,
         logits_indices=logits_indices,
     )
-    return ModelInput(input_ids, metadata, num_tokens, num_seqs, padded_rows, proposal_rows)
+    return ModelInput(input_ids, metadata, num_tokens, num_seqs, padded_rows, proposal_rows,
+                      _adapter_slots(seqs, q_lens, padded_tokens, adapter_slot_of))
+
+
+def _adapter_slots(seqs: list[Sequence], q_lens: np.ndarray, padded_tokens: int,
+                   adapter_slot_of: Callable[[Sequence], int | None] | None
+                   ) -> np.ndarray | None:
+    """int32 [padded_tokens]: each new token's sequence's adapter slot, NO_ADAPTER for
+    padding; None if no sequence has an adapter."""
+    if adapter_slot_of is None:
+        return None
+    slots = np.array([NO_ADAPTER if (slot := adapter_slot_of(seq)) is None else slot
+                      for seq in seqs], np.int32)
+    if (slots == NO_ADAPTER).all():
+        return None
+    token_slots = np.full(padded_tokens, NO_ADAPTER, np.int32)
+    token_slots[: int(q_lens.sum())] = np.repeat(slots, q_lens)
+    return token_slots
 
 
 def _all_decodes(seqs: list[Sequence], starts: np.ndarray) -> bool:

@@ -12,6 +12,7 @@ instead of waiting forever in a collective the others never reach.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Callable, Sequence
 
@@ -131,7 +132,8 @@ def schedule_digest(plan: SchedulerOutput, block_tables: Callable) -> bytes:
         digest.update(np.asarray(seq.token_slice(start, start + num_new), np.int64).tobytes())
         for table in block_tables(seq):
             digest.update(b"|" + table.array.tobytes())
-    for ops in (plan.block_ops.swap_out, plan.block_ops.swap_in, plan.block_ops.copies):
+    for phase in dataclasses.fields(plan.block_ops):  # every phase of the block operations
+        ops = getattr(plan.block_ops, phase.name)
         digest.update(b"/" + np.ascontiguousarray(ops, np.int32).tobytes())
     return digest.digest()
 

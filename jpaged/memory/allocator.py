@@ -23,7 +23,9 @@ block: never in the queue, never allocated, never freed.
 
 The device applies a step's `BlockOps` before the step's attention, in this
 order: swap_out (device -> host), swap_in (host -> device), copies
-(copy-on-write, all sources read before any destination is written). Blocks
+(copy-on-write, all sources read before any destination is written); a host tier's
+store and load phases sit between them (`BlockOps`), though no transition here asks
+for them yet. Blocks
 freed during a step may be reused in the same step, which that order makes
 safe, except for blocks the step's ops still touch: blocks a later phase reads
 (copy sources on the device, swap-in sources on the host) and blocks an op
@@ -43,7 +45,7 @@ ValueError for misuse (a double free, sharing a free block, too few free blocks)
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
@@ -104,31 +106,44 @@ class AllocatorState(NamedTuple):
     ops: StepOps
 
 
+_NO_PAIRS = np.zeros((0, 2), np.int32)
+_NO_PAIRS.flags.writeable = False
+
+
 @dataclass(frozen=True)
 class BlockOps:
-    """Data movement one step asks of the device, applied before its attention.
+    """Data movement one step asks of the device, applied before its attention, one
+    phase after another in the order of jpaged.worker.model_runner.BLOCK_OP_PHASES:
+    swap_out, store, swap_in, load, copies (the blocks that leave the device are read
+    before any is written, and the copies may copy a block swap_in or load filled).
 
-    swap_out: int32 [K, 2]  (device block, host block), applied first.
-    swap_in:  int32 [K, 2]  (host block, device block), applied second.
-    copies:   int32 [K, 2]  (source, destination) device blocks, applied last,
-              all sources read before any destination is written.
+    swap_out: int32 [K, 2]  (device block, host block): preemption's swap space.
+    store:    int32 [K, 2]  (device block, host-tier block): the prefix cache's host
+              tier keeps a copy.
+    swap_in:  int32 [K, 2]  (host block, device block).
+    load:     int32 [K, 2]  (host-tier block, device block).
+    copies:   int32 [K, 2]  (source, destination) device blocks, all sources read
+              before any destination is written.
 
-    No block is written twice: the destinations of swap_in and copies are
-    distinct device blocks, those of swap_out distinct host blocks, so every
-    phase may scatter its writes in any order.
+    No block is written twice: the destinations of swap_in, load and copies are
+    distinct device blocks, those of swap_out distinct host blocks and those of store
+    distinct host-tier blocks, so every phase may scatter its writes in any order.
+    store and load are empty until the prefix cache has a host tier: the transitions
+    below never ask for them.
     """
 
     swap_out: np.ndarray
     swap_in: np.ndarray
     copies: np.ndarray
+    # The shared, read-only empty pairs (a dataclass takes no array as a plain default).
+    store: np.ndarray = field(default_factory=lambda: _NO_PAIRS)
+    load: np.ndarray = field(default_factory=lambda: _NO_PAIRS)
 
     @classmethod
     def none(cls) -> BlockOps:
         return cls(_NO_PAIRS, _NO_PAIRS, _NO_PAIRS)
 
 
-_NO_PAIRS = np.zeros((0, 2), np.int32)
-_NO_PAIRS.flags.writeable = False
 _SWAP_OUT, _SWAP_IN, _COPIES = 0, 1, 2
 
 

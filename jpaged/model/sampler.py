@@ -2,8 +2,9 @@
 
 Per row, from the model's raw logits l (f32 [V]), `sample` applies in this order:
 
-1. the request's logit_bias is added, and min_tokens suppression gives the row's
-   suppressed tokens (EOS, stop tokens) -inf.
+1. tokens outside the row's allowed set (its token mask: a grammar's, for structured
+   outputs) get -inf; then the request's logit_bias is added, and min_tokens
+   suppression gives the row's suppressed tokens (EOS, stop tokens) -inf.
 2. penalties (vLLM's `apply_penalties`): where a token occurs in the prompt or the
    output so far, a positive logit is divided by repetition_penalty and a non-positive
    one multiplied by it; then frequency_penalty * (occurrences in the output) and
@@ -25,8 +26,14 @@ Per row, from the model's raw logits l (f32 [V]), `sample` applies in this order
 Rows that carry proposals (speculative decoding) are verified with the same steps by
 jpaged.model.verification.
 
-Log-probabilities come from the raw logits (before 1 and 2):
-log_softmax(l / logprob_temperature), with the sampled token's rank and the top ones.
+Log-probabilities come from the raw logits (before 1 and 2, so a token mask leaves
+them unchanged): log_softmax(l / logprob_temperature), with the sampled token's rank and
+the top ones.
+
+Token masks are packed as structured-output libraries (llguidance, xgrammar) and vLLM
+pack them: int32 words [ceil(V / 32)], bit v % 32 (least significant first) of word
+v // 32 set iff token v is allowed. A mask allows at least one token (a grammar always
+allows one: EOS at the end); bits past V are ignored.
 
 The fast path. A batch whose rows are all greedy skips 4 to 8 (a variant compiled
 without them, chosen on the host: `SamplingTensors.draws`), and one where no
@@ -103,6 +110,9 @@ class SamplingTensors:
                                      none; None unless some row has one
     draft_probs:         f32 [B, V]  the distribution each proposal was drawn from (a
                                      draft model's); None: one-hot (an n-gram's)
+    allowed_tokens:      int32 [B, ceil(V / 32)]  each row's packed token mask (the
+                                     module's convention; all bits set: every token);
+                                     None unless some row has one
 
     draws (static): some row has temperature > 0. A batch of greedy rows compiles
     without the draw and its filters, a fraction of the sampler's compile time.
@@ -123,6 +133,7 @@ class SamplingTensors:
     bias: chex.Array | None = None
     proposals: chex.Array | None = None
     draft_probs: chex.Array | None = None
+    allowed_tokens: chex.Array | None = None
     draws: bool = field(default=True, metadata=dict(static=True))
 
 
@@ -151,13 +162,26 @@ class SamplerOutput:
     accepted: chex.Array
 
 
+def token_mask(allowed_tokens: chex.Array, vocab_size: int) -> chex.Array:
+    """Unpack token masks: int32 [B, ceil(V / 32)] words (the module's convention) ->
+    bool [B, V], True where the token is allowed."""
+    shifts = jnp.arange(32, dtype=jnp.int32)
+    # An arithmetic shift of a negative word fills with ones; the & 1 keeps its bit alone.
+    bits = (allowed_tokens[:, :, None] >> shifts) & 1  # [B, W, 32]
+    return bits.reshape(allowed_tokens.shape[0], -1)[:, :vocab_size].astype(bool)
+
+
 def process_logits(logits: chex.Array, tensors: SamplingTensors) -> chex.Array:
-    """Steps 1 and 2: logit bias and min_tokens suppression, then vLLM's penalties.
-    f32 [B, V] -> [B, V].
+    """Steps 1 and 2: the token mask, logit bias and min_tokens suppression, then vLLM's
+    penalties. f32 [B, V] -> [B, V].
 
     A zero bias and neutral penalties (1, 0, 0) leave a row bit-identical, so rows
-    without them need no counts.
+    without them need no counts; a row whose mask allows every token is bit-identical
+    too (-inf stays -inf through the penalties).
     """
+    if tensors.allowed_tokens is not None:
+        allowed = token_mask(tensors.allowed_tokens, logits.shape[-1])
+        logits = jnp.where(allowed, logits, -jnp.inf)
     if tensors.penalties is None:
         return logits
     logits = logits + tensors.bias

@@ -8,7 +8,9 @@ the key fold_in(row key, ACCEPT_STREAM); a row that rejects draws from the resid
 max(0, p - q), normalised, with the row's key. A row of the batch without a proposal
 draws from p with its key. A draft model draws its proposals with `draft_sample`: the
 sampler's steps on its own logits, with the key fold_in(row key, DRAFT_STREAM).
-Log-probabilities are the sampler's, from the raw logits.
+Log-probabilities are the sampler's, from the raw logits. A row's token mask (step 1)
+leaves a token outside it probability 0, so a proposal outside the mask is never
+accepted, and greedy rows' argmax lies inside it.
 """
 
 from __future__ import annotations

@@ -14,9 +14,10 @@ log-probabilities. Given a mesh, the runner runs a model laid out by
 `jpaged.model.sharding.shard_model` on it: the cache split by KV head, attention
 and `write_kv` under `shard_map`, every other array placed by XLA from the
 parameters' shardings; the host side (block tables, slot mappings) is one and
-the same for every device. Block copies for copy-on-write and swaps to and from a host
-pool, and token sampling, run as small separate jitted functions, so they never
-multiply the step's shapes.
+the same for every device. Block operations (copies for copy-on-write, swaps to and
+from a host pool, stores to and loads from the prefix cache's host tier: the phases of
+`BLOCK_OP_PHASES`) and token sampling run as small separate jitted functions, so they
+never multiply the step's shapes.
 """
 
 from __future__ import annotations
@@ -238,13 +239,37 @@ def _read_blocks(cache: jax.Array, block_ids: jax.Array) -> jax.Array:
     return cache[:, :, block_ids]
 
 
+# The pools a block operation's ids index.
+DEVICE, HOST, HOST_TIER = "device", "host", "host tier"
+
+
+@dataclass(frozen=True)
+class BlockOpPhase:
+    """One phase of a step's block operations (jpaged.memory.allocator.BlockOps).
+
+    name:        the BlockOps field of the phase's pairs, int32 [K, 2] (source,
+                 destination).
+    source:      the pool the pairs' first column indexes (DEVICE, HOST or HOST_TIER).
+    destination: the pool their second column indexes.
+    move:        move(runner, pairs) moves the blocks (K >= 1, every id checked).
+    """
+
+    name: str
+    source: str
+    destination: str
+    move: Callable[[ModelRunner, np.ndarray], None]
+
+
 class ModelRunner:
-    """Owns the parameters, the paged KV cache, the host swap pool and the compiled step.
+    """Owns the parameters, the paged KV cache, the host pools (swap space and the prefix
+    cache's host tier) and the compiled step.
 
     mesh: run tensor-parallel on this one-axis ("model") mesh; `model` and `config`
     must then be laid out for it (`jpaged.model.sharding.shard_model`).
     groups: the KV cache groups the cache is laid out for (None: one group of all
     layers, every block kept).
+    num_host_tier_blocks: blocks of the prefix cache's host tier (BlockOps' store and
+    load phases).
     """
 
     def __init__(
@@ -255,6 +280,7 @@ class ModelRunner:
         num_blocks: int,
         block_size: int,
         num_host_blocks: int = 0,
+        num_host_tier_blocks: int = 0,
         kv_dtype=jnp.float32,
         attention_backend: AttentionBackend | None = None,
         interpret: bool = False,
@@ -290,11 +316,11 @@ class ModelRunner:
         self.kv_cache = self._new_kv_cache()
         # The pools' sizes, which every block id the device gets is checked against.
         self.num_blocks, self.num_host_blocks = num_blocks, num_host_blocks
-        # Laid out as the device cache, so swaps pair their leaves (scales included).
-        self.host_kv = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype),
-                                    jax.eval_shape(lambda: init_kv_cache(
-                                        config, num_host_blocks, block_size, kv_dtype,
-                                        self.groups.layers_per_block)))
+        self.pool_sizes = {DEVICE: num_blocks, HOST: num_host_blocks,
+                           HOST_TIER: num_host_tier_blocks}
+        # Laid out as the device cache, so their moves pair leaves (scales included).
+        self.host_kv = self._host_pages(num_host_blocks, kv_dtype)
+        self.host_tier_kv = self._host_pages(num_host_tier_blocks, kv_dtype)
         # Jitted once per model, backend, mesh and cache layout in a process: engines
         # built one after another (a sweep, a notebook) reuse each other's compiled steps.
         self.functions = step_functions(self.graphdef, params_def, self.attention_backend,
@@ -312,36 +338,43 @@ class ModelRunner:
         """Whether a donating call consumed the KV cache without giving it back (it raised)."""
         return any(array.is_deleted() for array in jax.tree.leaves(self.kv_cache))
 
+    def _host_pages(self, num_blocks: int, kv_dtype) -> KVCache:
+        """A zeroed host pool (numpy leaves) laid out as the device cache, with num_blocks
+        blocks."""
+        layout = jax.eval_shape(lambda: init_kv_cache(
+            self.config, num_blocks, self.block_size, kv_dtype, self.groups.layers_per_block))
+        return jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), layout)
+
     def reset_kv_cache(self) -> None:
-        """A fresh, zeroed KV cache of the same shape (the host pool is kept)."""
+        """A fresh, zeroed KV cache of the same shape (the host pools are kept)."""
         for array in jax.tree.leaves(self.kv_cache):
             if not array.is_deleted():
                 array.delete()
         self.kv_cache = self._new_kv_cache()
 
     def apply_block_ops(self, ops: BlockOps) -> None:
-        """Swap out, swap in, then copy-on-write copies, in that order, before the step.
+        """The phases of `ops` that have pairs, in the order of BLOCK_OP_PHASES (swap-out,
+        store, swap-in, load, copies), before the step.
 
         Raises BlockIdOutOfRange, moving nothing, if an op names a block outside its pool.
         """
-        if not (len(ops.swap_out) or len(ops.swap_in) or len(ops.copies)):
+        phases = [(phase, getattr(ops, phase.name)) for phase in BLOCK_OP_PHASES]
+        phases = [(phase, pairs) for phase, pairs in phases if len(pairs)]
+        if not phases:
             return  # most steps: nothing to check or move
         self.check_block_ops(ops)
-        if len(ops.swap_out):
-            self._swap_out(ops.swap_out)
-        if len(ops.swap_in):
-            self._swap_in(ops.swap_in)
-        if len(ops.copies):
-            self.kv_cache = _copy_blocks(self.kv_cache, self._pad_pairs(ops.copies))
+        for phase, pairs in phases:
+            phase.move(self, pairs)
 
     def check_block_ops(self, ops: BlockOps) -> None:
         """Raise BlockIdOutOfRange unless every block of `ops` lies in its pool: the
         device would clamp or drop an id past it, and numpy wraps a negative one."""
-        check_block_ids(ops.swap_out[:, 0], self.num_blocks)
-        check_block_ids(ops.swap_out[:, 1], self.num_host_blocks, "host")
-        check_block_ids(ops.swap_in[:, 0], self.num_host_blocks, "host")
-        check_block_ids(ops.swap_in[:, 1], self.num_blocks)
-        check_block_ids(ops.copies, self.num_blocks)
+        for phase in BLOCK_OP_PHASES:
+            pairs = getattr(ops, phase.name)
+            for column, pool in enumerate((phase.source, phase.destination)):
+                # The device's ids are plain "block ids" in the message.
+                check_block_ids(pairs[:, column], self.pool_sizes[pool],
+                                "" if pool == DEVICE else pool)
 
     def check_metadata(self, metadata: AttentionMetadata) -> None:
         """Raise BlockIdOutOfRange unless the step's slots and block-table entries lie in
@@ -499,17 +532,52 @@ class ModelRunner:
 
     def _swap_out(self, pairs: np.ndarray) -> None:
         """Device blocks -> host blocks. pairs: int32 [K, 2] (device, host)."""
-        device_ids = self._pad_pairs(pairs)[:, 0]
-        for cache, host in zip(jax.tree.leaves(self.kv_cache), jax.tree.leaves(self.host_kv),
-                               strict=True):
-            host[:, :, pairs[:, 1]] = np.asarray(_read_blocks(cache, device_ids))[:, :, :len(pairs)]
+        self._read_into(self.host_kv, pairs)
+
+    def _store(self, pairs: np.ndarray) -> None:
+        """Device blocks -> host-tier blocks. pairs: int32 [K, 2] (device, host tier)."""
+        self._read_into(self.host_tier_kv, pairs)
 
     def _swap_in(self, pairs: np.ndarray) -> None:
         """Host blocks -> device blocks. pairs: int32 [K, 2] (host, device)."""
+        self._write_from(self.host_kv, pairs)
+
+    def _load(self, pairs: np.ndarray) -> None:
+        """Host-tier blocks -> device blocks. pairs: int32 [K, 2] (host tier, device)."""
+        self._write_from(self.host_tier_kv, pairs)
+
+    def _copy(self, pairs: np.ndarray) -> None:
+        """Device blocks -> device blocks. pairs: int32 [K, 2] (source, destination)."""
+        self.kv_cache = _copy_blocks(self.kv_cache, self._pad_pairs(pairs))
+
+    def _read_into(self, host_pages: KVCache, pairs: np.ndarray) -> None:
+        """Device blocks -> blocks of host_pages (a host pool laid out as the cache).
+        pairs: int32 [K, 2] (device, host)."""
+        device_ids = self._pad_pairs(pairs)[:, 0]
+        for cache, host in zip(jax.tree.leaves(self.kv_cache), jax.tree.leaves(host_pages),
+                               strict=True):
+            host[:, :, pairs[:, 1]] = np.asarray(_read_blocks(cache, device_ids))[:, :, :len(pairs)]
+
+    def _write_from(self, host_pages: KVCache, pairs: np.ndarray) -> None:
+        """Blocks of host_pages (a host pool laid out as the cache) -> device blocks.
+        pairs: int32 [K, 2] (host, device)."""
         padded = self._pad_pairs(pairs)
         host_ids, device_ids = padded[:, 0], padded[:, 1]
-        pages = jax.tree.map(lambda host: host[:, :, host_ids], self.host_kv)
+        pages = jax.tree.map(lambda host: host[:, :, host_ids], host_pages)
         self.kv_cache = _write_blocks(self.kv_cache, pages, device_ids)
+
+
+# The phases in the order a step applies them: the blocks that leave the device
+# (swap-out, store) are read before any device block is written (swap-in, load,
+# copies), and the copies come last, so they may copy a block a swap-in or load just
+# filled. A new phase is an entry here, with a BlockOps field of its name and its move.
+BLOCK_OP_PHASES = (
+    BlockOpPhase("swap_out", DEVICE, HOST, ModelRunner._swap_out),
+    BlockOpPhase("store", DEVICE, HOST_TIER, ModelRunner._store),
+    BlockOpPhase("swap_in", HOST, DEVICE, ModelRunner._swap_in),
+    BlockOpPhase("load", HOST_TIER, DEVICE, ModelRunner._load),
+    BlockOpPhase("copies", DEVICE, DEVICE, ModelRunner._copy),
+)
 
 
 def _loop_error(output: LoopOutput, num_blocks: int) -> BlockIdOutOfRange:

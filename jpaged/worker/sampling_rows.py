@@ -5,7 +5,9 @@ them as SamplingTensors).
 A draw of a scheduled sequence has one row, or with speculative decoding one row per
 proposal (the logits before it, checking it) and one after them. A row's penalties
 and min_tokens count the proposals before it as output; beam searches draw greedy rows
-and choose their beams on the host from the top log-probabilities.
+and choose their beams on the host from the top log-probabilities. A row may carry a
+token mask (the tokens it allows, packed as jpaged.model.sampler describes): each of a
+verifying sequence's rows its own, the mask after the proposals before it.
 """
 
 from __future__ import annotations
@@ -42,11 +44,14 @@ class SamplingRow:
     suppressed_token_ids: tuple[int, ...] = ()
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
     proposal: int = -1  # the token proposed for `position`, -1 for none
+    # int32 [ceil(V / 32)] packed token mask (`pack_token_mask`); None allows every token.
+    allowed_tokens: np.ndarray | None = None
 
     @classmethod
     def of(cls, params: SamplingParams, *, seed: int, sample_index: int, position: int,
            prompt_token_ids: Tokens[int], output_token_ids: Tokens[int],
-           suppressed_token_ids: tuple[int, ...] = (), proposal: int = -1) -> SamplingRow:
+           suppressed_token_ids: tuple[int, ...] = (), proposal: int = -1,
+           allowed_tokens: np.ndarray | None = None) -> SamplingRow:
         """A row of a request: temperature < 1e-5 becomes 0 (greedy), top_k -1 becomes 0."""
         return cls(
             temperature=0.0 if params.greedy else params.temperature,
@@ -58,7 +63,7 @@ class SamplingRow:
             prompt_token_ids=prompt_token_ids, output_token_ids=output_token_ids,
             suppressed_token_ids=tuple(suppressed_token_ids),
             logit_bias=tuple((params.logit_bias or {}).items()),
-            proposal=proposal,
+            proposal=proposal, allowed_tokens=allowed_tokens,
         )
 
     @classmethod
@@ -79,6 +84,27 @@ class SamplingRow:
         """The row needs the sampler's [B, V] inputs."""
         return (self.penalties != NEUTRAL_PENALTIES or bool(self.suppressed_token_ids)
                 or bool(self.logit_bias))
+
+
+def pack_token_mask(allowed: np.ndarray) -> np.ndarray:
+    """bool [V], True where a token is allowed -> int32 [ceil(V / 32)], bit v % 32 of word
+    v // 32 set iff token v is allowed (jpaged.model.sampler's convention)."""
+    num_words = -(-len(allowed) // 32)
+    bits = np.zeros(num_words * 32, bool)
+    bits[: len(allowed)] = allowed
+    # Little-endian bit order within each byte and bytes within each word: bit v of the
+    # whole array is token v.
+    return np.packbits(bits, bitorder="little").view("<i4").astype(np.int32)
+
+
+def _token_masks(rows: Tokens[SamplingRow], num_rows: int, vocab_size: int) -> np.ndarray:
+    """allowed_tokens int32 [B, ceil(V / 32)]: each row's mask, all bits set (every token)
+    for rows without one and padding rows."""
+    masks = np.full((num_rows, -(-vocab_size // 32)), -1, np.int32)
+    for i, row in enumerate(rows):
+        if row.allowed_tokens is not None:
+            masks[i] = row.allowed_tokens
+    return masks
 
 
 def _dense(rows: Tokens[SamplingRow], num_rows: int, vocab_size: int) -> dict:
@@ -107,7 +133,8 @@ def sampling_tensors(
     """Host numpy inputs of `sample`, padded to num_rows with greedy, neutral rows.
 
     The dense [B, V] arrays are built only when some row needs them (SamplingRow.dense)
-    or `dense` asks for them (the decode loop updates them on the device).
+    or `dense` asks for them (the decode loop updates them on the device); the token
+    masks only when some row has one.
     """
     pad = num_rows - len(rows)
     if pad < 0:
@@ -131,20 +158,25 @@ def sampling_tensors(
            else {}),
         proposals=(column("proposal", -1, np.int32) if any(r.proposal >= 0 for r in rows)
                    else None),
+        allowed_tokens=(_token_masks(rows, num_rows, vocab_size)
+                        if any(r.allowed_tokens is not None for r in rows) else None),
         draws=any(r.temperature > 0 for r in rows),
     )
 
 
 def sampling_row(group: SequenceGroup, seq: Sequence, sample_index: int,
-                 before: Tokens[int] = (), proposal: int = -1) -> SamplingRow:
+                 before: Tokens[int] = (), proposal: int = -1,
+                 allowed_tokens: np.ndarray | None = None) -> SamplingRow:
     """The row that draws seq's token after its proposals `before` (penalties and
-    min_tokens count them as output), checking `proposal` if one is given."""
+    min_tokens count them as output), checking `proposal` if one is given, among the
+    tokens `allowed_tokens` allows (a packed mask, the one after `before`; None: all)."""
     params = group.params
     position = len(seq) + len(before)
     if group.is_beam_search:
         # Beams are chosen on the host from the candidates' log-probabilities.
         temperature = params.temperature if params.temperature >= GREEDY_TEMPERATURE else 1.0
-        return SamplingRow.greedy(position=position, logprob_temperature=temperature)
+        return SamplingRow.greedy(position=position, logprob_temperature=temperature,
+                                  allowed_tokens=allowed_tokens)
     output = seq.output_token_ids
     if before:
         output = [*output, *before]
@@ -154,7 +186,7 @@ def sampling_row(group: SequenceGroup, seq: Sequence, sample_index: int,
     return SamplingRow.of(
         params, seed=group.seed, sample_index=sample_index, position=position,
         prompt_token_ids=seq.prompt_token_ids, output_token_ids=output,
-        suppressed_token_ids=suppressed, proposal=proposal,
+        suppressed_token_ids=suppressed, proposal=proposal, allowed_tokens=allowed_tokens,
     )
 
 

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jpaged.config import CacheConfig
-from jpaged.core.batch_builder import build_model_input
+from jpaged.core.batch_builder import NO_ADAPTER, build_model_input
 from jpaged.core.step_shapes import BucketSizes, sampler_rows
 from jpaged.memory.block_manager import BlockManager, BlockTable
 from jpaged.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -165,3 +165,63 @@ def test_sampler_rows_are_few_powers_of_eight_covering_the_draws(num_draws, max_
     smallest_power = min(p for p in powers_of_eight if p >= num_draws)
     assert padded >= num_draws
     assert padded == (num_draws if num_draws > max_rows else min(smallest_power, max_rows))
+
+
+# ---- adapter slots (LoRA's extension point) ---------------------------------------------
+
+
+def adapter_oracle(scheduled, padded_tokens, slot_of):
+    """Each new token's sequence's slot, token by token, NO_ADAPTER for the padding; None
+    when no sequence has an adapter."""
+    slots = [NO_ADAPTER] * padded_tokens
+    token = 0
+    for seq, n in scheduled:
+        for _ in range(n):
+            slot = slot_of(seq)
+            slots[token] = NO_ADAPTER if slot is None else slot
+            token += 1
+    return slots if any(slot != NO_ADAPTER for slot in slots) else None
+
+
+@settings(max_examples=100, deadline=None)
+@given(schedules(), st.lists(st.sampled_from([None, NO_ADAPTER, 1, 2, 7]), min_size=10,
+                             max_size=10))
+def test_each_token_gets_its_sequences_adapter_slot(schedule, slots):
+    scheduled, tables, buckets, min_rows = schedule
+    slot_of = {seq.seq_id: slot for (seq, _), slot in zip(scheduled, slots[:len(scheduled)],
+                                                          strict=True)}
+    model_input = build_model_input(scheduled, tables, buckets, min_rows,
+                                    adapter_slot_of=lambda seq: slot_of[seq.seq_id])
+    expected = adapter_oracle(scheduled, len(model_input.input_ids),
+                              lambda seq: slot_of[seq.seq_id])
+    if expected is None:
+        assert model_input.adapter_slots is None
+    else:
+        assert model_input.adapter_slots.dtype == np.int32
+        np.testing.assert_array_equal(model_input.adapter_slots, expected)
+    # The rest of the step's inputs are those of a step without adapters.
+    plain = build_model_input(scheduled, tables, buckets, min_rows)
+    assert plain.adapter_slots is None
+    np.testing.assert_array_equal(model_input.input_ids, plain.input_ids)
+    for name, array in plain.metadata._asdict().items():
+        np.testing.assert_array_equal(getattr(model_input.metadata, name), array, err_msg=name)
+
+
+@pytest.mark.parametrize("decode_only", [True, False])
+def test_adapter_slots_of_decode_and_mixed_steps(decode_only):
+    seqs = [Sequence(i, list(range(5)), [9, 9]) for i in range(3)]
+    for seq in seqs:
+        seq.num_computed_tokens = len(seq) - 1 if decode_only else 2
+    scheduled = [(seq, len(seq) - seq.num_computed_tokens) for seq in seqs]
+    tables = FixedTables(4, 1, {i: [[i + 1, i + 4]] for i in range(3)})
+    slot_of = {0: 3, 1: None, 2: 1}
+    model_input = build_model_input(scheduled, tables, BucketSizes(1, 1, 1),
+                                    adapter_slot_of=lambda seq: slot_of[seq.seq_id])
+    assert model_input.decode_only == decode_only
+    per_seq = [3, NO_ADAPTER, 1]
+    real = [slot for slot, (_, n) in zip(per_seq, scheduled, strict=True) for _ in range(n)]
+    padding = [NO_ADAPTER] * (len(model_input.input_ids) - len(real))
+    np.testing.assert_array_equal(model_input.adapter_slots, real + padding)
+    without = build_model_input(scheduled, tables, BucketSizes(1, 1, 1),
+                                adapter_slot_of=lambda seq: None)
+    assert without.adapter_slots is None

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jpaged.core.stop_rule import StopRule
 from jpaged.model.sampler import (
     CANDIDATES,
     SamplerOutput,
@@ -24,10 +25,17 @@ from jpaged.model.sampler import (
     nucleus_cutoffs,
     process_logits,
     sample,
+    token_mask,
 )
 from jpaged.model.verification import draft_sample, verify
 from jpaged.sampling_params import SamplingParams
-from jpaged.worker.sampling_rows import SamplingRow, sampling_tensors
+from jpaged.sequence import Sequence, SequenceGroup
+from jpaged.worker.sampling_rows import (
+    SamplingRow,
+    pack_token_mask,
+    sampling_row,
+    sampling_tensors,
+)
 
 VOCAB = 16
 ROWS = 8  # most tests pad to this many rows, so they share compilations
@@ -482,3 +490,149 @@ def test_sampling_rows_map_vllm_conventions():
     np.testing.assert_array_equal(biased.seed_high, [2, 0])
     with pytest.raises(ValueError, match="do not fit"):
         sampling_tensors([greedy] * 5, 4, VOCAB)
+
+
+# ---- token masks (structured outputs' extension point) ---------------------------------
+
+
+def np_pack(allowed: np.ndarray) -> np.ndarray:
+    """The packing convention word by word: bit b of word w is token 32 w + b."""
+    words = [sum(1 << b for b in range(32) if 32 * w + b < len(allowed) and allowed[32 * w + b])
+             for w in range(-(-len(allowed) // 32))]
+    return np.array(words, np.uint32).view(np.int32)
+
+
+def random_masks(rows: int, vocab: int = VOCAB, seed: int = 0) -> np.ndarray:
+    """bool [rows, vocab], about half the tokens of each row allowed, never none."""
+    rng = np.random.default_rng(seed)
+    masks = rng.random((rows, vocab)) < 0.5
+    masks[np.arange(rows), rng.integers(0, vocab, rows)] = True
+    return masks
+
+
+def masked(r: SamplingRow, allowed: np.ndarray) -> SamplingRow:
+    return dataclasses.replace(r, allowed_tokens=pack_token_mask(allowed))
+
+
+@pytest.mark.parametrize("vocab", [1, 31, 32, 33, 100, 1000])
+def test_token_masks_pack_and_unpack_by_the_documented_convention(vocab):
+    allowed = random_masks(3, vocab, seed=vocab)
+    packed = np.stack([pack_token_mask(a) for a in allowed])
+    np.testing.assert_array_equal(packed, np.stack([np_pack(a) for a in allowed]))
+    assert packed.dtype == np.int32 and packed.shape == (3, -(-vocab // 32))
+    np.testing.assert_array_equal(np.asarray(jax.jit(token_mask, static_argnums=1)(
+        packed, vocab)), allowed)
+
+
+def test_sampling_tensors_carry_token_masks_only_when_a_row_has_one():
+    allowed = random_masks(1, 40)[0]
+    plain = sampling_tensors([row(), row()], 4, 40)
+    assert plain.allowed_tokens is None
+    tensors = sampling_tensors([row(), masked(row(), allowed)], 4, 40)
+    chex.assert_shape(tensors.allowed_tokens, (4, 2))
+    assert tensors.allowed_tokens.dtype == np.int32
+    np.testing.assert_array_equal(tensors.allowed_tokens[1], np_pack(allowed))
+    # Rows without a mask, padding included, allow every token: all bits set.
+    np.testing.assert_array_equal(tensors.allowed_tokens[[0, 2, 3]], -1)
+
+
+def test_greedy_rows_take_the_argmax_of_the_allowed_tokens():
+    logits = normal_logits(ROWS, seed=20)
+    allowed = random_masks(ROWS, seed=20)
+    allowed[np.arange(ROWS), logits.argmax(-1)] = False  # the mask must change the choice
+    plain = [row(temperature=0.0) for _ in range(ROWS)]
+    plain[5] = row(temperature=0.0, repetition_penalty=1.5, output_token_ids=[1, 2, 3])
+    rows = [masked(r, a) for r, a in zip(plain, allowed, strict=True)]
+    rows[6] = plain[6]  # a row without a mask in a masked batch
+    out = run(logits, rows)
+    expected = [np.argmax(np.where(allowed[i], np_process(logits[i], r), -np.inf))
+                for i, r in enumerate(rows)]
+    expected[6] = np.argmax(logits[6])
+    np.testing.assert_array_equal(out.tokens, expected)
+    # Log-probabilities are those of the raw logits: the top ones as without masks, and
+    # each token's its raw log-probability.
+    unmasked = run(logits, plain)
+    np.testing.assert_array_equal(out.top_ids, unmasked.top_ids)
+    np.testing.assert_array_equal(out.top_logprobs, unmasked.top_logprobs)
+    raw = np.array([np_log_softmax(logits[i].astype(np.float64))[t]
+                    for i, t in enumerate(out.tokens)])
+    np.testing.assert_allclose(out.logprobs, raw, rtol=1e-5)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p", FILTERS[:5])
+def test_sampled_frequencies_follow_the_filtered_distribution_of_the_allowed_tokens(
+        temperature, top_k, top_p, min_p):
+    num_draws = 20_000
+    logits = normal_logits(1, seed=4)[0]
+    allowed = np.ones(VOCAB, bool)
+    allowed[np.argsort(-logits)[::3]] = False  # every third token by rank, the best first
+    rows = [masked(row(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                       seed=i), allowed) for i in range(num_draws)]
+    out = run(np.tile(logits, (num_draws, 1)), rows, num_rows=num_draws)
+    restricted = np.where(allowed, logits, -np.inf)
+    assert_follows(out.tokens, np_filtered_probs(restricted, temperature, top_k, top_p, min_p))
+
+
+def test_rows_without_a_mask_draw_as_in_a_batch_without_masks():
+    logits = normal_logits(ROWS, seed=21)
+    plain = [row(temperature=0.9, top_p=0.8, seed=i, position=i) for i in range(ROWS)]
+    plain[3] = row(temperature=1.0, presence_penalty=0.5, output_token_ids=[2], seed=3)
+    rows = [masked(r, a) if i % 2 else r
+            for i, (r, a) in enumerate(zip(plain, random_masks(ROWS, seed=21), strict=True))]
+    out, unmasked = run(logits, rows), run(logits, plain)
+    for name in ("tokens", "logprobs", "ranks", "top_ids", "top_logprobs"):
+        np.testing.assert_array_equal(getattr(out, name)[::2], getattr(unmasked, name)[::2],
+                                      err_msg=name)
+    # Every row's log-probabilities are the raw logits', masked or not.
+    np.testing.assert_array_equal(out.top_logprobs, unmasked.top_logprobs)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_proposal_outside_the_mask_is_never_accepted(temperature):
+    num_draws = 4_000
+    logits = normal_logits(1, seed=22)[0]
+    best = int(np.argmax(logits))
+    allowed = np.ones(VOCAB, bool)
+    allowed[best] = False
+    # Half the rows propose the target's favourite, which the mask forbids; half propose
+    # an allowed token.
+    inside = int(np.argsort(-logits)[1])
+    rows = [masked(row(temperature=temperature, seed=i, proposal=best if i % 2 else inside),
+                   allowed) for i in range(num_draws)]
+    out = run(np.tile(logits, (num_draws, 1)), rows, num_rows=num_draws)
+    assert not out.accepted[1::2].any()
+    assert out.accepted[::2].any()
+    np.testing.assert_array_equal(out.tokens[out.accepted], inside)
+    assert allowed[out.tokens].all()
+    if temperature:
+        assert_follows(out.tokens, np_filtered_probs(np.where(allowed, logits, -np.inf),
+                                                     temperature))
+    else:  # the argmax of the allowed tokens
+        np.testing.assert_array_equal(out.tokens, inside)
+
+
+def test_a_draft_model_draws_inside_the_mask():
+    num_draws = 2_000
+    logits = normal_logits(1, seed=23)[0]
+    allowed = random_masks(1, seed=23)[0]
+    rows = [masked(row(temperature=t, seed=i), allowed)
+            for i, t in enumerate([0.0] + [1.0] * (num_draws - 1))]
+    proposals, draft_probs = draft_sample(jnp.tile(logits, (num_draws, 1)),
+                                          sampling_tensors(rows, num_draws, VOCAB))
+    assert allowed[np.asarray(proposals)].all()
+    assert not np.asarray(draft_probs)[:, ~allowed].any()
+
+
+def test_each_row_of_a_verifying_sequence_takes_its_own_mask():
+    group = SequenceGroup("r", [Sequence(0, [1, 2, 3], [4])], SamplingParams(temperature=0.5),
+                          seed=7)
+    group.stop_rule = StopRule.of(group, max_model_len=64)
+    seq = group.seqs[0]
+    masks = [pack_token_mask(a) for a in random_masks(3, seed=24)]
+    proposals = [5, 6]
+    rows = [sampling_row(group, seq, 0, proposals[:j], proposal, allowed_tokens=masks[j])
+            for j, proposal in enumerate(proposals)]
+    rows.append(sampling_row(group, seq, 0, proposals, allowed_tokens=masks[2]))
+    tensors = sampling_tensors(rows, 4, VOCAB)
+    np.testing.assert_array_equal(tensors.allowed_tokens[:3], np.stack(masks))
+    assert sampling_row(group, seq, 0).allowed_tokens is None

@@ -41,7 +41,7 @@ def random_cache(cache, seed: int = 0):
 
 
 def tiny_runner(*, num_blocks: int, block_size: int, num_host_blocks: int = 0,
-                kv_dtype=jnp.float32) -> ModelRunner:
+                num_host_tier_blocks: int = 0, kv_dtype=jnp.float32) -> ModelRunner:
     """A runner of a one-layer random Llama whose KV cache holds random values."""
     from flax import nnx
 
@@ -51,7 +51,8 @@ def tiny_runner(*, num_blocks: int, block_size: int, num_host_blocks: int = 0,
     config = LlamaConfig.from_hf_config(TINY_LLAMA)
     model = LlamaForCausalLM(config, dtype=jnp.float32, rngs=nnx.Rngs(0))
     runner = ModelRunner(model, config, num_blocks=num_blocks, block_size=block_size,
-                         num_host_blocks=num_host_blocks, kv_dtype=kv_dtype,
+                         num_host_blocks=num_host_blocks,
+                         num_host_tier_blocks=num_host_tier_blocks, kv_dtype=kv_dtype,
                          attention_backend="reference")
     runner.kv_cache = random_cache(runner.kv_cache)
     return runner
