@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from jpaged.core.async_scheduler import AsyncScheduler
 from jpaged.core.scheduler import Scheduler
@@ -78,6 +79,15 @@ class CoreOutput:
                                                         result.proposals)
 
 
+class _Dispatched(NamedTuple):
+    """A step on the device, its output so far, and whether the next schedule may take its
+    tokens as drawn."""
+
+    step: InFlight
+    output: CoreOutput
+    predictable: bool
+
+
 def is_fatal(error: BaseException) -> bool:
     """Whether the engine must not go on after a step raised `error`: an interrupt, or a
     block id outside the KV pool (an invariant broken: going on would serve requests
@@ -104,8 +114,7 @@ class EngineCore:
         self.lockstep = lockstep
         self.fallbacks = fallbacks or ModeFallbacks()
         self.beam_searches: dict[str, BeamSearch] = {}
-        # Async scheduling's dispatched step: its output, and whether it was predictable.
-        self._in_flight: tuple[InFlight, CoreOutput, bool] | None = None
+        self._in_flight: _Dispatched | None = None  # async scheduling's running step
         self.step = self._step_async if isinstance(scheduler, AsyncScheduler) else self._step
 
     def add_request(self, group: SequenceGroup, beam_search: BeamSearch | None) -> None:
@@ -144,9 +153,9 @@ class EngineCore:
         this call's plan's if it is empty and reports something (requests it ignored) or
         nothing ran."""
         in_flight, self._in_flight = self._in_flight, None
-        previous = None if in_flight is None else in_flight[0]
-        if in_flight is not None and not in_flight[2]:
-            return [self._finished(*in_flight[:2], predicted=False)]
+        previous = None if in_flight is None else in_flight.step
+        if in_flight is not None and not in_flight.predictable:
+            return [self._finished(previous, in_flight.output, predicted=False)]
         if previous is not None:
             self.scheduler.predict(previous.plan)
         plan, output = self._schedule()
@@ -154,12 +163,12 @@ class EngineCore:
         if not plan.is_empty:
             try:
                 step = self.step_runner.dispatch(plan, previous)
-                self._in_flight = (step, output, self._predictable(plan))
+                self._in_flight = _Dispatched(step, output, self._predictable(plan))
             except BaseException as error:
                 self._fail(plan, error, output)
                 outputs.append(output)
         if in_flight is not None:
-            outputs.insert(0, self._finished(*in_flight[:2], predicted=True))
+            outputs.insert(0, self._finished(previous, in_flight.output, predicted=True))
         if plan.is_empty and (previous is None or plan.ignored):
             outputs.append(output)
         return outputs

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -34,6 +34,9 @@ from jpaged.worker import warmup
 from jpaged.worker.model_runner import ModelRunner
 from jpaged.worker.sampling_rows import sample_indices, sampling_row, sampling_tensors
 from jpaged.worker.warmup import WarmupCalls
+
+if TYPE_CHECKING:
+    from jpaged.speculative.proposer import Proposer
 
 
 @dataclass(frozen=True)
@@ -101,7 +104,8 @@ class SingleStepRunner:
     """
 
     def __init__(self, model_runner: ModelRunner, block_tables: BlockTables,
-                 shapes: StepShapes, proposer, *, vocab_size: int, max_logprobs: int):
+                 shapes: StepShapes, proposer: Proposer, *, vocab_size: int,
+                 max_logprobs: int):
         self.model_runner = model_runner
         self.block_tables = block_tables
         self.shapes = shapes
