@@ -49,7 +49,6 @@ from jpaged.engine.lockstep import Lockstep
 from jpaged.engine.runner import ModelRunner
 from jpaged.engine.stats import KVBlockCounts
 from jpaged.memory.block_ids import BlockIdOutOfRange
-from jpaged.memory.block_manager import BlockManager
 from jpaged.model.sampler import (
     NEUTRAL_PENALTIES,
     SamplerOutput,
@@ -345,7 +344,7 @@ class EngineCore:
         (a sliding window's released blocks, Orca's reservations and proposals are the
         host's business every step)."""
         return (self.num_decode_steps > 1 and self.proposer is None
-                and type(self.kv_manager) is BlockManager)
+                and self.kv_manager.adopts_device_blocks)
 
     def _loops(self, plan: SchedulerOutput) -> bool:
         """Whether the step runs as a decode loop: the core runs them, and every
