@@ -120,8 +120,7 @@ class FullAttentionTables:
         self.pool = pool
         self._root_hash, self._root_parent = group, -group
         self._seqs: dict[int, SeqBlocks] = {}
-        self.num_logical_blocks = 0
-        """Sum of device table lengths, released entries excepted."""
+        self.num_logical_blocks = 0  # device table entries, released ones excepted
 
     @property
     def state(self) -> AllocatorState:

@@ -198,3 +198,40 @@ def test_the_old_hybrid_manager_name_warns_and_is_the_block_manager():
     with pytest.warns(DeprecationWarning):
         manager = hybrid_block_manager.HybridBlockManager(CacheConfig(block_size=4), groups)
     assert manager.num_groups == 2
+
+
+def test_a_sliding_group_registers_past_the_entries_its_window_released_before_a_swap():
+    """A swap-in starts a table's cache ids again while its leading entries stay
+    released: a sliding group registers the blocks after them on group 0's chain, so a
+    follow-up prompt hits the blocks computed after the swap in every group."""
+    manager = BlockManager(CacheConfig(block_size=4, num_blocks=40, num_host_blocks=40,
+                                       watermark=0.0, max_num_batched_tokens=8),
+                           KVCacheGroups.of((None, 4)))
+    seq = Sequence(0, list(range(16)))
+    group = SequenceGroup("a", [seq])
+    manager.allocate(group)
+    seq.status = SequenceStatus.RUNNING
+
+    def compute(num_new):
+        manager.append_slots(seq, num_new)
+        manager.end_step()
+        seq.num_computed_tokens += num_new
+        if seq.num_computed_tokens == len(seq):
+            seq.append_token(50 + len(seq))
+        manager.mark_computed(seq)
+
+    compute(8)
+    compute(8)
+    manager.swap_out(group)
+    manager.end_step()
+    seq.status = SequenceStatus.SWAPPED
+    manager.swap_in(group)
+    manager.end_step()
+    seq.status = SequenceStatus.RUNNING
+    assert manager.block_tables(seq)[1][:3] == [0, 0, 0]  # released before the swap
+    for _ in range(8):
+        compute(1)
+    assert seq.num_computed_tokens == 24
+    follow_up = Sequence(1, seq.token_slice(0, 24) + [7])
+    assert hit_lengths(manager, follow_up) == [6, 6]
+    manager.check_invariants([seq], [])
