@@ -45,7 +45,6 @@ from jpaged.core.scheduler import Scheduler
 from jpaged.core.scheduler_output import BeamChoice, SampledTokens, SchedulerOutput
 from jpaged.core.step_shapes import default_buckets
 from jpaged.memory.block_manager import BlockManager
-from jpaged.memory.hybrid_block_manager import HybridBlockManager
 from jpaged.memory.kv_cache_groups import KVCacheGroups
 from jpaged.memory.kv_cache_manager import KVCacheManager
 from jpaged.memory.reservation import ALLOCATIONS
@@ -290,12 +289,10 @@ def simulate(requests: Sequence[RequestSpec], config: SimConfig = SimConfig()) -
 
 
 def make_manager(config: SimConfig) -> KVCacheManager:
-    """jpaged's BlockManager (a HybridBlockManager for KV cache groups), or for Orca a
-    contiguous arena or the engine's reserving blocks, sized by config.num_kv_slots."""
-    if config.allocator == "paged" and config.groups.num_groups > 1:
-        return HybridBlockManager(config.cache_config(), config.groups)
+    """jpaged's BlockManager over the KV cache groups, or for Orca a contiguous arena or
+    the engine's reserving blocks, sized by config.num_kv_slots."""
     if config.allocator == "paged":
-        return BlockManager(config.cache_config())
+        return BlockManager(config.cache_config(), config.groups)
     if config.orca_blocks:
         return ReservingBlockManager(config.cache_config(), config.allocator,
                                      config.max_model_len)

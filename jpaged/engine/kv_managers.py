@@ -6,11 +6,10 @@ from __future__ import annotations
 from jpaged.config import CacheConfig
 from jpaged.engine.config import EngineConfig
 from jpaged.memory.block_manager import BlockManager
-from jpaged.memory.hybrid_block_manager import HybridBlockManager
 from jpaged.memory.kv_cache_groups import KVCacheGroups
 from jpaged.memory.reserving_block_manager import ReservingBlockManager
 
-KVManager = BlockManager | HybridBlockManager | ReservingBlockManager
+KVManager = BlockManager | ReservingBlockManager
 
 
 def kv_cache_groups(config: EngineConfig, layer_windows: tuple[int | None, ...]
@@ -24,9 +23,9 @@ def kv_cache_groups(config: EngineConfig, layer_windows: tuple[int | None, ...]
 
 def make_kv_manager(config: EngineConfig, num_blocks: int, max_model_len: int,
                     groups: KVCacheGroups) -> KVManager:
-    """Paged blocks over the KV cache groups (a HybridBlockManager for several), or
-    Orca's reservations on them (`allocation`, one group). config: resolved, so prefix
-    caching is off under Orca (jpaged.core.step_modes)."""
+    """Paged blocks over the KV cache groups, or Orca's reservations on them
+    (`allocation`, one group). config: resolved, so prefix caching is off under Orca
+    (jpaged.core.step_modes)."""
     cache_config = CacheConfig(
         block_size=config.block_size, num_blocks=num_blocks,
         num_host_blocks=config.num_host_blocks,
@@ -36,6 +35,4 @@ def make_kv_manager(config: EngineConfig, num_blocks: int, max_model_len: int,
     )
     if config.allocation != "paged":
         return ReservingBlockManager(cache_config, config.allocation, max_model_len)
-    if groups.num_groups == 1:
-        return BlockManager(cache_config)
-    return HybridBlockManager(cache_config, groups)
+    return BlockManager(cache_config, groups)

@@ -16,7 +16,10 @@ all of them: the layout of a paged cache without groups.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from jpaged.config import CacheConfig
+from jpaged.memory.sliding_window_tables import tables_type
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -66,18 +69,9 @@ class KVCacheGroups:
 
     def seq_blocks(self, num_tokens: int, block_size: int, chunk_tokens: int) -> int:
         """The most blocks, over all groups, that a sequence of `num_tokens` holds at once
-        when a step computes at most `chunk_tokens` of its tokens: every block of a
-        global group, at most cdiv(W - 1 + chunk_tokens, block_size) + 1 of a windowed
-        one (the window before the chunk's first query, and the chunk)."""
-        return sum(window_blocks(num_tokens, block_size, window, chunk_tokens)
-                   for window in self.windows)
-
-
-def window_blocks(num_tokens: int, block_size: int, window: int | None,
-                  chunk_tokens: int) -> int:
-    """The most blocks of one group's table a sequence of `num_tokens` holds at once
-    (see KVCacheGroups.seq_blocks)."""
-    blocks = _cdiv(num_tokens, block_size)
-    if window is None:
-        return blocks
-    return min(blocks, _cdiv(window - 1 + chunk_tokens, block_size) + 1)
+        when a step computes at most `chunk_tokens` of its tokens: each group's bound,
+        which its group-table type sets (every block of a global group, at most
+        cdiv(W - 1 + chunk_tokens, block_size) + 1 of a windowed one)."""
+        shape = CacheConfig(block_size=block_size, max_num_batched_tokens=chunk_tokens)
+        configs = [replace(shape, sliding_window=window) for window in self.windows]
+        return sum(tables_type(config).max_blocks(config, num_tokens) for config in configs)

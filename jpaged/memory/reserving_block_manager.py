@@ -53,6 +53,7 @@ class ReservingBlockManager:
 
     num_host_blocks = 0
     enable_prefix_caching = False
+    adopts_device_blocks = False  # a decode loop allocates from the free queue, not a reservation
 
     def __init__(self, cache_config: CacheConfig, allocation: str, max_model_len: int):
         reserved_tokens(allocation, 1, 1, max_model_len)  # an unknown allocation raises
@@ -87,7 +88,6 @@ class ReservingBlockManager:
         return [block for r in reservations.values() for block in r.spare]
 
     num_groups = 1
-    adopts_device_blocks = False  # reservations are the host's
 
     @property
     def group_blocks_used(self) -> tuple[int]:

@@ -5,7 +5,7 @@ A plan loops when every scheduled sequence decodes its next token alone: no prom
 chunk, no fork into samples, no beam search (beams are chosen on the host each step).
 The loop allocates from the KV manager's device pool and the manager adopts the blocks
 it took afterwards, so the runner is built only over a manager that declares it can
-(`adopts_device_blocks`: one group of paged blocks without a window); with speculative
+(`adopts_device_blocks`: one group of paged blocks); with speculative
 decoding, proposals are the host's every step, and the engine runs single steps.
 """
 

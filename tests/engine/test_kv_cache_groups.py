@@ -65,7 +65,7 @@ def _hit_lengths(manager, prompt) -> tuple[int, int]:
     """(group 0's hit alone, the hit every group holds) in blocks for `prompt` now."""
     seq = Sequence(-1, list(prompt))
     group = SequenceGroup("probe", [seq])
-    anchor = len(manager.managers[0].prefix_hits([seq], group)[0][0])
+    anchor = len(manager.group_tables[0].prefix_hit(seq, group)[0])
     joint = len(manager.prefix_hits([seq], group)[0][0][0])
     manager.free(seq)
     return anchor, joint

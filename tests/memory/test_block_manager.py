@@ -25,9 +25,9 @@ from jpaged.config import CacheConfig
 from jpaged.memory.allocator import free_queue
 from jpaged.memory.block_manager import BlockManager
 from jpaged.memory.block_table import BlockTable
-from jpaged.memory.hybrid_block_manager import HybridBlockManager
 from jpaged.memory.kv_cache_groups import KVCacheGroups
 from jpaged.memory.kv_cache_manager import AllocStatus
+from jpaged.memory.sliding_window_tables import SlidingWindowTables
 from jpaged.sequence import Sequence, SequenceGroup, SequenceStatus
 
 TOKENS = st.lists(st.integers(0, 2), min_size=1, max_size=14)
@@ -38,36 +38,49 @@ def cdiv(a, b):
     return -(-a // b)
 
 
-LAYER_WINDOWS = [(None,), (None,), (1,), (3,), (7,), (None, 3), (None, 3, 3, 7),
-                 (None, None, 2, 2, 2, 2), (3, 7)]
+FULL_ATTENTION = [(None,)]
+SLIDING_WINDOW = [(1,), (3,), (7,)]
+MIXED_GROUPS = [(None, 3), (None, 3, 3, 7), (None, None, 2, 2, 2, 2), (3, 7)]
+LAYER_WINDOWS = [*FULL_ATTENTION * 2, *SLIDING_WINDOW, *MIXED_GROUPS]
 """Models' layer windows: one group without a window or with one, global and windowed
 groups (Gemma-like), and two windows with no global group."""
 MAX_CHUNK = 9  # the most tokens a `schedule` rule computes of a sequence in one step
 MAX_PROPOSALS = 4  # the most proposals a `speculate` rule verifies per sequence
 
 
-class BlockManagerMachine(RuleBasedStateMachine):
-    @initialize(
+def setup_strategies(layer_windows):
+    """The state machine's setup drawn over the models of `layer_windows`."""
+    return dict(
         block_size=st.sampled_from([1, 2, 4]),
         num_blocks=st.integers(2, 40),
         num_host_blocks=st.integers(0, 20),
         caching=st.booleans(),
         watermark=st.sampled_from([0.0, 0.1]),
         share_blocks=st.booleans(),
-        layer_windows=st.sampled_from(LAYER_WINDOWS),
+        layer_windows=st.sampled_from(layer_windows),
+        pass_groups=st.booleans(),
     )
+
+
+class BlockManagerMachine(RuleBasedStateMachine):
+    @initialize(**setup_strategies(LAYER_WINDOWS))
     def setup(self, block_size, num_blocks, num_host_blocks, caching, watermark, share_blocks,
-              layer_windows):
+              layer_windows, pass_groups=True):
+        """pass_groups: a model of one group may also come as the config's window alone."""
         groups = KVCacheGroups.of(layer_windows)
         config = CacheConfig(block_size, num_blocks, num_host_blocks, caching, watermark,
                              share_blocks, groups.windows[0], max_num_batched_tokens=MAX_CHUNK)
-        if groups.num_groups == 1:
-            self.bm = BlockManager(config)
-            self.group_managers = [self.bm]
+        if pass_groups or groups.num_groups > 1:
+            self.bm = BlockManager(config, groups)
         else:
-            self.bm = HybridBlockManager(config, groups)
-            self.group_managers = self.bm.managers
+            self.bm = BlockManager(config)
         self.windows = groups.windows
+        # Each group's tables are of its attention type; only a lone group's grow in a
+        # decode loop on the device.
+        assert [isinstance(tables, SlidingWindowTables) for tables in self.bm.group_tables] == [
+            window is not None for window in self.windows]
+        assert self.bm.adopts_device_blocks == (len(self.windows) == 1)
+        self.table_lens: dict[int, list[int]] = {}  # see expected_table_lens
         self.share_blocks = share_blocks
         self.bs, self.num_blocks, self.num_host_blocks = block_size, num_blocks, num_host_blocks
         self.groups: list[SequenceGroup] = []
@@ -87,10 +100,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     def tables(self, seq):
         """seq's device table in each KV cache group, as lists."""
-        return [m.block_table(seq).tolist() for m in self.group_managers]
+        return [table.tolist() for table in self.bm.block_tables(seq)]
 
     def host_tables_of(self, seq):
-        return [m.host_block_table(seq).tolist() for m in self.group_managers]
+        return [table.tolist() for table in self.bm.host_block_tables(seq)]
 
     def num_released(self, seq, g):
         """Leading blocks of group g that no query from seq's next token on reads: those
@@ -99,6 +112,22 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if window is None:
             return 0
         return max(0, seq.num_computed_tokens - window + 1) // self.bs
+
+    def expected_table_lens(self, seq):
+        """The entries of seq's table in each group, by definition: at admission every
+        block of its tokens in a global group and its prefix hits in a windowed one
+        (chunks add the rest), then every block up to the furthest slot a step asked
+        for (rejected proposals' included); a fork's child has its parent's."""
+        return self.table_lens[seq.seq_id]
+
+    def admitted(self, seq):
+        self.table_lens[seq.seq_id] = [
+            cdiv(len(seq), self.bs) if window is None else seq.num_computed_tokens // self.bs
+            for window in self.windows]
+
+    def appended(self, seq, num_new):
+        reach = cdiv(seq.num_computed_tokens + num_new, self.bs)
+        self.table_lens[seq.seq_id] = [max(n, reach) for n in self.table_lens[seq.seq_id]]
 
     def most_blocks(self, num_tokens, num_new):
         """The blocks a sequence of num_tokens may hold in all groups at once when a step
@@ -158,6 +187,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         )
         self.next_id += 1
         self.bm.fork(parent, child)
+        self.table_lens[child.seq_id] = list(self.table_lens[parent.seq_id])
         group.seqs.append(child)
         assert self.tables(child) == self.tables(parent)
         if not self.share_blocks:
@@ -243,6 +273,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert seq.num_computed_tokens <= len(seq) - 1
             if not self.bm.enable_prefix_caching:
                 assert seq.num_computed_tokens == 0
+            self.admitted(seq)
             seq.status = RUNNING
 
     @precondition(lambda self: self.groups_with(RUNNING))
@@ -259,6 +290,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for seq, n in zip(seqs, num_new, strict=True):
             tables_before = self.tables(seq)
             self.bm.append_slots(seq, n)
+            self.appended(seq, n)
             self.owing.discard(seq.seq_id)
             self.note_copies(seq, tables_before)
             start = seq.num_computed_tokens
@@ -288,6 +320,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             seq.spec_token_ids = data.draw(st.lists(st.integers(0, 2), min_size=k, max_size=k))
             tables_before = self.tables(seq)
             self.bm.append_slots(seq, 1 + k)
+            self.appended(seq, 1 + k)
             self.owing.discard(seq.seq_id)
             self.note_copies(seq, tables_before)
             self.pending.append((seq, 1 + k))
@@ -477,6 +510,25 @@ class BlockManagerMachine(RuleBasedStateMachine):
             for table in self.tables(seq):
                 assert len(table) <= cdiv(len(seq) + MAX_PROPOSALS, self.bs), (
                     seq.seq_id, len(table), len(seq))
+
+    @invariant()
+    def tables_are_as_long_as_their_definition(self):
+        """Each group's table of a live sequence has its expected entries
+        (expected_table_lens); those before the window of its next token are released:
+        null on the device, left out of a host table (whose pool has no null block)."""
+        if not hasattr(self, "bm"):
+            return
+        for status, tables_of in ((RUNNING, self.tables), (SWAPPED, self.host_tables_of)):
+            for _, seq in self.live(status):
+                for g, (table, expected) in enumerate(zip(
+                        tables_of(seq), self.expected_table_lens(seq), strict=True)):
+                    released = self.num_released(seq, g)
+                    if status is SWAPPED:
+                        assert len(table) == expected - released, (seq.seq_id, g, table)
+                        continue
+                    assert len(table) == expected, (seq.seq_id, g, table, expected)
+                    assert table[:released] == [0] * released, (seq.seq_id, g, table)
+                    assert 0 not in table[released:], (seq.seq_id, g, table)
 
     @invariant()
     def decode_slot_claims_hold(self):

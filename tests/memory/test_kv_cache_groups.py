@@ -1,4 +1,4 @@
-"""HybridBlockManager: global and sliding-window KV cache groups over one pool.
+"""BlockManager over KV cache groups: global and sliding-window groups in one pool.
 
 The windows' bounds are checked against the window's arithmetic on positions (which
 blocks a query at position p reads), the prefix hits against a brute-force search
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jpaged.config import CacheConfig
-from jpaged.memory.hybrid_block_manager import HybridBlockManager
+from jpaged.memory.block_manager import BlockManager
 from jpaged.memory.kv_cache_groups import KVCacheGroups
 from jpaged.memory.kv_cache_manager import AllocStatus
 from jpaged.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -57,9 +57,9 @@ def test_a_4096_token_gemma3_sequence_holds_at_most_the_window_bound_at_every_st
     block_size, chunk, window = 16, 512, 512
     groups = KVCacheGroups.of(GEMMA3_270M_LAYERS)
     num_blocks = 1 + 6 * cdiv(4096 + 64, block_size)
-    manager = HybridBlockManager(CacheConfig(block_size=block_size, num_blocks=num_blocks,
-                                             watermark=0.0, max_num_batched_tokens=chunk),
-                                 groups)
+    manager = BlockManager(CacheConfig(block_size=block_size, num_blocks=num_blocks,
+                                       watermark=0.0, max_num_batched_tokens=chunk),
+                           groups)
     seq = Sequence(0, list(range(4096)))
     group = SequenceGroup("long", [seq])
     manager.allocate(group)
@@ -94,7 +94,7 @@ def computed_manager(layer_windows, prompt, num_blocks, block_size=4):
     """A manager whose first request computed `prompt` in chunks of 8 and finished (its
     blocks free, still cached), and {(group, logical block): the physical block that
     held it}."""
-    manager = HybridBlockManager(
+    manager = BlockManager(
         CacheConfig(block_size=block_size, num_blocks=num_blocks, watermark=0.0,
                     max_num_batched_tokens=8),
         KVCacheGroups.of(layer_windows))
@@ -114,7 +114,7 @@ def computed_manager(layer_windows, prompt, num_blocks, block_size=4):
     return manager, held
 
 
-def oracle_hit(manager, held, taken, num_prompt_blocks, follow_up):
+def oracle_hit(manager, windows, held, taken, num_prompt_blocks, follow_up):
     """The longest hit (in blocks) of `follow_up`, a prompt continuing the first one:
     group 0's blocks 0 .. h - 1 and each other group's blocks of what its layers read
     at position h * block_size (all before it, or a window's) must still hold the
@@ -127,7 +127,7 @@ def oracle_hit(manager, held, taken, num_prompt_blocks, follow_up):
     best = 0
     for h in range(1, (len(follow_up) - 1) // bs + 1):
         ok = all(cached(0, i) for i in range(h))
-        for g, window in enumerate(manager.groups.windows[1:], start=1):
+        for g, window in enumerate(windows[1:], start=1):
             first = 0 if window is None else max(0, h * bs - window + 1) // bs
             ok &= all(cached(g, i) for i in range(first, h))
         if ok:
@@ -162,13 +162,14 @@ def test_a_prompt_whose_window_blocks_were_evicted_hits_what_every_group_holds()
     assert hit_lengths(manager, follow_up) == [9, 9]
     early = Sequence(3, prompt[:21] + [3])  # its window blocks 3, 4 were evicted
     assert hit_lengths(manager, early) == [0, 0]
-    assert oracle_hit(manager, held, taken, 10, early.token_ids) == 0
+    assert oracle_hit(manager, (None, 8), held, taken, 10, early.token_ids) == 0
 
 
 @pytest.mark.parametrize("layer_windows", [(None, 8), (None, None, 4, 4, 4), (4, 8)])
 def test_prefix_hits_equal_a_brute_force_search_after_random_evictions(layer_windows):
     rng = np.random.default_rng(len(layer_windows))
-    num_groups = KVCacheGroups.of(layer_windows).num_groups
+    windows = KVCacheGroups.of(layer_windows).windows
+    num_groups = len(windows)
     for trial in range(30):
         prompt = rng.integers(0, 4, int(rng.integers(5, 60))).tolist()
         num_blocks = 1 + num_groups * cdiv(len(prompt), 4) + int(rng.integers(0, 10))
@@ -182,6 +183,55 @@ def test_prefix_hits_equal_a_brute_force_search_after_random_evictions(layer_win
             filler_tokens = filler_tokens[:-4]
         manager.allocate(SequenceGroup("filler", [filler]))
         follow_up = Sequence(2, prompt[: int(rng.integers(1, len(prompt) + 1))] + [1])
-        expected = oracle_hit(manager, held, taken_blocks(manager, filler),
+        expected = oracle_hit(manager, windows, held, taken_blocks(manager, filler),
                               len(prompt) // 4, follow_up.token_ids)
         assert hit_lengths(manager, follow_up) == [expected] * num_groups, trial
+
+
+def test_the_old_hybrid_manager_name_warns_and_is_the_block_manager():
+    from jpaged.memory import hybrid_block_manager
+
+    with pytest.warns(DeprecationWarning, match="HybridBlockManager is deprecated"):
+        old = hybrid_block_manager.HybridBlockManager
+    assert old is BlockManager
+    groups = KVCacheGroups.of((None, 8))
+    with pytest.warns(DeprecationWarning):
+        manager = hybrid_block_manager.HybridBlockManager(CacheConfig(block_size=4), groups)
+    assert manager.num_groups == 2
+
+
+def test_a_sliding_group_registers_past_the_entries_its_window_released_before_a_swap():
+    """A swap-in starts a table's cache ids again while its leading entries stay
+    released: a sliding group registers the blocks after them on group 0's chain, so a
+    follow-up prompt hits the blocks computed after the swap in every group."""
+    manager = BlockManager(CacheConfig(block_size=4, num_blocks=40, num_host_blocks=40,
+                                       watermark=0.0, max_num_batched_tokens=8),
+                           KVCacheGroups.of((None, 4)))
+    seq = Sequence(0, list(range(16)))
+    group = SequenceGroup("a", [seq])
+    manager.allocate(group)
+    seq.status = SequenceStatus.RUNNING
+
+    def compute(num_new):
+        manager.append_slots(seq, num_new)
+        manager.end_step()
+        seq.num_computed_tokens += num_new
+        if seq.num_computed_tokens == len(seq):
+            seq.append_token(50 + len(seq))
+        manager.mark_computed(seq)
+
+    compute(8)
+    compute(8)
+    manager.swap_out(group)
+    manager.end_step()
+    seq.status = SequenceStatus.SWAPPED
+    manager.swap_in(group)
+    manager.end_step()
+    seq.status = SequenceStatus.RUNNING
+    assert manager.block_tables(seq)[1][:3] == [0, 0, 0]  # released before the swap
+    for _ in range(8):
+        compute(1)
+    assert seq.num_computed_tokens == 24
+    follow_up = Sequence(1, seq.token_slice(0, 24) + [7])
+    assert hit_lengths(manager, follow_up) == [6, 6]
+    manager.check_invariants([seq], [])
