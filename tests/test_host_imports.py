@@ -5,6 +5,7 @@ check runs in a fresh interpreter: this test process has imported all of them al
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import subprocess
@@ -100,6 +101,19 @@ def test_a_deprecated_name_warns_and_resolves_to_its_new_home():
         assert llm_engine.step_shapes is step_shapes.step_shapes
     with pytest.raises(AttributeError, match="no_such_name"):
         llm_engine.no_such_name  # noqa: B018
+
+
+@pytest.mark.parametrize(("old", "name", "new"), [
+    ("jpaged.engine.runner", "ModelRunner", "jpaged.worker.model_runner"),
+    ("jpaged.engine.runner", "start_runner", "jpaged.engine.backend_choice"),
+    ("jpaged.engine.decode_loop", "LoopInput", "jpaged.worker.decode_loop"),
+    ("jpaged.model.sampler", "SamplingRow", "jpaged.worker.sampling_rows"),
+    ("jpaged.model.sampler", "draft_sample", "jpaged.model.verification"),
+])
+def test_a_moved_step_module_keeps_its_old_path_for_a_release(old, name, new):
+    with pytest.warns(DeprecationWarning, match=f"{old}.{name} is deprecated: use {new}.{name}"):
+        moved = getattr(importlib.import_module(old), name)
+    assert moved is getattr(importlib.import_module(new), name)
 
 
 @pytest.mark.full

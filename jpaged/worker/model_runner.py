@@ -251,13 +251,14 @@ class BlockOpPhase:
                  destination).
     source:      the pool the pairs' first column indexes (DEVICE, HOST or HOST_TIER).
     destination: the pool their second column indexes.
-    move:        move(runner, pairs) moves the blocks (K >= 1, every id checked).
+    move:        the name of the runner's method that moves them, move(pairs) (K >= 1,
+                 every id checked).
     """
 
     name: str
     source: str
     destination: str
-    move: Callable[[ModelRunner, np.ndarray], None]
+    move: str
 
 
 class ModelRunner:
@@ -364,7 +365,7 @@ class ModelRunner:
             return  # most steps: nothing to check or move
         self.check_block_ops(ops)
         for phase, pairs in phases:
-            phase.move(self, pairs)
+            getattr(self, phase.move)(pairs)
 
     def check_block_ops(self, ops: BlockOps) -> None:
         """Raise BlockIdOutOfRange unless every block of `ops` lies in its pool: the
@@ -572,11 +573,11 @@ class ModelRunner:
 # copies), and the copies come last, so they may copy a block a swap-in or load just
 # filled. A new phase is an entry here, with a BlockOps field of its name and its move.
 BLOCK_OP_PHASES = (
-    BlockOpPhase("swap_out", DEVICE, HOST, ModelRunner._swap_out),
-    BlockOpPhase("store", DEVICE, HOST_TIER, ModelRunner._store),
-    BlockOpPhase("swap_in", HOST, DEVICE, ModelRunner._swap_in),
-    BlockOpPhase("load", HOST_TIER, DEVICE, ModelRunner._load),
-    BlockOpPhase("copies", DEVICE, DEVICE, ModelRunner._copy),
+    BlockOpPhase("swap_out", DEVICE, HOST, "_swap_out"),
+    BlockOpPhase("store", DEVICE, HOST_TIER, "_store"),
+    BlockOpPhase("swap_in", HOST, DEVICE, "_swap_in"),
+    BlockOpPhase("load", HOST_TIER, DEVICE, "_load"),
+    BlockOpPhase("copies", DEVICE, DEVICE, "_copy"),
 )
 
 
