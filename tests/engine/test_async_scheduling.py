@@ -56,16 +56,6 @@ class PredictionWatch:
         return self._predict(plan)
 
 
-@pytest.mark.parametrize(("block_size", "caching"), [(1, True), (16, False), (4, True)])
-def test_greedy_equals_transformers(loaded, prompts, expected, block_size, caching):
-    engine = _engine(loaded, async_scheduling=True, block_size=block_size,
-                     num_blocks=2 + 8 * 128 // block_size, enable_prefix_caching=caching)
-    watch = PredictionWatch(engine)
-    finals = _run(engine, {str(i): (p, GREEDY) for i, p in enumerate(prompts)})
-    assert [finals[str(i)].outputs[0].token_ids for i in range(len(prompts))] == expected
-    assert watch.num_predicted > MAX_TOKENS
-
-
 def test_greedy_equals_transformers_on_qwen2(tiny_qwen2_dir):
     loaded = load_model(tiny_qwen2_dir)
     prompts = _prompts(loaded[1].vocab_size, (3, 8, 21))

@@ -115,20 +115,6 @@ def _token_ids(finals: dict) -> dict:
     return {rid: [c.token_ids for c in out.outputs] for rid, out in finals.items()}
 
 
-@pytest.mark.parametrize(("steps", "block_size", "caching"),
-                         [(4, 1, True), (16, 1, False), (4, 16, False), (16, 16, True)])
-def test_greedy_equals_transformers(loaded, prompts, expected, steps, block_size, caching):
-    """Block boundaries are crossed inside the loop (block size 1: every iteration)."""
-    engine = _engine(loaded, num_decode_steps=steps, block_size=block_size,
-                     num_blocks=2 + 8 * 128 // block_size, enable_prefix_caching=caching)
-    watch = LoopWatch(engine)
-    requests = {str(i): (p, GREEDY) for i, p in enumerate(prompts)}
-    finals = _run(engine, requests)
-    assert [finals[str(i)].outputs[0].token_ids for i in range(len(prompts))] == expected
-    assert watch.num_loops > 0
-    assert engine.stats.num_steps < len(prompts) + MAX_TOKENS  # fewer round trips
-
-
 def test_greedy_equals_transformers_on_qwen2(tiny_qwen2_dir):
     loaded = load_model(tiny_qwen2_dir)
     prompts = _prompts(loaded[1].vocab_size, (3, 8, 21))

@@ -101,21 +101,6 @@ def test_greedy_equals_transformers_on_qwen2(tiny_qwen2_dir):
     assert llm.engine.stats.spec_decode.num_accepted_tokens > 0
 
 
-@pytest.mark.parametrize(("block_size", "caching"), [(1, True), (16, True), (4, False)])
-def test_greedy_equals_transformers(loaded, prompts, expected, block_size, caching):
-    llm = LLM("tiny", loaded=loaded, speculative_config=NGRAM, **_config(
-        block_size=block_size, num_blocks=2 + 8 * 128 // block_size,
-        enable_prefix_caching=caching))
-    outputs = llm.generate(prompts, GREEDY)
-    assert _tokens(outputs) == expected
-    counts = llm.engine.stats.spec_decode
-    assert counts.num_accepted_tokens > 0, "no proposal was ever accepted"
-    assert sum(o.metrics.num_accepted_tokens for o in outputs) == counts.num_accepted_tokens
-    assert sum(o.metrics.num_draft_tokens for o in outputs) == counts.num_draft_tokens
-    assert counts.num_accepted_tokens < counts.num_draft_tokens
-    assert sum(counts.num_accepted_tokens_per_pos) == counts.num_accepted_tokens
-
-
 def test_beside_requests_that_do_not_speculate(loaded, prompts, expected):
     """Greedy speculating requests share steps with a beam search (which never
     speculates) and a request for prompt log-probabilities; each ends as without

@@ -25,6 +25,8 @@ from jpaged.speculative.ngram import NgramProposer
 from jpaged.speculative.proposer import Proposer
 from jpaged.worker.decode_loop_runner import DecodeLoopRunner
 from jpaged.worker.step_runner import SingleStepRunner
+from tests.engine.test_async_scheduling import PredictionWatch
+from tests.engine.test_decode_loop import LoopWatch
 from tests.plugins.hf_models import greedy_continuations
 
 MAX_TOKENS = 20
@@ -54,10 +56,11 @@ def _mode(name: str, model_dir) -> tuple[dict, type, type, type]:
 
 MODES = ("one step", "async scheduling", "decode loop", "n-gram proposer",
          "draft model proposer")
-# model -> (block size, KV cache groups): full-attention tables (block size 1: every token
-# crosses a block), one sliding window over every layer, and global and sliding groups
-# over one pool.
-MODELS = {"tiny_llama_dir": (1, 1), "tiny_mistral_dir": (4, 1), "tiny_gemma2_dir": (4, 2)}
+# model -> (block size, prefix caching, KV cache groups): full-attention tables (block
+# size 1: every token crosses a block, inside a decode loop too), one sliding window over
+# every layer (a block twice the window), and global and sliding groups over one pool.
+MODELS = {"tiny_llama_dir": (1, True, 1), "tiny_mistral_dir": (16, False, 1),
+          "tiny_gemma2_dir": (4, True, 2)}
 
 
 def _prompts(vocab_size: int) -> list[list[int]]:
@@ -77,7 +80,9 @@ def model(request):
             greedy_continuations(model_dir, prompts, MAX_TOKENS))
 
 
-def _run(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
+def _run(engine: LLMEngine, prompts: list[list[int]]) -> list:
+    """Every prompt to the end, the block invariants checked after each step and every
+    block free at the end. -> the final outputs, in prompt order."""
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), {"prompt_token_ids": prompt}, GREEDY)
     finals = {}
@@ -86,40 +91,17 @@ def _run(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
         engine.check_invariants()
     manager = engine.block_manager
     assert manager.num_free_blocks == manager.num_device_blocks, "a block leaked"
-    return [finals[str(i)].outputs[0].token_ids for i in range(len(prompts))]
-
-
-class Watch:
-    """Counts what a mode is for: decode loops run, steps predicted."""
-
-    def __init__(self, engine: LLMEngine):
-        self.num_loops = self.num_predicted = 0
-        runner, scheduler = engine.runner, engine.scheduler
-        loop = runner.decode_loop
-
-        def counted_loop(*args, **kwargs):
-            self.num_loops += 1
-            return loop(*args, **kwargs)
-
-        runner.decode_loop = counted_loop
-        if isinstance(scheduler, AsyncScheduler):
-            predict = scheduler.predict
-
-            def counted_predict(plan):
-                self.num_predicted += 1
-                return predict(plan)
-
-            scheduler.predict = counted_predict
+    return [finals[str(i)] for i in range(len(prompts))]
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_a_mode_gives_transformers_tokens_and_keeps_the_blocks(model, mode):
-    model_dir, loaded, block_size, num_groups, prompts, expected = model
+    model_dir, loaded, block_size, caching, num_groups, prompts, expected = model
     config, step_runner, proposer, scheduler = _mode(mode, model_dir)
     config = EngineConfig(
         model="tiny", block_size=block_size, num_blocks=2 + 8 * 128 // block_size,
         max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, buckets=BUCKETS,
-        persistent_compilation_cache=False, **config)
+        enable_prefix_caching=caching, persistent_compilation_cache=False, **config)
     if mode == "decode loop" and num_groups > 1:  # a conflict of the step modes' table
         with pytest.raises(ValueError, match="num_decode_steps=8 conflicts with the model's "
                                              "local and global layers in KV cache groups"):
@@ -130,15 +112,21 @@ def test_a_mode_gives_transformers_tokens_and_keeps_the_blocks(model, mode):
     assert type(engine.core.step_runner) is step_runner
     assert type(engine.core.proposer) is proposer
     assert type(engine.scheduler) is scheduler
-    watch = Watch(engine)
-    assert _run(engine, prompts) == expected
-    if step_runner is DecodeLoopRunner:
-        assert watch.num_loops > 0
+    # Each loop's written slots against the pool it returned; the predictions made.
+    loops = LoopWatch(engine) if step_runner is DecodeLoopRunner else None
+    predictions = PredictionWatch(engine) if scheduler is AsyncScheduler else None
+    outputs = _run(engine, prompts)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    if loops is not None:
+        assert loops.num_loops > 0
         assert engine.stats.num_steps < len(prompts) + MAX_TOKENS  # fewer round trips
-    if scheduler is AsyncScheduler:
-        assert watch.num_predicted >= MAX_TOKENS  # every draw after the first step
+    if predictions is not None:
+        assert predictions.num_predicted >= MAX_TOKENS  # every draw after the first step
     if proposer is not Proposer:
-        assert engine.stats.spec_decode.num_accepted_tokens > 0
-    if proposer is DraftModelProposer:
         counts = engine.stats.spec_decode
+        assert 0 < counts.num_accepted_tokens <= counts.num_draft_tokens
+        assert sum(o.metrics.num_accepted_tokens for o in outputs) == counts.num_accepted_tokens
+        assert sum(o.metrics.num_draft_tokens for o in outputs) == counts.num_draft_tokens
+        assert sum(counts.num_accepted_tokens_per_pos) == counts.num_accepted_tokens
+    if proposer is DraftModelProposer:  # the target drafting for itself
         assert counts.num_accepted_tokens == counts.num_draft_tokens
