@@ -270,7 +270,7 @@ class Scheduler:
             elif group.is_beam_search:
                 ended |= self._continue_beams(group, sampled.beams[group.request_id])
             elif end - first == 1 and num_accepted is None:  # the common case
-                ended |= self._append(group, scheduled[rows[0]][0], (tokens[first],))
+                ended |= self._append_one(group, scheduled[rows[0]][0], tokens[first])
             else:
                 accepted = [0] * (end - first) if num_accepted is None else num_accepted[first:end]
                 ended |= self._append_samples(group, [scheduled[row][0] for row in rows],
@@ -339,14 +339,19 @@ class Scheduler:
     def _append(self, group: SequenceGroup, seq: Sequence, tokens: Iterable[int]) -> bool:
         """Append `tokens` to `seq` one by one under the group's stop rule, dropping what
         follows a stop; whether it ended (its blocks freed)."""
-        output, rule = seq.output_token_ids, group.stop_rule
         for token in tokens:
-            output.append(token)
-            status = rule.finish_status(token, len(output))
-            if status is not None:
-                self._release(group, seq, status)
+            if self._append_one(group, seq, token):
                 return True
         return False
+
+    def _append_one(self, group: SequenceGroup, seq: Sequence, token: int) -> bool:
+        output = seq.output_token_ids
+        output.append(token)
+        status = group.stop_rule.finish_status(token, len(output))
+        if status is None:
+            return False
+        self._release(group, seq, status)
+        return True
 
     def _continue_beams(self, group: SequenceGroup, choice: BeamChoice) -> bool:
         """The group's sequences become the chosen beams, in the choice's order: a parent

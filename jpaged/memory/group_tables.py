@@ -442,14 +442,16 @@ class FullAttentionTables:
         self.state = allocator.free(self.state, held[::-1])
         self.num_logical_blocks -= len(held)
 
-    def mark_computed(self, seq: Sequence, chain_ids: list[int]) -> None:
+    def mark_computed(self, seq: Sequence, chain_ids: list[int] | None = None) -> None:
         """seq's tokens up to its num_computed_tokens now hold K/V: register its full
-        blocks in the prefix cache under group 0's cache ids `chain_ids`."""
+        blocks in the prefix cache under group 0's cache ids `chain_ids` (None: these
+        tables are group 0's)."""
         record = self._seqs[seq.seq_id]
         if record.on_host:
             raise ValueError(f"sequence {seq.seq_id} is swapped out: its blocks hold no K/V")
         if self.config.enable_prefix_caching:
-            self._cache_full_blocks(seq, record, chain_ids)
+            self._cache_full_blocks(seq, record,
+                                    record.cache_ids if chain_ids is None else chain_ids)
 
     def _cache_full_blocks(self, seq: Sequence, record: SeqBlocks, chain_ids: list[int]
                            ) -> None:

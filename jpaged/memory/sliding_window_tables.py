@@ -73,7 +73,7 @@ class SlidingWindowTables(FullAttentionTables):
         return ([0] * start + [found[i][0] for i in range(start, end)],
                 [0] * start + [found[i][1] for i in range(start, end)])
 
-    def mark_computed(self, seq: Sequence, chain_ids: list[int]) -> None:
+    def mark_computed(self, seq: Sequence, chain_ids: list[int] | None = None) -> None:
         """Register seq's full blocks, then give back the blocks that no later token's
         window reads."""
         super().mark_computed(seq, chain_ids)
