@@ -339,10 +339,7 @@ class Scheduler:
     def _append(self, group: SequenceGroup, seq: Sequence, tokens: Iterable[int]) -> bool:
         """Append `tokens` to `seq` one by one under the group's stop rule, dropping what
         follows a stop; whether it ended (its blocks freed)."""
-        for token in tokens:
-            if self._append_one(group, seq, token):
-                return True
-        return False
+        return any(self._append_one(group, seq, token) for token in tokens)
 
     def _append_one(self, group: SequenceGroup, seq: Sequence, token: int) -> bool:
         output = seq.output_token_ids
