@@ -135,7 +135,7 @@ class EngineCore:
         plan, output = self._schedule()
         if not plan.is_empty:
             try:
-                self._finish(self.step_runner.dispatch(plan), output, predicted=False)
+                self._update(self.step_runner.dispatch(plan), output)
             except BaseException as error:
                 self._fail(plan, error, output)
         return [output]
@@ -155,7 +155,7 @@ class EngineCore:
         in_flight, self._in_flight = self._in_flight, None
         previous = None if in_flight is None else in_flight.step
         if in_flight is not None and not in_flight.predictable:
-            return [self._finished(previous, in_flight.output, predicted=False)]
+            return [self._finished(self._update, previous, in_flight.output)]
         if previous is not None:
             self.scheduler.predict(previous.plan)
         plan, output = self._schedule()
@@ -168,7 +168,7 @@ class EngineCore:
                 self._fail(plan, error, output)
                 outputs.append(output)
         if in_flight is not None:
-            outputs.insert(0, self._finished(previous, in_flight.output, predicted=True))
+            outputs.insert(0, self._finished(self._reconcile, previous, in_flight.output))
         if plan.is_empty and (previous is None or plan.ignored):
             outputs.append(output)
         return outputs
@@ -188,27 +188,32 @@ class EngineCore:
             output.block_usage = block_usage(self.kv_manager, plan.running)
         return plan, output
 
-    def _finish(self, step: InFlight, output: CoreOutput, predicted: bool) -> CoreOutput:
-        """Read the step's tokens and hand them to the scheduler: `reconcile` for a
-        predicted step, else `update_from_output` (beams chosen first)."""
-        plan, output.prompt_logprobs = step.plan, step.prompt_logprobs
-        result = self.step_runner.finish(step)
-        output.take(result)
-        if predicted:
-            output.stats = self.scheduler.reconcile(plan, result.tokens)
-            return output
+    def _update(self, step: InFlight, output: CoreOutput) -> CoreOutput:
+        """Read the step's tokens, let beam searches choose, and make the one call back."""
+        result = self._read(step, output)
         tokens = result.tokens
-        if self.beam_searches and plan.draws:
-            beams, output.beam_results = choose_beams(self.beam_searches, plan,
+        if self.beam_searches and step.plan.draws:
+            beams, output.beam_results = choose_beams(self.beam_searches, step.plan,
                                                       result.sampled, result.draw_rows)
             tokens = dataclasses.replace(tokens, beams=beams)
-        output.stats = self.scheduler.update_from_output(plan, tokens)
+        output.stats = self.scheduler.update_from_output(step.plan, tokens)
         return output
 
-    def _finished(self, step: InFlight, output: CoreOutput, predicted: bool) -> CoreOutput:
-        """`_finish`, or `_fail` if reading the step's results raises."""
+    def _reconcile(self, step: InFlight, output: CoreOutput) -> CoreOutput:
+        """Read a predicted step's tokens into the places the prediction held."""
+        output.stats = self.scheduler.reconcile(step.plan, self._read(step, output).tokens)
+        return output
+
+    def _read(self, step: InFlight, output: CoreOutput) -> StepResult:
+        output.prompt_logprobs = step.prompt_logprobs
+        result = self.step_runner.finish(step)
+        output.take(result)
+        return result
+
+    def _finished(self, finish, step: InFlight, output: CoreOutput) -> CoreOutput:
+        """finish(step, output) (`_update` or `_reconcile`), or `_fail` if it raises."""
         try:
-            return self._finish(step, output, predicted)
+            return finish(step, output)
         except BaseException as error:
             self._fail(step.plan, error, output)
             return output
