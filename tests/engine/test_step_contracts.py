@@ -71,7 +71,7 @@ def _prompts(vocab_size: int) -> list[list[int]]:
     return repeated + [rng.integers(0, vocab_size, n).tolist() for n in (1, 11, 17)]
 
 
-@pytest.fixture(scope="module", params=list(MODELS))
+@pytest.fixture(scope="module")
 def model(request):
     model_dir = request.getfixturevalue(request.param)
     loaded = load_model(model_dir)
@@ -94,7 +94,13 @@ def _run(engine: LLMEngine, prompts: list[list[int]]) -> list:
     return [finals[str(i)] for i in range(len(prompts))]
 
 
-@pytest.mark.parametrize("mode", MODES)
+# The fast tier runs every mode on full-attention tables and one step on the others.
+CASES = [pytest.param(name, mode, marks=() if name == "tiny_llama_dir" or mode == "one step"
+                      else pytest.mark.full, id=f"{name}-{mode}")
+         for name in MODELS for mode in MODES]
+
+
+@pytest.mark.parametrize(("model", "mode"), CASES, indirect=["model"])
 def test_a_mode_gives_transformers_tokens_and_keeps_the_blocks(model, mode):
     model_dir, loaded, block_size, caching, num_groups, prompts, expected = model
     config, step_runner, proposer, scheduler = _mode(mode, model_dir)

@@ -34,7 +34,7 @@ from tests.memory.test_block_manager import (
     setup_strategies,
 )
 
-CONTRACT_SETTINGS = settings(max_examples=30, stateful_step_count=200, deadline=None)
+CONTRACT_SETTINGS = settings(max_examples=10, stateful_step_count=200, deadline=None)
 
 
 def machine_over(layer_windows):
