@@ -26,8 +26,8 @@ One step is one round trip, as in vLLM v1:
 `update_from_output` is the only call back: it records the computed tokens,
 appends the drawn ones, ends sequences at EOS, a stop token, max_tokens or
 max_model_len, forks a prompt's parallel samples, applies the beams a beam
-search chose, and frees the blocks of whatever ended: every drawn token goes through
-`_append`, under the request's stop rule (jpaged.core.stop_rule). With async
+search chose, and frees the blocks of whatever ended: every drawn token is appended by
+`_append_one`, under the request's stop rule (jpaged.core.stop_rule). With async
 scheduling it comes in two halves around the next `schedule`
 (jpaged.core.async_scheduler). Between steps, callers end requests with `abort` and
 sequences with `finish_seq` (a stop string the detokenized text revealed). Only the
