@@ -21,7 +21,12 @@ if TYPE_CHECKING:
         Logprob,
         RequestOutput,
     )
-    from jpaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+    from jpaged.sampling_params import (
+        BeamSearchParams,
+        RequestOutputKind,
+        SamplingParams,
+        StructuredOutputsParams,
+    )
 
 _MODULE_OF = {
     "LLM": "jpaged.entrypoints.llm",
@@ -35,6 +40,7 @@ _MODULE_OF = {
     "RequestOutput": "jpaged.outputs",
     "RequestOutputKind": "jpaged.sampling_params",
     "SamplingParams": "jpaged.sampling_params",
+    "StructuredOutputsParams": "jpaged.sampling_params",
     "TextPrompt": "jpaged.inputs",
     "TokensPrompt": "jpaged.inputs",
 }
@@ -51,6 +57,7 @@ __all__ = [
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",
+    "StructuredOutputsParams",
     "TextPrompt",
     "TokensPrompt",
 ]

@@ -1,14 +1,15 @@
 """How a request picks its tokens, with vLLM's names and meanings.
 
 `SamplingParams` drives sampling (n parallel samples, filters, penalties, stop
-conditions, log-probabilities, output kind); `BeamSearchParams` drives
-`LLM.beam_search`. Both check every field when built and raise a ValueError
+conditions, log-probabilities, output kind, structured outputs); `BeamSearchParams`
+drives `LLM.beam_search`. All check every field when built and raise a ValueError
 or TypeError that names the field and its limit.
 """
 
 from __future__ import annotations
 
 import enum
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Literal
@@ -91,6 +92,86 @@ def _logit_bias(bias) -> dict[int, float]:
     return checked
 
 
+# The constraints of StructuredOutputsParams, in vLLM's order; exactly one is given.
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint every output token keeps to, with vLLM's names: exactly one of
+
+    json:        a JSON schema (a dict, or its JSON text) the output validates under;
+    regex:       a regular expression the whole output matches (Rust regex syntax);
+    choice:      a list of strings, one of which the output is;
+    grammar:     a Lark grammar (llguidance's dialect; GBNF is converted);
+    json_object: True: any JSON object.
+
+    disable_any_whitespace: JSON without whitespace between its tokens (", " and ": "
+        become "," and ":"); otherwise JSON may hold any whitespace there.
+    disable_additional_properties: objects of the schema that do not say whether they
+        allow properties beyond theirs do not.
+    whitespace_pattern: a regular expression for JSON's whitespace (instead of both
+        defaults above).
+
+    `structural_tag` (vLLM's tagged tool calls) is not supported: a ValueError says so.
+    The grammar compiles when the request is added (jpaged.structured_output).
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+
+    def __post_init__(self):
+        if self.structural_tag is not None:
+            raise InvalidParameter(
+                "structured_outputs.structural_tag",
+                "structural_tag is not supported: constrain a tool call with json (its "
+                "parameters' schema) or tool_choice")
+        given = [kind for kind in STRUCTURED_OUTPUT_KINDS
+                 if getattr(self, kind) not in (None, False)]
+        if len(given) != 1:
+            raise InvalidParameter(
+                "structured_outputs", "structured_outputs takes exactly one of "
+                f"{', '.join(STRUCTURED_OUTPUT_KINDS)}, got {given or 'none'}")
+        for name in ("regex", "grammar", "whitespace_pattern"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise InvalidParameterType(f"structured_outputs.{name}",
+                                           f"{name} must be a string, got "
+                                           f"{type(value).__name__}")
+        if self.json is not None and not isinstance(self.json, str | dict):
+            raise InvalidParameterType("structured_outputs.json",
+                                       "json must be a JSON schema (a dict or its JSON "
+                                       f"text), got {type(self.json).__name__}")
+        if self.choice is not None:
+            if (isinstance(self.choice, str) or not self.choice
+                    or not all(isinstance(c, str) for c in self.choice)):
+                raise InvalidParameterType("structured_outputs.choice",
+                                           "choice must be a non-empty list of strings")
+            object.__setattr__(self, "choice", tuple(self.choice))
+
+    @property
+    def kind(self) -> str:
+        """Which constraint it is: one of STRUCTURED_OUTPUT_KINDS."""
+        return next(kind for kind in STRUCTURED_OUTPUT_KINDS
+                    if getattr(self, kind) not in (None, False))
+
+    @property
+    def key(self) -> tuple:
+        """What the compiled grammar depends on: its kind, its text and the JSON options."""
+        value = getattr(self, self.kind)
+        if isinstance(value, dict):
+            value = json.dumps(value, sort_keys=True)
+        return (self.kind, value, self.disable_any_whitespace,
+                self.disable_additional_properties, self.whitespace_pattern)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Sampling parameters of one request.
@@ -121,6 +202,9 @@ class SamplingParams:
                          the top `logprobs` (None: none; 0: only the sampled one).
     prompt_logprobs:     the same for every prompt token after the first.
     output_kind:         cumulative outputs, deltas, or only the final output.
+    structured_outputs:  a grammar every sample keeps to (StructuredOutputsParams): the
+                         sampler draws only tokens it allows, and a sample ends once it
+                         is complete (finish reason "stop").
     """
 
     n: int = 1
@@ -143,6 +227,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         _check_int("n", self.n, low=1)
@@ -181,6 +266,10 @@ class SamplingParams:
                 f"output_kind must be a RequestOutputKind, got {type(self.output_kind).__name__}")
         if self.logit_bias is not None:
             object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        if not isinstance(self.structured_outputs, StructuredOutputsParams | None):
+            raise InvalidParameterType(
+                "structured_outputs", "structured_outputs must be StructuredOutputsParams, got "
+                f"{type(self.structured_outputs).__name__}")
         object.__setattr__(self, "stop", _stop_strings(self.stop))
         object.__setattr__(self, "stop_token_ids", _token_ids("stop_token_ids",
                                                               self.stop_token_ids))

@@ -17,6 +17,7 @@ from jpaged.sampling_params import BeamSearchParams, SamplingParams
 
 if TYPE_CHECKING:
     from jpaged.core.stop_rule import StopRule
+    from jpaged.structured_output.grammar import Grammar
 
 
 class SequenceStatus(enum.Enum):
@@ -53,6 +54,8 @@ class Sequence:
     spec_token_ids: tokens proposed to follow it (speculative decoding), which the next
     step computes after its last token and the target model accepts or rejects; never
     part of the sequence until accepted.
+    grammar: where its output stands in its request's structured-output grammar (None
+    without one); the scheduler advances it with every token it appends.
     """
 
     seq_id: int
@@ -61,6 +64,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     spec_token_ids: list[int] = field(default_factory=list)
+    grammar: Grammar | None = None
 
     def __len__(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)

@@ -24,6 +24,8 @@ HOST_MODULES = (
     "jpaged.core.scheduler",
     "jpaged.core.step_shapes",
     "jpaged.core.batch_builder",
+    "jpaged.structured_output.compiler",
+    "jpaged.structured_output.token_masks",
     "experiments.simulator",
 )
 HOST_TESTS = ("tests/memory", "tests/core")

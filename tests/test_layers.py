@@ -27,6 +27,9 @@ JPAGED_LAYERS = (
     # The host side: the allocator and managers below, the scheduler that drives them above.
     ("jpaged.memory",),
     ("jpaged.core",),
+    # Host-side grammars of structured outputs: the scheduler advances them through the
+    # sequences it holds, the worker fills their masks.
+    ("jpaged.structured_output",),
     # The device side.
     ("jpaged.model",),
     ("jpaged.worker",),

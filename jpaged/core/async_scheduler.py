@@ -8,7 +8,8 @@ device still runs step N.
     reconcile(plan N, ...)   the real tokens in the placeholders' place, stop rule applied
 
 Only a predictable plan is predicted: one whose tokens the next schedule need not know
-(a fork into samples, beams and penalties depend on them: `unpredictable_features`);
+(a fork into samples, beams, penalties and grammars depend on them:
+`unpredictable_features`);
 the engine finishes any other plan before it schedules again. Proposals need the
 tokens too: async scheduling and speculative decoding conflict (jpaged.core.step_modes).
 """
@@ -28,7 +29,8 @@ class AsyncScheduler(Scheduler):
     def unpredictable_features(plan: SchedulerOutput) -> set[Feature]:
         """What keeps the next schedule from taking `plan`'s tokens as drawn (none: every
         draw is one sample's token without penalties): a beam choice, a fork into
-        samples, penalties (the next draw's would count the token)."""
+        samples, penalties (the next draw's would count the token), a grammar (the next
+        draw's mask follows the token)."""
         features = set()
         for group, _ in plan.draws:
             if group.is_beam_search:
@@ -37,6 +39,8 @@ class AsyncScheduler(Scheduler):
                 features.add(Feature.PARALLEL_SAMPLING)
             elif group.params.uses_penalties:
                 features.add(Feature.PENALTIES)
+            if not group.is_beam_search and group.params.structured_outputs is not None:
+                features.add(Feature.STRUCTURED_OUTPUT)
         return features
 
     def predict(self, plan: SchedulerOutput) -> None:

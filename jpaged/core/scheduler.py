@@ -24,12 +24,12 @@ One step is one round trip, as in vLLM v1:
     scheduler.update_from_output(plan, sampled)
 
 `update_from_output` is the only call back: it records the computed tokens,
-appends the drawn ones, ends sequences at EOS, a stop token, max_tokens or
-max_model_len, forks a prompt's parallel samples, applies the beams a beam
-search chose, and frees the blocks of whatever ended: every drawn token is appended by
-`_append_one`, under the request's stop rule (jpaged.core.stop_rule). With async
-scheduling it comes in two halves around the next `schedule`
-(jpaged.core.async_scheduler). Between steps, callers end requests with `abort` and
+appends the drawn ones (advancing their grammars), ends sequences at EOS, a stop token,
+a complete grammar, max_tokens or max_model_len, forks a prompt's parallel samples,
+applies the beams a beam search chose, and frees the blocks of whatever ended: every
+drawn token is appended by `_append_one`, under the request's stop rule
+(jpaged.core.stop_rule). With async scheduling it comes in two halves around the next
+`schedule` (jpaged.core.async_scheduler). Between steps, callers end requests with `abort` and
 sequences with `finish_seq` (a stop string the detokenized text revealed). Only the
 scheduler, and the KV cache manager it calls, change sequences.
 """
@@ -282,8 +282,14 @@ class Scheduler:
 
     def _end_non_finite(self, group: SequenceGroup) -> None:
         """End every unfinished sequence of a group whose logits were not finite."""
-        logger.error("request %r: NaN or infinite logits; it finishes with finish_reason "
-                     "'error'", group.request_id)
+        if any(seq.grammar is not None for seq in group.seqs):
+            logger.error("request %r: its grammar allows no token that its other "
+                         "constraints (min_tokens holding its stop tokens back) "
+                         "allow, or its logits were NaN or infinite; it finishes with "
+                         "finish_reason 'error'", group.request_id)
+        else:
+            logger.error("request %r: NaN or infinite logits; it finishes with finish_reason "
+                         "'error'", group.request_id)
         for seq in group.unfinished_seqs():
             self._release(group, seq, _ERROR)
 
@@ -344,11 +350,28 @@ class Scheduler:
     def _append_one(self, group: SequenceGroup, seq: Sequence, token: int) -> bool:
         output = seq.output_token_ids
         output.append(token)
-        status = group.stop_rule.finish_status(token, len(output))
+        if seq.grammar is None:
+            status = group.stop_rule.finish_status(token, len(output))
+        else:
+            status = self._grammar_status(group, seq, token)
         if status is None:
             return False
         self._release(group, seq, status)
         return True
+
+    @staticmethod
+    def _grammar_status(group: SequenceGroup, seq: Sequence, token: int
+                        ) -> SequenceStatus | None:
+        """The stop rule's verdict on `token` once the sequence's grammar took it: a
+        complete grammar ends the sequence as a stop token would. A token the grammar
+        refuses (its mask allowed it, so never) ends it with FINISHED_ERROR."""
+        grammar = seq.grammar
+        if not grammar.accept(token):
+            logger.error("request %r: token %d breaks its grammar (%s); it finishes with "
+                         "finish_reason 'error'", group.request_id, token, grammar.error)
+            return _ERROR
+        return group.stop_rule.finish_status(token, len(seq.output_token_ids),
+                                             grammar.is_complete)
 
     def _continue_beams(self, group: SequenceGroup, choice: BeamChoice) -> bool:
         """The group's sequences become the chosen beams, in the choice's order: a parent
@@ -384,7 +407,8 @@ class Scheduler:
         """A new running sequence with the parent's tokens, sharing its blocks."""
         child = dataclasses.replace(parent, seq_id=self._new_seq_id(),
                                     output_token_ids=list(parent.output_token_ids),
-                                    spec_token_ids=[])
+                                    spec_token_ids=[],
+                                    grammar=parent.grammar and parent.grammar.fork())
         self.block_manager.fork(parent, child)
         return child
 

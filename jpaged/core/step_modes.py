@@ -49,7 +49,8 @@ class StepMode(enum.Enum):
 
 
 class Feature(enum.Enum):
-    """What a config (or a request: beam search, n > 1, prefill, penalties) turns on."""
+    """What a config (or a request: beam search, n > 1, prefill, penalties, a grammar)
+    turns on."""
 
     NGRAM = "n-gram speculation"
     DRAFT_MODEL = "draft-model speculation"
@@ -57,6 +58,7 @@ class Feature(enum.Enum):
     PARALLEL_SAMPLING = "n > 1"
     PREFILL = "prompt tokens"
     PENALTIES = "penalties"
+    STRUCTURED_OUTPUT = "structured outputs"
     SLIDING_WINDOW = "sliding windows"
     HYBRID_KV_GROUPS = "hybrid KV cache groups"
     QUANTIZED_KV = "quantized KV cache"
@@ -111,6 +113,9 @@ TABLE: dict[StepMode, dict[Feature, Cell]] = {
             "the next schedule needs the samples"),
         Feature.PENALTIES: _fallback(f"a step that draws with penalties {_NEEDED_NEXT}",
                                      "the next draw's penalties count its tokens"),
+        Feature.STRUCTURED_OUTPUT: _fallback(
+            f"a step that draws with a grammar {_NEEDED_NEXT}",
+            "the next draw's token mask follows its tokens"),
     },
     StepMode.DECODE_LOOP: dict.fromkeys(Feature, SUPPORTED) | {
         Feature.NGRAM: _conflict(_PROPOSALS_EACH_STEP, "single steps"),
@@ -122,6 +127,9 @@ TABLE: dict[StepMode, dict[Feature, Cell]] = {
             "forks are the host's; the samples loop after it"),
         Feature.PREFILL: _fallback("a step with prompt tokens runs as a single step",
                                    "the loop only decodes"),
+        Feature.STRUCTURED_OUTPUT: _fallback(
+            "a step that draws with a grammar runs as a single step",
+            "token masks are filled on the host after every token"),
         Feature.HYBRID_KV_GROUPS: _conflict(
             "the loop grows one block table per sequence, and KV cache groups hold one per "
             "group, whose windows free blocks on the host (disable_hybrid_kv_cache_manager="

@@ -1,7 +1,8 @@
 """When a sequence's output ends: one rule for every place that needs it.
 
 A sequence of a request ends at one of its stop tokens (EOS unless ignore_eos, and
-stop_token_ids) once it has min_tokens output tokens, and at its length limit: the
+stop_token_ids), or where its structured output's grammar is complete, once it has
+min_tokens output tokens, and at its length limit: the
 output length max_tokens allows, or what max_model_len leaves after the prompt,
 whichever comes first. Before min_tokens the sampler suppresses the stop tokens.
 
@@ -65,10 +66,12 @@ class StopRule:
         return cls(group.stop_token_ids, group.min_tokens, min(max_tokens, max_len_output),
                    min(max_tokens - 1, max_len_output))
 
-    def finish_status(self, token: int, num_output: int) -> SequenceStatus | None:
+    def finish_status(self, token: int, num_output: int, grammar_complete: bool = False
+                      ) -> SequenceStatus | None:
         """How a sequence ends whose output token number `num_output` is `token` (None: it
-        goes on)."""
-        if stops(token in self.stop_token_ids, num_output, self.min_tokens):
+        goes on); grammar_complete: its grammar allows nothing more after the token."""
+        if stops(grammar_complete or token in self.stop_token_ids, num_output,
+                 self.min_tokens):
             return _STOPPED
         if reaches_length(num_output, self.max_output):
             return _LENGTH

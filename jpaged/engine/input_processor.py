@@ -1,8 +1,9 @@
 """InputProcessor: a request as the user gives it -> an `EngineRequest` the core can run.
 
-It parses vLLM's prompt forms (jpaged.inputs), tokenizes each prompt once and
-checks every parameter against the engine's limits, raising before anything is
-queued an error that names the parameter (jpaged.errors). What only the
+It parses vLLM's prompt forms (jpaged.inputs), tokenizes each prompt once,
+checks every parameter against the engine's limits and compiles a structured output's
+grammar (jpaged.structured_output), raising before anything is queued an error that
+names the parameter (jpaged.errors). What only the
 scheduler knows, a prompt's length against max_model_len and whether the KV
 pool can ever hold it, the scheduler checks when the request is added.
 """
@@ -17,6 +18,8 @@ from jpaged.engine.beam_search import BeamSearch
 from jpaged.errors import InvalidParameter, InvalidParameterType
 from jpaged.inputs import PromptType, parse_prompt
 from jpaged.sampling_params import BeamSearchParams, SamplingParams
+from jpaged.structured_output.compiler import GrammarCompiler
+from jpaged.structured_output.grammar import Grammar
 
 # Template variables a request's chat_template_kwargs may not set.
 RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "chat_template", "tokenize",
@@ -39,6 +42,8 @@ class EngineRequest:
 
     prompt: the prompt's text, if it came as text (reported back in RequestOutput).
     arrival_time: time.perf_counter() when it was processed.
+    grammar: its structured output's grammar, compiled, at its start (each sequence of
+    the request forks its own); None without one.
     """
 
     request_id: str
@@ -47,6 +52,7 @@ class EngineRequest:
     params: SamplingParams | BeamSearchParams
     cache_salt: str | None
     arrival_time: float
+    grammar: Grammar | None = None
 
 
 @dataclass(frozen=True)
@@ -66,10 +72,12 @@ class InputProcessor:
     """Prompts to token ids, checked against the limits."""
 
     def __init__(self, tokenizer, limits: RequestLimits, eos_token_ids: tuple[int, ...]):
-        """eos_token_ids: the model's, which decide beam search's candidates per beam."""
+        """eos_token_ids: the model's, which decide beam search's candidates per beam and
+        end a structured output."""
         self.tokenizer = tokenizer
         self.limits = limits
         self.eos_token_ids = eos_token_ids
+        self.grammars = GrammarCompiler(tokenizer, limits.vocab_size, eos_token_ids)
 
     def process(self, request_id: str, prompt: PromptType,
                 params: SamplingParams | BeamSearchParams | None = None,
@@ -85,8 +93,11 @@ class InputProcessor:
         token_ids = self._token_ids(parsed.text, parsed.token_ids)
         self._check(params)
         salt = cache_salt if cache_salt is not None else parsed.cache_salt
+        grammar = None
+        if isinstance(params, SamplingParams) and params.structured_outputs is not None:
+            grammar = self.grammars.compile(params.structured_outputs)
         return EngineRequest(request_id, parsed.text, token_ids, params, salt,
-                             time.perf_counter())
+                             time.perf_counter(), grammar)
 
     def tokenize(self, prompt: PromptType, add_special_tokens: bool = True) -> list[int]:
         """A prompt (text, token ids or a prompt dict) as token ids in the vocabulary;

@@ -231,7 +231,9 @@ class LLMEngine:
     def _new_group(self, request: EngineRequest) -> tuple[SequenceGroup, BeamSearch | None]:
         """The request's sequence group, and its beam search if it is one."""
         params, prompt_len = request.params, len(request.prompt_token_ids)
-        group = SequenceGroup(request.request_id, [Sequence(0, list(request.prompt_token_ids))],
+        grammar = request.grammar and request.grammar.fork()
+        group = SequenceGroup(request.request_id,
+                              [Sequence(0, list(request.prompt_token_ids), grammar=grammar)],
                               params, arrival_time=request.arrival_time,
                               cache_salt=request.cache_salt, eos_token_ids=self.eos_token_ids)
         search = None

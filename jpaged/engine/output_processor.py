@@ -181,7 +181,10 @@ class OutputProcessor:
             seqs = group.seqs
         else:
             seqs = [core.plan.scheduled[row][0] for row in rows]
-        index_of = {id(seq): i for i, seq in enumerate(group.seqs)} if len(seqs) > 1 else None
+        # A draw's sample is its sequence's place in the group (samples end at different
+        # steps: a lone draw may be any sample's).
+        index_of = ({id(seq): i for i, seq in enumerate(group.seqs)} if len(group.seqs) > 1
+                    else None)
         stops = []
         for seq, draw in zip(seqs, draws, strict=True):
             sample = state.samples[0 if index_of is None else index_of[id(seq)]]
@@ -196,16 +199,18 @@ class OutputProcessor:
                         token, sampled.logprobs[row], sampled.ranks[row],
                         sampled.top_ids[row, :k], sampled.top_logprobs[row, :k]))
                 ended = sample.num_tokens == len(seq.output_token_ids) and seq.is_finished
-                if self._add_text(sample, seq, token, state.params, ended):
+                if self._add_text(sample, token, state.params, ended,
+                                  ended and _is_stop_token(group, seq, token)):
                     stops.append(StringStop(group, seq, sample.num_tokens))
                     break
         return stops
 
     @staticmethod
-    def _add_text(sample: SampleState, seq: Sequence, token: int,
-                  params: SamplingParams, ended: bool) -> bool:
+    def _add_text(sample: SampleState, token: int, params: SamplingParams, ended: bool,
+                  stop_token: bool) -> bool:
         """Detokenize `token` into the sample's text; True if a stop string ended it.
-        ended: the sequence ended at this token (the scheduler's stop, or a limit).
+        ended: the sequence ended at this token (the scheduler's stop, a complete grammar,
+        or a limit); stop_token: it ended as the stop token `token` (EOS, stop_token_ids).
 
         vLLM's order: a stop token (the scheduler ended the sequence) leaves its text
         out unless include_stop_str_in_output; a stop string (once min_tokens are
@@ -213,7 +218,7 @@ class OutputProcessor:
         held-back text is released.
         """
         detokenizer = sample.detokenizer
-        if ended and seq.status is SequenceStatus.FINISHED_STOPPED:  # EOS or a stop token
+        if stop_token:
             sample.stop_reason = token if token in params.stop_token_ids else None
             if params.include_stop_str_in_output:
                 detokenizer.append(token)
@@ -320,6 +325,13 @@ class OutputProcessor:
             int(t): Logprob(float(lp), rank, self._token_text(int(t)))
             for rank, (t, lp) in enumerate(zip(top_ids, top_logprobs, strict=True), start=1)
         }
+
+
+def _is_stop_token(group: SequenceGroup, seq: Sequence, token: int) -> bool:
+    """Whether `seq`, which ended at `token`, ended as a stop token ends a sequence (not as
+    a complete grammar or a length limit do): its text leaves the token out."""
+    return seq.status is SequenceStatus.FINISHED_STOPPED and (
+        token in group.stop_token_ids or token in group.eos_token_ids)
 
 
 def _output_lengths(state: RequestState) -> list[int]:

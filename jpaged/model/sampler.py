@@ -111,8 +111,10 @@ class SamplingTensors:
     draft_probs:         f32 [B, V]  the distribution each proposal was drawn from (a
                                      draft model's); None: one-hot (an n-gram's)
     allowed_tokens:      int32 [B, ceil(V / 32)]  each row's packed token mask (the
-                                     module's convention; all bits set: every token);
-                                     None unless some row has one
+                                     module's convention; all bits set: every token).
+                                     A batch whose masks all allow every token skips
+                                     them (lax.cond), so one compiled sampler serves
+                                     batches with and without grammars
 
     draws (static): some row has temperature > 0. A batch of greedy rows compiles
     without the draw and its filters, a fraction of the sampler's compile time.
@@ -147,8 +149,9 @@ class SamplerOutput:
     ranks:        int32 [B]   1 + the number of tokens with a larger log-probability
     top_ids:      int32 [B, K] the K most likely tokens, descending
     top_logprobs: f32 [B, K]
-    finite:       bool [B]    every raw logit of the row is finite (else the row's
-                  token means nothing)
+    finite:       bool [B]    every raw logit of the row is finite and steps 1 and 2
+                  leave some token (a token mask and min_tokens' suppression can leave
+                  none); else the row's token means nothing
     accepted:     bool [B]    the row accepted its proposal (then its token is the
                   proposal); False for rows without one
     """
@@ -171,6 +174,12 @@ def token_mask(allowed_tokens: chex.Array, vocab_size: int) -> chex.Array:
     return bits.reshape(allowed_tokens.shape[0], -1)[:, :vocab_size].astype(bool)
 
 
+def apply_token_masks(logits: chex.Array, allowed_tokens: chex.Array) -> chex.Array:
+    """-inf where a row's mask does not allow the token. logits f32 [B, V], allowed_tokens
+    int32 [B, ceil(V / 32)] -> f32 [B, V]."""
+    return jnp.where(token_mask(allowed_tokens, logits.shape[-1]), logits, -jnp.inf)
+
+
 def process_logits(logits: chex.Array, tensors: SamplingTensors) -> chex.Array:
     """Steps 1 and 2: the token mask, logit bias and min_tokens suppression, then vLLM's
     penalties. f32 [B, V] -> [B, V].
@@ -180,8 +189,8 @@ def process_logits(logits: chex.Array, tensors: SamplingTensors) -> chex.Array:
     too (-inf stays -inf through the penalties).
     """
     if tensors.allowed_tokens is not None:
-        allowed = token_mask(tensors.allowed_tokens, logits.shape[-1])
-        logits = jnp.where(allowed, logits, -jnp.inf)
+        logits = jax.lax.cond((tensors.allowed_tokens != -1).any(), apply_token_masks,
+                              lambda logits, _: logits, logits, tensors.allowed_tokens)
     if tensors.penalties is None:
         return logits
     logits = logits + tensors.bias
@@ -437,12 +446,14 @@ def sample_tokens(logits: chex.Array, tensors: SamplingTensors, num_top: int
     tokens = first_argmax(processed)
     if tensors.draws:
         tokens = jnp.where(tensors.temperature > 0, _draw(processed, tensors), tokens)
-    return sampler_output(raw, tensors, tokens, jnp.zeros(tokens.shape, bool), num_top)
+    return sampler_output(raw, processed, tensors, tokens, jnp.zeros(tokens.shape, bool),
+                          num_top)
 
 
-def sampler_output(raw: chex.Array, tensors: SamplingTensors, tokens: chex.Array,
-                   accepted: chex.Array, num_top: int) -> SamplerOutput:
-    """The rows' tokens with the log-probabilities of the raw logits f32 [B, V]."""
+def sampler_output(raw: chex.Array, processed: chex.Array, tensors: SamplingTensors,
+                   tokens: chex.Array, accepted: chex.Array, num_top: int) -> SamplerOutput:
+    """The rows' tokens with the log-probabilities of the raw logits f32 [B, V];
+    processed: the logits after steps 1 and 2, [B, V]."""
     scaled = raw / tensors.logprob_temperature[:, None]
-    finite = jnp.isfinite(raw).all(axis=-1)
+    finite = jnp.isfinite(raw).all(axis=-1) & (processed.max(axis=-1) > -jnp.inf)
     return SamplerOutput(tokens, *logprob_outputs(scaled, tokens, num_top), finite, accepted)

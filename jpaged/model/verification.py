@@ -57,7 +57,7 @@ def verify_tokens(logits: chex.Array, tensors: SamplingTensors, num_top: int
         drawn, drawn_accepted = _verify_draws(processed, tensors)
         tokens = jnp.where(sampled, drawn, tokens)
         accepted = jnp.where(sampled, drawn_accepted, accepted)
-    return sampler_output(raw, tensors, tokens, accepted, num_top)
+    return sampler_output(raw, processed, tensors, tokens, accepted, num_top)
 
 
 def _verify_draws(processed: chex.Array, tensors: SamplingTensors

@@ -2,7 +2,8 @@
 (jpaged.worker.decode_loop); any other plan runs one step.
 
 A plan loops when every scheduled sequence decodes its next token alone: no prompt
-chunk, no fork into samples, no beam search (beams are chosen on the host each step).
+chunk, no fork into samples, no beam search (beams are chosen on the host each step),
+no grammar (its masks are filled on the host each step).
 The loop allocates from the KV manager's device pool and the manager adopts the blocks
 it took afterwards, so the runner is built only over a manager that declares it can
 (`adopts_device_blocks`: one group of paged blocks); with speculative
@@ -132,7 +133,8 @@ class DecodeLoopRunner:
 
 def single_step_features(plan: SchedulerOutput) -> set[Feature]:
     """What keeps `plan` from looping (none: every scheduled sequence decodes its next
-    token alone): prompt tokens, a fork into samples, a beam search."""
+    token alone): prompt tokens, a fork into samples, a beam search, a grammar (whose
+    masks the host fills after every token)."""
     features = set()
     if plan.num_draws != len(plan.scheduled):
         features.add(Feature.PREFILL)
@@ -143,4 +145,6 @@ def single_step_features(plan: SchedulerOutput) -> set[Feature]:
             features.add(Feature.BEAM_SEARCH)
         elif group.forks_at_next_draw:
             features.add(Feature.PARALLEL_SAMPLING)
+        if seq.grammar is not None:
+            features.add(Feature.STRUCTURED_OUTPUT)
     return features

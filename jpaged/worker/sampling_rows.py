@@ -12,9 +12,12 @@ verifying sequence's rows its own, the mask after the proposals before it.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence as Tokens
 from dataclasses import dataclass
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jpaged.core.scheduler_output import SchedulerOutput
@@ -97,9 +100,18 @@ def pack_token_mask(allowed: np.ndarray) -> np.ndarray:
     return np.packbits(bits, bitorder="little").view("<i4").astype(np.int32)
 
 
-def _token_masks(rows: Tokens[SamplingRow], num_rows: int, vocab_size: int) -> np.ndarray:
+@functools.cache
+def _every_token(num_rows: int, vocab_size: int) -> jax.Array:
+    """int32 [B, ceil(V / 32)], every bit set, kept on the device: the masks of a batch
+    without grammars cost no transfer."""
+    return jnp.full((num_rows, -(-vocab_size // 32)), -1, jnp.int32)
+
+
+def _token_masks(rows: Tokens[SamplingRow], num_rows: int, vocab_size: int):
     """allowed_tokens int32 [B, ceil(V / 32)]: each row's mask, all bits set (every token)
     for rows without one and padding rows."""
+    if all(row.allowed_tokens is None for row in rows):
+        return _every_token(num_rows, vocab_size)
     masks = np.full((num_rows, -(-vocab_size // 32)), -1, np.int32)
     for i, row in enumerate(rows):
         if row.allowed_tokens is not None:
@@ -133,8 +145,9 @@ def sampling_tensors(
     """Host numpy inputs of `sample`, padded to num_rows with greedy, neutral rows.
 
     The dense [B, V] arrays are built only when some row needs them (SamplingRow.dense)
-    or `dense` asks for them (the decode loop updates them on the device); the token
-    masks only when some row has one.
+    or `dense` asks for them (the decode loop updates them on the device). The token
+    masks always are: a batch where no row has one gets a device array that allows
+    every token.
     """
     pad = num_rows - len(rows)
     if pad < 0:
@@ -158,8 +171,7 @@ def sampling_tensors(
            else {}),
         proposals=(column("proposal", -1, np.int32) if any(r.proposal >= 0 for r in rows)
                    else None),
-        allowed_tokens=(_token_masks(rows, num_rows, vocab_size)
-                        if any(r.allowed_tokens is not None for r in rows) else None),
+        allowed_tokens=_token_masks(rows, num_rows, vocab_size),
         draws=any(r.temperature > 0 for r in rows),
     )
 

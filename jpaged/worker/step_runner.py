@@ -30,9 +30,15 @@ from jpaged.core.scheduler_output import SampledTokens, SchedulerOutput
 from jpaged.core.step_shapes import StepShapes
 from jpaged.model.sampler import SamplerOutput
 from jpaged.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceGroup
+from jpaged.structured_output.token_masks import TokenMasks
 from jpaged.worker import warmup
 from jpaged.worker.model_runner import ModelRunner
-from jpaged.worker.sampling_rows import sample_indices, sampling_row, sampling_tensors
+from jpaged.worker.sampling_rows import (
+    SamplingRow,
+    sample_indices,
+    sampling_row,
+    sampling_tensors,
+)
 from jpaged.worker.warmup import WarmupCalls
 
 if TYPE_CHECKING:
@@ -100,7 +106,9 @@ class SingleStepRunner:
 
     block_tables: the KV cache manager the plan's tables are read from; proposer: the
     engine's (jpaged.speculative.proposer; one that proposes nothing without speculative
-    decoding); max_logprobs: top tokens the sampler returns per row.
+    decoding); max_logprobs: top tokens the sampler returns per row. The token masks of
+    rows whose sequence has a grammar (structured outputs) are filled once the model's
+    step is dispatched, so the host fills them while the device runs it.
     """
 
     def __init__(self, model_runner: ModelRunner, block_tables: BlockTables,
@@ -113,6 +121,7 @@ class SingleStepRunner:
         self.vocab_size = vocab_size
         self.max_logprobs = max_logprobs
         self.model_runners = (model_runner, *proposer.runners)
+        self.token_masks = TokenMasks(vocab_size)
 
     def dispatch(self, plan: SchedulerOutput, previous: InFlight | None = None) -> InFlight:
         for runner in self.model_runners:
@@ -188,11 +197,14 @@ class SingleStepRunner:
         verifying sequence's draw has a row per proposal, the logits before it, and one
         after them); and the row of each sequence's token (keyed by id)."""
         logit_rows, rows_to_draw, draw_sizes, draft_steps = [], [], [], []
+        grammar_draws = []  # (its first row, grammar, proposals) of each draw with a grammar
         seq_rows: dict[int, int] = {}
         for group, rows in plan.draws:
             for index, row in sample_indices(group, plan, rows):
                 seq = plan.scheduled[row][0]
                 proposals = seq.spec_token_ids if proposal_rows[row] >= 0 else []
+                if seq.grammar is not None:
+                    grammar_draws.append((len(rows_to_draw), seq.grammar, proposals))
                 for j, proposal in enumerate(proposals):
                     logit_rows.append(proposal_rows[row] + j)
                     rows_to_draw.append(sampling_row(group, seq, index, proposals[:j], proposal))
@@ -202,6 +214,8 @@ class SingleStepRunner:
                 seq_rows[id(seq)] = len(rows_to_draw)
                 rows_to_draw.append(sampling_row(group, seq, index, proposals))
                 draw_sizes.append(len(proposals) + 1)
+        if grammar_draws:
+            self._allow_grammar_tokens(rows_to_draw, grammar_draws)
         num_rows = self.shapes.sampler_rows(len(rows_to_draw))
         row_array = np.zeros(num_rows, np.int32)
         row_array[: len(logit_rows)] = logit_rows
@@ -212,6 +226,16 @@ class SingleStepRunner:
         sampled = self.model_runner.sample_on_device(logits, row_array, tensors,
                                                      self.max_logprobs)
         return sampled, draw_sizes, seq_rows
+
+    def _allow_grammar_tokens(self, rows: list[SamplingRow], grammar_draws) -> None:
+        """Give each row of a draw with a grammar the mask of what its grammar allows
+        there (after the proposals before it)."""
+        masks = self.token_masks.fill([(grammar, proposals)
+                                       for _, grammar, proposals in grammar_draws])
+        mask_rows = iter(masks)
+        for first, _, proposals in grammar_draws:
+            for row in range(first, first + 1 + len(proposals)):
+                rows[row] = dataclasses.replace(rows[row], allowed_tokens=next(mask_rows))
 
     def _prompt_logprobs(self, plan: SchedulerOutput, query_start_loc: np.ndarray,
                          hidden) -> PromptLogprobs:

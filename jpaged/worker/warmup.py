@@ -20,7 +20,7 @@ import numpy as np
 
 from jpaged.core.step_shapes import StepShapes
 from jpaged.worker.model_runner import ModelRunner
-from jpaged.worker.sampling_rows import SamplingRow, pack_token_mask, sampling_tensors
+from jpaged.worker.sampling_rows import SamplingRow, sampling_tensors
 
 
 @dataclass
@@ -45,19 +45,18 @@ def run(calls: WarmupCalls) -> None:
         call()
 
 
-def step_calls(runner: ModelRunner, shapes: StepShapes, vocab_size: int, num_top: int,
-               token_masks: bool = False) -> WarmupCalls:
+def step_calls(runner: ModelRunner, shapes: StepShapes, vocab_size: int, num_top: int
+               ) -> WarmupCalls:
     """A model runner's every step shape the limits allow, then what follows a step:
     its logits, the sampler's four variants (greedy or drawing, with or without the
     dense inputs of penalties, logit bias and min_tokens) for every row count (with
-    speculative decoding, those that verify proposals too), and the prompt
-    log-probabilities. token_masks: each sampler variant with token masks too (rows
-    that carry SamplingRow.allowed_tokens)."""
+    speculative decoding, those that verify proposals too; each serves rows with and
+    without token masks), and the prompt log-probabilities."""
     step_shapes = shapes.warmup_shapes()
     row_counts = sorted({s for _, s, _, decode_only in step_shapes if decode_only})
     compiles = [partial(runner.compile_step, *shape) for shape in step_shapes]
     compiles += _sampling_jobs(runner, shapes, row_counts, vocab_size,
-                               runner.config.hidden_size, num_top, token_masks)
+                               runner.config.hidden_size, num_top)
     return WarmupCalls(compiles, [partial(runner.run_padding_step, *shape)
                                   for shape in step_shapes])
 
@@ -78,12 +77,12 @@ def _feed_jobs(runner: ModelRunner, shapes: StepShapes,
 
 
 def _sampling_jobs(runner: ModelRunner, shapes: StepShapes, row_counts: list[int],
-                    vocab_size: int, hidden_size: int, num_top: int, token_masks: bool
+                    vocab_size: int, hidden_size: int, num_top: int
                     ) -> list[Callable[[], Any]]:
     """Calls that compile what follows a step of each row count: its logits, the
     gathers of its rows for the sampler, the sampler's variants for each padded
-    row count (with speculative decoding, those that verify proposals too; with
-    token_masks, each masked too), and the prompt log-probabilities. Each runs on its
+    row count (with speculative decoding, those that verify proposals too), and the
+    prompt log-probabilities. Each runs on its
     own zeros."""
     dtype = runner.hidden_dtype
     mixed_rows = shapes.buckets.mixed_num_seqs
@@ -101,10 +100,6 @@ def _sampling_jobs(runner: ModelRunner, shapes: StepShapes, row_counts: list[int
     k = shapes.num_speculative_tokens
     if k:  # rows that verify a proposal
         variants += [dataclasses.replace(variant, proposal=0) for variant in variants]
-    if token_masks:
-        every_token = pack_token_mask(np.ones(vocab_size, bool))
-        variants += [dataclasses.replace(variant, allowed_tokens=every_token)
-                     for variant in variants]
     max_draws = row_counts[-1] * (1 + k)
     for padded in {shapes.sampler_rows(n) for n in range(1, max_draws + 1)}:
         logits = jnp.zeros((padded, vocab_size), jnp.float32)

@@ -524,16 +524,44 @@ def test_token_masks_pack_and_unpack_by_the_documented_convention(vocab):
         packed, vocab)), allowed)
 
 
-def test_sampling_tensors_carry_token_masks_only_when_a_row_has_one():
+def test_sampling_tensors_carry_every_rows_token_mask():
     allowed = random_masks(1, 40)[0]
     plain = sampling_tensors([row(), row()], 4, 40)
-    assert plain.allowed_tokens is None
+    np.testing.assert_array_equal(np.asarray(plain.allowed_tokens), np.full((4, 2), -1))
     tensors = sampling_tensors([row(), masked(row(), allowed)], 4, 40)
     chex.assert_shape(tensors.allowed_tokens, (4, 2))
     assert tensors.allowed_tokens.dtype == np.int32
     np.testing.assert_array_equal(tensors.allowed_tokens[1], np_pack(allowed))
     # Rows without a mask, padding included, allow every token: all bits set.
     np.testing.assert_array_equal(tensors.allowed_tokens[[0, 2, 3]], -1)
+
+
+def test_a_mask_allowing_every_token_leaves_the_sampler_bit_identical():
+    logits = normal_logits(ROWS, seed=25)
+    plain = [row(temperature=t, top_p=0.9, seed=i, position=i, **penalty)
+             for i, (t, penalty) in enumerate(
+                 [(0.0, {}), (0.8, {}), (1.0, {"presence_penalty": 0.5,
+                                              "output_token_ids": [3]})] * 3)][:ROWS]
+    every = np.ones(VOCAB, bool)
+    tensors = sampling_tensors([masked(r, every) for r in plain], ROWS, VOCAB)
+    assert isinstance(tensors.allowed_tokens, np.ndarray)  # the host's, not the default
+    np.testing.assert_array_equal(
+        np.asarray(process_logits(jnp.asarray(logits), tensors)),
+        np.asarray(process_logits(jnp.asarray(logits), sampling_tensors(plain, ROWS, VOCAB))))
+    out, unmasked = run(logits, [masked(r, every) for r in plain]), run(logits, plain)
+    for name in ("tokens", "logprobs", "ranks", "top_ids", "top_logprobs", "finite"):
+        np.testing.assert_array_equal(getattr(out, name), getattr(unmasked, name),
+                                      err_msg=name)
+
+
+def test_a_row_whose_mask_and_suppressed_tokens_leave_nothing_is_not_finite():
+    logits = normal_logits(2, seed=26)
+    only_eos = np.zeros(VOCAB, bool)
+    only_eos[3] = True
+    rows = [masked(row(temperature=t, suppressed_token_ids=(3,)), only_eos)
+            for t in (0.0, 1.0)] + [row(temperature=0.0)]
+    out = run(np.concatenate([logits, logits[:1]]), rows)
+    np.testing.assert_array_equal(out.finite[:3], [False, False, True])
 
 
 def test_greedy_rows_take_the_argmax_of_the_allowed_tokens():
