@@ -71,13 +71,14 @@ class RequestLimits:
 class InputProcessor:
     """Prompts to token ids, checked against the limits."""
 
-    def __init__(self, tokenizer, limits: RequestLimits, eos_token_ids: tuple[int, ...]):
-        """eos_token_ids: the model's, which decide beam search's candidates per beam and
-        end a structured output."""
+    def __init__(self, tokenizer, limits: RequestLimits, eos_token_ids: tuple[int, ...],
+                 grammars: GrammarCompiler):
+        """eos_token_ids: the model's, which decide beam search's candidates per beam;
+        grammars: what compiles structured outputs' grammars (over the same tokenizer)."""
         self.tokenizer = tokenizer
         self.limits = limits
         self.eos_token_ids = eos_token_ids
-        self.grammars = GrammarCompiler(tokenizer, limits.vocab_size, eos_token_ids)
+        self.grammars = grammars
 
     def process(self, request_id: str, prompt: PromptType,
                 params: SamplingParams | BeamSearchParams | None = None,

@@ -53,6 +53,9 @@ from jpaged.sequence import Sequence, SequenceGroup
 from jpaged.speculative.draft_model import DraftModelProposer, check_draft_model
 from jpaged.speculative.ngram import NgramProposer
 from jpaged.speculative.proposer import Proposer
+from jpaged.structured_output.compiler import GrammarCompiler
+from jpaged.structured_output.counts import StructuredOutputCounts
+from jpaged.structured_output.token_masks import TokenMasks
 from jpaged.worker import warmup
 from jpaged.worker.decode_loop_runner import DecodeLoopRunner
 from jpaged.worker.model_runner import ModelRunner
@@ -130,7 +133,9 @@ class LLMEngine:
         vocab_size = self.model_config.vocab_size
         proposer = _proposer(config, draft, runner, kv_manager, shapes, vocab_size,
                              self.mode_fallbacks)
+        structured_outputs = StructuredOutputCounts()
         step_runner = SingleStepRunner(runner, kv_manager, shapes, proposer,
+                                       TokenMasks(vocab_size, structured_outputs),
                                        vocab_size=vocab_size, max_logprobs=config.max_logprobs)
         if mode is StepMode.DECODE_LOOP:
             step_runner = DecodeLoopRunner(step_runner, kv_manager, config.num_decode_steps,
@@ -143,11 +148,15 @@ class LLMEngine:
         self.eos_token_ids = eos if tokenizer_eos in (None, *eos) else (*eos, tokenizer_eos)
         limits = RequestLimits(vocab_size, min(config.max_num_seqs, config.max_num_batched_tokens),
                                config.max_logprobs)
-        self.input_processor = InputProcessor(self.tokenizer, limits, self.eos_token_ids)
+        grammars = GrammarCompiler(self.tokenizer, vocab_size, self.eos_token_ids,
+                                   structured_outputs)
+        self.input_processor = InputProcessor(self.tokenizer, limits, self.eos_token_ids,
+                                              grammars)
         self.stats = EngineStats(kv_cache_dtype=self.kv_cache_info.dtype,
                                  kv_bytes_per_token=self.kv_cache_info.bytes_per_token,
                                  step_mode=mode,
-                                 mode_fallbacks=self.mode_fallbacks)
+                                 mode_fallbacks=self.mode_fallbacks,
+                                 structured_outputs=structured_outputs)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._seeds = np.random.default_rng(config.seed)
         self.last_step_error: BaseException | None = None
@@ -331,6 +340,7 @@ class LLMEngine:
             kv_cache_dtype=self.kv_cache_info.dtype,
             kv_bytes_per_token=self.kv_cache_info.bytes_per_token,
             spec_decode=SpecDecodeCounts().add(self.stats.spec_decode),
+            structured_outputs=StructuredOutputCounts().add(self.stats.structured_outputs),
             mode_fallbacks=dict(self.mode_fallbacks.counts))
 
 

@@ -15,6 +15,7 @@ from jpaged.engine.stats import SpecDecodeCounts
 from jpaged.inputs import PromptType
 from jpaged.outputs import RequestOutput
 from jpaged.sampling_params import BeamSearchParams, SamplingParams
+from jpaged.structured_output.counts import StructuredOutputCounts
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,8 @@ class EngineState:
     """Speculative decoding's proposals and acceptances so far."""
     mode_fallbacks: dict[str, int] = field(default_factory=dict)
     """How often each fallback of the step modes' table happened (ModeFallbacks.counts)."""
+    structured_outputs: StructuredOutputCounts = field(default_factory=StructuredOutputCounts)
+    """Requests with a grammar, grammar compiles and token-mask fills so far."""
 
     @property
     def kv_usage(self) -> float:
@@ -65,7 +68,10 @@ class EngineState:
             kv_bytes_per_token=states[0].kv_bytes_per_token if states else 0,
             spec_decode=functools.reduce(SpecDecodeCounts.add, (s.spec_decode for s in states),
                                          SpecDecodeCounts()),
-            mode_fallbacks=dict(sum((Counter(s.mode_fallbacks) for s in states), Counter())))
+            mode_fallbacks=dict(sum((Counter(s.mode_fallbacks) for s in states), Counter())),
+            structured_outputs=functools.reduce(
+                StructuredOutputCounts.add, (s.structured_outputs for s in states),
+                StructuredOutputCounts()))
 
 
 class Engine(Protocol):

@@ -26,6 +26,7 @@ from jax import monitoring
 from jpaged.core.step_modes import ModeFallbacks, StepMode
 from jpaged.outputs import RequestMetrics
 from jpaged.sequence import SequenceStatus
+from jpaged.structured_output.counts import StructuredOutputCounts
 
 if TYPE_CHECKING:
     from jpaged.core.scheduler_output import SchedulerOutput, SchedulerStats
@@ -135,6 +136,8 @@ class EngineStats:
     kv_bytes_per_token describe the pool (KVCacheInfo's dtype and bytes_per_token).
     step_mode: how the engine steps; mode_fallbacks: the defaults that gave way to
     another setting, and the steps that ran another way than step_mode's.
+    structured_outputs: grammars compiled and token masks filled (their compiler and
+    filler count into it).
     step_log: when a list, every step appends its StepRecord (a study's record of the
     steps' shapes); None, the default, keeps a server's memory constant.
     """
@@ -164,6 +167,7 @@ class EngineStats:
     step_mode: StepMode = StepMode.SINGLE_STEP
     mode_fallbacks: ModeFallbacks = field(default_factory=ModeFallbacks)
     step_log: list[StepRecord] | None = None
+    structured_outputs: StructuredOutputCounts = field(default_factory=StructuredOutputCounts)
 
     def record_blocks(self, blocks: KVBlockCounts) -> None:
         """The KV blocks a step runs with: counted after scheduling (appends and their
@@ -332,6 +336,9 @@ def summarize(replicas: Sequence[EngineStats]) -> dict:
                                         SpecDecodeCounts()).summary(),
         "step_mode": replicas[0].step_mode.value if replicas else StepMode.SINGLE_STEP.value,
         "mode_fallbacks": dict(sum((r.mode_fallbacks.counts for r in replicas), Counter())),
+        "structured_outputs": functools.reduce(
+            StructuredOutputCounts.add, (r.structured_outputs for r in replicas),
+            StructuredOutputCounts()).summary(),
     }
 
 

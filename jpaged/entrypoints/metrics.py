@@ -14,6 +14,7 @@ from jpaged.engine.async_engine import AsyncLLMEngine
 from jpaged.engine.stats import SpecDecodeCounts
 from jpaged.entrypoints.protocol import PromptRun
 from jpaged.outputs import RequestOutput
+from jpaged.structured_output.counts import StructuredOutputCounts
 
 
 class EngineCollector:
@@ -56,6 +57,7 @@ class EngineCollector:
         dtype.add_metric([state.kv_cache_dtype], 1)
         yield dtype
         yield from _spec_decode_metrics(state.spec_decode)
+        yield from _structured_output_metrics(state.structured_outputs)
         fallbacks = CounterMetricFamily(
             "jpaged:mode_fallbacks", "Defaults that gave way to another setting, and steps "
             "that ran another way than the engine's step mode (jpaged.core.step_modes).",
@@ -80,6 +82,23 @@ def _spec_decode_metrics(counts: SpecDecodeCounts):
     for position, value in enumerate(counts.num_accepted_tokens_per_pos):
         per_pos.add_metric([str(position)], value)
     yield per_pos
+
+
+def _structured_output_metrics(counts: StructuredOutputCounts):
+    """What structured outputs cost so far (all 0 without them)."""
+    for name, documentation, value in (
+            ("structured_output_requests", "Requests with a grammar.", counts.requests),
+            ("grammar_compile_seconds", "Time spent compiling grammars.",
+             counts.compile_seconds),
+            ("grammar_cache_hits", "Requests whose grammar was compiled already.",
+             counts.cache_hits),
+            ("grammar_cache_misses", "Requests whose grammar compiled.", counts.cache_misses),
+            ("token_mask_fill_steps", "Steps that filled grammars' token masks.",
+             counts.fill_steps),
+            ("token_mask_fill_rows", "Token masks filled.", counts.fill_rows),
+            ("token_mask_fill_seconds", "Time spent filling token masks.",
+             counts.fill_seconds)):
+        yield CounterMetricFamily(f"jpaged:{name}", documentation, value=value)
 
 
 class ServerMetrics:

@@ -14,27 +14,16 @@ import copy
 import json
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
 
 import llguidance
 
 from jpaged.errors import InvalidParameter
 from jpaged.sampling_params import StructuredOutputsParams
+from jpaged.structured_output.counts import StructuredOutputCounts
 from jpaged.structured_output.grammar import Grammar
 
 # Compiled grammars kept for requests to come (least recently used leave first).
 CACHE_SIZE = 256
-
-
-@dataclass
-class CompileStats:
-    """requests: requests with a grammar; seconds: time spent compiling them (cache
-    misses); cache_hits / cache_misses: of the compiled-grammar cache."""
-
-    requests: int = 0
-    seconds: float = 0.0
-    cache_hits: int = 0
-    cache_misses: int = 0
 
 
 def grammar_definition(params: StructuredOutputsParams) -> str:
@@ -51,7 +40,8 @@ def grammar_definition(params: StructuredOutputsParams) -> str:
     try:
         return llguidance.grammar_from("grammar", params.grammar)  # Lark, or GBNF converted
     except ValueError as error:
-        raise InvalidParameter("structured_outputs.grammar", str(error)) from None
+        raise InvalidParameter("structured_outputs.grammar",
+                               f"structured_outputs.grammar does not compile: {error}") from None
 
 
 def _schema(params: StructuredOutputsParams) -> dict:
@@ -61,10 +51,11 @@ def _schema(params: StructuredOutputsParams) -> dict:
             schema = json.loads(schema)
         except json.JSONDecodeError as error:
             raise InvalidParameter("structured_outputs.json",
-                                   f"json is not valid JSON: {error}") from None
+                                   f"structured_outputs.json is not valid JSON: {error}"
+                                   ) from None
     if not isinstance(schema, dict):
-        raise InvalidParameter("structured_outputs.json",
-                               f"json must be a JSON schema object, got {type(schema).__name__}")
+        raise InvalidParameter("structured_outputs.json", "structured_outputs.json must be "
+                               f"a JSON schema object, got {type(schema).__name__}")
     if params.disable_additional_properties:
         schema = _without_additional_properties(copy.deepcopy(schema))
     return schema
@@ -95,16 +86,17 @@ class GrammarCompiler:
     tokenizer: the engine's (jpaged.model.tokenizer.Tokenizer: its `backend` is the
     tokenizers library's, whose JSON llguidance reads); vocab_size: the model's (its
     logits' width, which the masks cover); stop_token_ids: the engine's EOS tokens, which
-    end a complete output.
+    end a complete output; counts: where requests, compiles and cache hits are counted.
     """
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...]):
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...],
+                 counts: StructuredOutputCounts):
         self._source = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._cache: OrderedDict[tuple, llguidance.LLMatcher] = OrderedDict()
-        self.stats = CompileStats()
+        self.counts = counts
 
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
@@ -122,15 +114,15 @@ class GrammarCompiler:
         if matcher is None:
             started = time.perf_counter()
             matcher = self._compile(params)
-            self.stats.seconds += time.perf_counter() - started
-            self.stats.cache_misses += 1
+            self.counts.compile_seconds += time.perf_counter() - started
+            self.counts.cache_misses += 1
             self._cache[key] = matcher
             if len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
         else:
-            self.stats.cache_hits += 1
+            self.counts.cache_hits += 1
             self._cache.move_to_end(key)
-        self.stats.requests += 1
+        self.counts.requests += 1
         return Grammar(matcher.deep_copy())
 
     def _compile(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:

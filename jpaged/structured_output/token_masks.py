@@ -11,31 +11,23 @@ Masks are packed as jpaged.model.sampler describes (int32 [ceil(V / 32)] per row
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import llguidance
 import llguidance.numpy
 import numpy as np
 
+from jpaged.structured_output.counts import StructuredOutputCounts
 from jpaged.structured_output.grammar import Grammar
 
 
-@dataclass
-class FillStats:
-    """steps: steps that filled masks; rows: masks filled; seconds: time spent filling."""
-
-    steps: int = 0
-    rows: int = 0
-    seconds: float = 0.0
-
-
 class TokenMasks:
-    """Fills masks of a batch's grammar rows, several rows at once (llguidance's threads)."""
+    """Fills masks of a batch's grammar rows, several rows at once (llguidance's threads);
+    counts: where the steps, rows and time of the fills are counted."""
 
-    def __init__(self, vocab_size: int):
+    def __init__(self, vocab_size: int, counts: StructuredOutputCounts):
         self.vocab_size = vocab_size
+        self.counts = counts
         self._executor = llguidance.LLExecutor()
-        self.stats = FillStats()
 
     def fill(self, requests: list[tuple[Grammar, list[int]]]) -> np.ndarray:
         """int32 [R, ceil(V / 32)]: for each (grammar, proposals) request, the masks of
@@ -65,7 +57,7 @@ class TokenMasks:
                 self._executor, drafted, masks)
         for source, row, span in copies:
             masks[row: row + span] = masks[source: source + span]
-        self.stats.steps += 1
-        self.stats.rows += num_rows
-        self.stats.seconds += time.perf_counter() - started
+        self.counts.fill_steps += 1
+        self.counts.fill_rows += num_rows
+        self.counts.fill_seconds += time.perf_counter() - started
         return masks

@@ -106,14 +106,14 @@ class SingleStepRunner:
 
     block_tables: the KV cache manager the plan's tables are read from; proposer: the
     engine's (jpaged.speculative.proposer; one that proposes nothing without speculative
-    decoding); max_logprobs: top tokens the sampler returns per row. The token masks of
-    rows whose sequence has a grammar (structured outputs) are filled once the model's
-    step is dispatched, so the host fills them while the device runs it.
+    decoding); token_masks: what fills the masks of rows whose sequence has a grammar
+    (structured outputs), once the model's step is dispatched, so the host fills them
+    while the device runs it; max_logprobs: top tokens the sampler returns per row.
     """
 
     def __init__(self, model_runner: ModelRunner, block_tables: BlockTables,
-                 shapes: StepShapes, proposer: Proposer, *, vocab_size: int,
-                 max_logprobs: int):
+                 shapes: StepShapes, proposer: Proposer, token_masks: TokenMasks, *,
+                 vocab_size: int, max_logprobs: int):
         self.model_runner = model_runner
         self.block_tables = block_tables
         self.shapes = shapes
@@ -121,7 +121,7 @@ class SingleStepRunner:
         self.vocab_size = vocab_size
         self.max_logprobs = max_logprobs
         self.model_runners = (model_runner, *proposer.runners)
-        self.token_masks = TokenMasks(vocab_size)
+        self.token_masks = token_masks
 
     def dispatch(self, plan: SchedulerOutput, previous: InFlight | None = None) -> InFlight:
         for runner in self.model_runners:
