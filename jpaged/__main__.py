@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import signal
@@ -11,7 +12,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from jpaged.memory.reservation import ALLOCATIONS
-from jpaged.sampling_params import SamplingParams
+from jpaged.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from jpaged.entrypoints.llm import LLM
@@ -57,6 +58,14 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("--seed", type=int, default=None)
         sub.add_argument("--ignore-eos", action="store_true",
                          help="generate max-tokens tokens whatever the model says")
+        sub.add_argument("--structured-outputs", type=_json_object, default=None,
+                         metavar="JSON",
+                         help="a grammar every answer keeps to, as vLLM's "
+                         "StructuredOutputsParams in JSON: '{\"json\": {schema}}', "
+                         "'{\"regex\": \"...\"}', '{\"choice\": [...]}', "
+                         "'{\"grammar\": \"lark\"}' or '{\"json_object\": true}', with "
+                         "disable_any_whitespace, disable_additional_properties and "
+                         "whitespace_pattern")
     for sub in (generate, serve):
         sub.add_argument("--distributed", action="store_true",
                          help="join a job of several processes (python -m jpaged.launch, "
@@ -165,7 +174,21 @@ def _batch_limit(args: argparse.Namespace) -> dict[str, int]:
 
 def _sampling_params(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                          seed=args.seed, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
+                          seed=args.seed, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
+                          structured_outputs=_structured_outputs(args.structured_outputs))
+
+
+def _structured_outputs(fields: dict | None) -> StructuredOutputsParams | None:
+    """--structured-outputs' JSON as StructuredOutputsParams (ValueError naming a key it
+    does not have)."""
+    if fields is None:
+        return None
+    known = {f.name for f in dataclasses.fields(StructuredOutputsParams)}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise ValueError(f"--structured-outputs has no field {unknown[0]!r}; its fields are "
+                         f"{', '.join(sorted(known))}")
+    return StructuredOutputsParams(**fields)
 
 
 def _generate(llm: LLM, args: argparse.Namespace) -> None:

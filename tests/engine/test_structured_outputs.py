@@ -18,6 +18,7 @@ import jsonschema
 import lark
 import pytest
 
+from jpaged import __main__ as cli
 from jpaged.core.step_shapes import BucketSizes
 from jpaged.engine.stats import num_compilations
 from jpaged.entrypoints.llm import LLM
@@ -247,3 +248,23 @@ def test_no_recompilation_after_warmup_with_grammars(loaded, no_compilation_cach
     before = num_compilations()
     llm.generate([PROMPTS[i % 4] for i in range(len(requests))], requests)
     assert num_compilations() == before
+
+
+# ---- the command line -------------------------------------------------------------------
+
+
+def test_the_command_line_takes_structured_outputs_as_json(tiny_llama_dir, capsys,
+                                                           jpaged_logger_restored):
+    prompts = ["the theme", "in the air"]
+    choices = json.dumps({"choice": CHOICES})
+    status = cli.main(["generate", "--model", str(tiny_llama_dir), "--raw", "--max-tokens", "8",
+                       "--structured-outputs", choices, *prompts])
+    out, err = capsys.readouterr()
+    assert status == 0, err
+    answers = out.splitlines()[1::2]  # "### prompt" lines, then each answer
+    assert len(answers) == 2 and set(answers) <= set(CHOICES)
+
+    status = cli.main(["generate", "--model", str(tiny_llama_dir), "--raw",
+                       "--structured-outputs", '{"choices": ["a"]}', "x"])
+    assert status != 0
+    assert "--structured-outputs has no field 'choices'" in capsys.readouterr().err
