@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import types
 
 import jsonschema
 import lark
@@ -20,8 +21,10 @@ import pytest
 
 from jpaged import __main__ as cli
 from jpaged.core.step_shapes import BucketSizes
+from jpaged.engine.protocol import EngineState
 from jpaged.engine.stats import num_compilations
 from jpaged.entrypoints.llm import LLM
+from jpaged.entrypoints.metrics import EngineCollector
 from jpaged.errors import InvalidParameter, InvalidParameterType
 from jpaged.model.loader import load_model
 from jpaged.sampling_params import SamplingParams, StructuredOutputsParams
@@ -235,6 +238,24 @@ def test_statistics_count_grammars_compiles_and_fills(loaded):
     assert stats["grammar_compile_s"] > 0
     assert stats["mask_fill_steps"] > 0 and stats["mask_fill_s"] > 0
     assert stats["mask_fill_rows"] >= stats["mask_fill_steps"]
+
+
+def test_metrics_export_the_counters_of_every_replica(loaded):
+    llm = _llm(loaded)
+    llm.generate(PROMPTS[:2], _params(choice=CHOICES))
+    state = EngineState.total([llm.engine.state(), llm.engine.state()])
+    families = {f.name: f for f in EngineCollector(
+        types.SimpleNamespace(state=state)).collect()}
+    one = llm.engine.stats.structured_outputs
+
+    def total(name):
+        return next(s.value for s in families[f"jpaged:{name}"].samples
+                    if s.name.endswith("_total"))
+
+    assert total("structured_output_requests") == 2 * one.requests == 4
+    assert total("grammar_cache_misses") == 2 * one.cache_misses == 2
+    assert total("token_mask_fill_rows") == 2 * one.fill_rows > 0
+    assert total("token_mask_fill_seconds") == pytest.approx(2 * one.fill_seconds)
 
 
 @pytest.mark.full
