@@ -22,7 +22,6 @@ import pytest
 from jpaged import __main__ as cli
 from jpaged.core.step_shapes import BucketSizes
 from jpaged.engine.protocol import EngineState
-from jpaged.engine.stats import num_compilations
 from jpaged.entrypoints.llm import LLM
 from jpaged.entrypoints.metrics import EngineCollector
 from jpaged.errors import InvalidParameter, InvalidParameterType
@@ -256,19 +255,6 @@ def test_metrics_export_the_counters_of_every_replica(loaded):
     assert total("grammar_cache_misses") == 2 * one.cache_misses == 2
     assert total("token_mask_fill_rows") == 2 * one.fill_rows > 0
     assert total("token_mask_fill_seconds") == pytest.approx(2 * one.fill_seconds)
-
-
-@pytest.mark.full
-def test_no_recompilation_after_warmup_with_grammars(loaded, no_compilation_cache):
-    llm = _llm(loaded)
-    llm.engine.warmup()
-    requests = [_params(json=SCHEMAS[0], disable_any_whitespace=True),
-                _params(regex=REGEX, temperature=0.8, seed=1, n=2),
-                _params(choice=CHOICES, temperature=1.0, presence_penalty=0.5, seed=3),
-                SamplingParams(temperature=0.0, max_tokens=6)] * 3
-    before = num_compilations()
-    llm.generate([PROMPTS[i % 4] for i in range(len(requests))], requests)
-    assert num_compilations() == before
 
 
 # ---- the command line -------------------------------------------------------------------
