@@ -108,8 +108,8 @@ class StructuredOutputsParams:
 
     disable_any_whitespace: JSON without whitespace between its tokens (", " and ": "
         become "," and ":"); otherwise JSON may hold any whitespace there.
-    disable_additional_properties: objects of the schema that do not say whether they
-        allow properties beyond theirs do not.
+    disable_additional_properties: object schemas that list properties and do not say
+        whether they allow others allow none.
     whitespace_pattern: a regular expression for JSON's whitespace (instead of both
         defaults above).
 

@@ -62,14 +62,15 @@ def _schema(params: StructuredOutputsParams) -> dict:
 
 
 def _without_additional_properties(schema):
-    """Every object schema that does not say otherwise allows no properties beyond its own."""
+    """Every object schema that lists properties and does not say otherwise allows no
+    properties beyond them. One that lists none stays open: closed, it would allow only
+    the empty object (and a wrapper of an anyOf of objects, none of theirs)."""
     if isinstance(schema, list):
         return [_without_additional_properties(item) for item in schema]
     if not isinstance(schema, dict):
         return schema
     schema = {key: _without_additional_properties(value) for key, value in schema.items()}
-    if (schema.get("type") == "object" or "properties" in schema) and \
-            "additionalProperties" not in schema:
+    if "properties" in schema and "additionalProperties" not in schema:
         schema["additionalProperties"] = False
     return schema
 

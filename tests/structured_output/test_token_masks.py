@@ -106,3 +106,21 @@ def test_compiled_grammars_are_cached_by_constraint(tokenizer):
     # Each request gets its own state.
     assert first.accept(token(tokenizer, "t"))
     assert second.accept(token(tokenizer, "f"))
+
+
+def test_disable_additional_properties_closes_objects_that_list_properties(tokenizer,
+                                                                           compiler):
+    closed = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+    def accepts(schema: dict, text: str, **options) -> bool:
+        grammar = compiler.compile(StructuredOutputsParams(
+            json=schema, disable_any_whitespace=True, **options))
+        return all(grammar.accept(t) for t in tokenizer.encode(text, add_special_tokens=False))
+
+    assert accepts(closed, '{"a":1,"b":2}')  # JSON schema's default: open
+    assert accepts(closed, '{"a":1}', disable_additional_properties=True)
+    assert not accepts(closed, '{"a":1,"b":2}', disable_additional_properties=True)
+    # An object schema listing no properties of its own stays open: a wrapper of objects.
+    wrapper = {"type": "object", "anyOf": [closed]}
+    assert accepts(wrapper, '{"a":1}', disable_additional_properties=True)
+    assert not accepts(wrapper, '{"a":1,"b":2}', disable_additional_properties=True)
