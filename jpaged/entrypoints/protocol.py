@@ -218,7 +218,7 @@ class ChatTemplateFields(OpenAIBaseModel):
 
 
 class FunctionDefinition(OpenAIBaseModel):
-    """A tool's function: parameters is its arguments' JSON schema (none: no arguments);
+    """A tool's function: parameters is its arguments' JSON schema (none: an object);
     strict is accepted (a forced call's arguments always keep to the schema)."""
 
     name: str

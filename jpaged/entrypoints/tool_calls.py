@@ -22,7 +22,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-# A tool without a parameters schema takes no arguments (OpenAI's rule).
+# A tool without a parameters schema takes an object (vLLM's stand-in; closed, so empty,
+# under disable_additional_properties).
 NO_PARAMETERS = {"type": "object", "properties": {}}
 # The key of a call's arguments in "required"'s array (vLLM's name).
 ARGUMENTS_KEY = "parameters"

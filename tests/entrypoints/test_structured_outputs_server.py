@@ -53,7 +53,7 @@ TOOLS = [
         "parameters": {"type": "object", "properties": {
             "hour": {"type": "integer", "minimum": 0, "maximum": 23},
             "on": {"type": "boolean"}}, "required": ["hour", "on"]}}},
-    {"type": "function", "function": {"name": "ping"}},  # no parameters: no arguments
+    {"type": "function", "function": {"name": "ping"}},  # no parameters: an object
 ]
 SCHEMAS = {tool["function"]["name"]: tool["function"].get("parameters", {"type": "object"})
            for tool in TOOLS}
