@@ -8,6 +8,15 @@ from fastapi.responses import JSONResponse
 
 from jpaged.engine.async_engine import EngineStoppedError
 
+# vLLM's request fields that its 0.12 removed, and what replaced them.
+REMOVED_FIELDS = {
+    "guided_json": "structured_outputs.json (or response_format)",
+    "guided_regex": "structured_outputs.regex",
+    "guided_choice": "structured_outputs.choice",
+    "guided_grammar": "structured_outputs.grammar",
+    "guided_whitespace_pattern": "structured_outputs.whitespace_pattern",
+    "guided_decoding_backend": "nothing: jpaged has one backend, llguidance",
+}
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                405: "MethodNotAllowedError", 413: "RequestTooLargeError",
                500: "InternalServerError", 503: "ServiceUnavailableError"}
@@ -43,6 +52,12 @@ def bad_request(error: Exception, renamed: dict[str, str]) -> ApiError:
 def validation_error(error: RequestValidationError) -> ApiError:
     """400 naming the first bad top-level field (its union alternatives' messages joined)."""
     errors = error.errors()
+    removed = [e for e in errors if e["type"] == "extra_forbidden" and len(e["loc"]) == 2
+               and e["loc"][1] in REMOVED_FIELDS]
+    if removed:
+        name = removed[0]["loc"][1]
+        return ApiError(400, f"'{name}' was removed in vLLM 0.12; use {REMOVED_FIELDS[name]}",
+                        name)
     first = errors[0]
     location = [str(part) for part in first["loc"] if part != "body"]
     if first["type"] == "json_invalid":

@@ -2,14 +2,15 @@
 response bodies and stream chunks out.
 
 Request bodies are pydantic models that refuse what jpaged does not implement:
-an unknown field (`tools`, `response_format`, ...) is a 400 that names it, never
-silently ignored (vLLM ignores unknown fields with a log line). Types are strict
-(no "5" for 5, no true for 1) but for integral floats (5.0 is 5); an explicit JSON
-null means the field's default. Fields that change nothing for a model without
-tools or storage (`user`, `store`, `metadata`, `service_tier`,
-`parallel_tool_calls`) are accepted and not used. Responses are plain dicts built
-from the engine's outputs: a `Job` (one HTTP request's engine requests) renders its
-choices, usage and envelope.
+an unknown field (`functions`, `audio`, ...) is a 400 that names it, never silently
+ignored (vLLM ignores unknown fields with a log line). Types are strict (no "5" for 5,
+no true for 1) but for integral floats (5.0 is 5); an explicit JSON null means the
+field's default. Fields that change nothing without storage (`user`, `store`,
+`metadata`, `service_tier`) are accepted and not used. The fields that constrain the
+output (`response_format`, `structured_outputs`, `tools` with `tool_choice`) become the
+engine's StructuredOutputsParams in jpaged.entrypoints.structured_outputs. Responses
+are plain dicts built from the engine's outputs: a `Job` (one HTTP request's engine
+requests) renders its choices, usage and envelope.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
+from jpaged.entrypoints.tool_calls import ForcedCalls, ToolCallStream, response_tool_calls
 from jpaged.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 
 if TYPE_CHECKING:
@@ -61,6 +63,56 @@ class StreamOptions(OpenAIBaseModel):
     continuous_usage_stats: bool = False
 
 
+class JsonSchemaFormat(OpenAIBaseModel):
+    """response_format's json_schema: the schema the output validates under. name,
+    description and strict are accepted (the schema is always enforced)."""
+
+    name: str
+    schema_: dict[str, Any] = Field(alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    """OpenAI's response_format: plain text, any JSON object, or JSON under a schema.
+    "structural_tag" (vLLM's) is parsed to be refused with a message saying so."""
+
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsFields(OpenAIBaseModel):
+    """vLLM's structured_outputs request field: StructuredOutputsParams' fields
+    (jpaged.sampling_params). Alone it gives the constraint (one of json, regex, choice,
+    grammar, json_object); beside response_format or a forced tool call, only its JSON
+    options, as in vLLM."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | dict[str, Any] | None = None
+
+    def constraints(self) -> dict[str, Any]:
+        """The constraints given, by StructuredOutputsParams' names."""
+        given = {"json": self.json_, "regex": self.regex, "choice": self.choice,
+                 "grammar": self.grammar, "json_object": self.json_object}
+        return {kind: value for kind, value in given.items() if value not in (None, False)}
+
+    def options(self) -> dict[str, Any]:
+        """What else it sets: the JSON options (and structural_tag, to be refused)."""
+        options = {"disable_any_whitespace": self.disable_any_whitespace,
+                   "disable_additional_properties": self.disable_additional_properties,
+                   "whitespace_pattern": self.whitespace_pattern}
+        if self.structural_tag is not None:
+            options["structural_tag"] = str(self.structural_tag)  # only to be refused
+        return options
+
+
 class SamplingFields(OpenAIBaseModel):
     """The fields both endpoints map onto SamplingParams; vLLM's extras included."""
 
@@ -86,6 +138,9 @@ class SamplingFields(OpenAIBaseModel):
     include_stop_str_in_output: bool = False
     prompt_logprobs: Integer | None = None
     cache_salt: str | None = None
+    # Constraints on the output (jpaged.entrypoints.structured_outputs).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsFields | None = None
     # Accepted and not used: nothing here stores requests or sells service tiers.
     user: str | None = None
     store: bool | None = None
@@ -162,6 +217,32 @@ class ChatTemplateFields(OpenAIBaseModel):
                     chat_template_kwargs=self.chat_template_kwargs)
 
 
+class FunctionDefinition(OpenAIBaseModel):
+    """A tool's function: parameters is its arguments' JSON schema (none: an object);
+    strict is accepted (a forced call's arguments always keep to the schema)."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIBaseModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIBaseModel):
+    """tool_choice naming the function the model must call."""
+
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     """POST /v1/chat/completions. max_completion_tokens wins over max_tokens; neither
     means up to max_model_len. logprobs=True reports each output token's
@@ -172,6 +253,9 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     without closing its turn; chat_template_kwargs are more variables for the template
     (the two fields above win over the same names in it). echo prepends the last
     message's content to each choice when the response continues that message's role.
+
+    tools are given to the chat template (as `tools`, as vLLM does); tool_choice
+    "required" or a named function forces calls (jpaged.entrypoints.tool_calls).
     """
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
@@ -180,7 +264,18 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     logprobs: bool = False
     top_logprobs: Annotated[Integer, Field(ge=0, le=20)] | None = None
     echo: bool = False
-    parallel_tool_calls: bool | None = None  # accepted and not used: tools are refused
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    # False: tool_choice "required" makes exactly one call.
+    parallel_tool_calls: bool | None = None
+
+    def template_options(self) -> dict[str, Any]:
+        """ChatTemplateFields' options, the tools among the template's variables."""
+        options = super().template_options()
+        if self.tools:
+            tools = [tool.model_dump(exclude_none=True) for tool in self.tools]
+            options["chat_template_kwargs"] = (self.chat_template_kwargs or {}) | {"tools": tools}
+        return options
 
     @property
     def response_role(self) -> str:
@@ -418,21 +513,45 @@ def next_text_offset(choice: dict, text_offset: int) -> int:
     return logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
 
 
+@dataclass
 class ChatJob(Job):
-    """A chat request: one prompt, n choices."""
+    """A chat request: one prompt, n choices. forced_calls: the tool calls its tool_choice
+    forces, which its choices report instead of their text (None: the text)."""
 
     body: ChatCompletionRequest
+    forced_calls: ForcedCalls | None = None
+    tool_streams: dict[int, ToolCallStream] = field(default_factory=dict)
 
     def choice(self, output: CompletionOutput, key: str, message: dict) -> dict:
         """key: "message" in a response, "delta" in a stream's chunk."""
         logprobs = chat_logprobs(output, self.body.top_logprobs or 0) if self.body.logprobs \
             else None
+        finish_reason = output.finish_reason
+        if self.forced_calls is not None:
+            finish_reason = self.forced_calls.finish_reason(finish_reason)
         return {"index": output.index, key: message, "logprobs": logprobs,
-                "finish_reason": output.finish_reason, "stop_reason": output.stop_reason}
+                "finish_reason": finish_reason, "stop_reason": output.stop_reason}
 
     def message(self, output: CompletionOutput) -> dict:
-        """A response's message: the echoed text, then the output's."""
-        return {"role": self.body.response_role, "content": self.body.echoed_text + output.text}
+        """A response's message: the echoed text, then the output's (or its tool calls)."""
+        role, echoed = self.body.response_role, self.body.echoed_text
+        if self.forced_calls is None:
+            return {"role": role, "content": echoed + output.text}
+        return {"role": role, "content": echoed or None,
+                "tool_calls": response_tool_calls(self.forced_calls.reader(), output.text)}
+
+    def delta(self, piece: CompletionOutput) -> dict | None:
+        """A stream's delta for a choice's new piece: its text, or the tool calls it
+        advanced; None when a piece of a tool call says nothing yet (no chunk is sent
+        unless it ends the choice or carries log-probabilities)."""
+        if self.forced_calls is None:
+            return {"content": piece.text}
+        stream = self.tool_streams.setdefault(
+            piece.index, ToolCallStream(self.forced_calls.reader()))
+        tool_calls = stream.deltas(piece.text)
+        if tool_calls:
+            return {"tool_calls": tool_calls}
+        return {} if piece.finish_reason is not None or self.body.logprobs else None
 
     def opening(self, index: int) -> dict:
         """A stream's first choice of sample `index`: its role."""

@@ -1,5 +1,6 @@
 """The OpenAI-compatible endpoints' logic over one AsyncLLMEngine: request bodies to
-SamplingParams, engine requests and their streams, responses and server-sent events."""
+SamplingParams (their constraints through jpaged.entrypoints.structured_outputs), engine
+requests and their streams, responses and server-sent events."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ from jpaged.entrypoints.protocol import (
     SamplingFields,
     next_text_offset,
 )
+from jpaged.entrypoints.structured_outputs import Constraint, request_constraint
 from jpaged.outputs import RequestOutput
 from jpaged.sampling_params import SamplingParams
 
@@ -47,11 +49,13 @@ SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "presence_pena
 # Requests to SamplingParams.
 
 
-def completion_sampling_params(body: CompletionRequest, max_logprobs: int) -> SamplingParams:
-    """The engine's parameters for a completions request. max_tokens=0 (allowed with
-    echo) generates one token, which the response leaves out: the engine always
-    samples at least one token. echo with logprobs asks for the prompt's
-    log-probabilities unless prompt_logprobs says otherwise; best_of samples best_of."""
+def completion_sampling_params(body: CompletionRequest, max_logprobs: int,
+                               constraint: Constraint | None = None) -> SamplingParams:
+    """The engine's parameters for a completions request (constraint: its output's, from
+    request_constraint). max_tokens=0 (allowed with echo) generates one token, which the
+    response leaves out: the engine always samples at least one token. echo with logprobs
+    asks for the prompt's log-probabilities unless prompt_logprobs says otherwise; best_of
+    samples best_of."""
     if body.suffix is not None:
         raise ApiError(400, "suffix is not supported: jpaged completes a prompt's end only",
                        "suffix")
@@ -62,8 +66,9 @@ def completion_sampling_params(body: CompletionRequest, max_logprobs: int) -> Sa
     prompt_logprobs = body.prompt_logprobs
     if prompt_logprobs is None and body.echo:
         prompt_logprobs = body.logprobs
-    return _sampling_params(body, {}, max_logprobs, n=n, max_tokens=max(body.max_tokens, 1),
-                            logprobs=body.logprobs, prompt_logprobs=prompt_logprobs)
+    return _sampling_params(body, {}, max_logprobs, constraint, n=n,
+                            max_tokens=max(body.max_tokens, 1), logprobs=body.logprobs,
+                            prompt_logprobs=prompt_logprobs)
 
 
 def _best_of(body: CompletionRequest) -> int:
@@ -86,9 +91,11 @@ def chat_max_tokens(body: ChatCompletionRequest) -> tuple[int | None, str]:
     return body.max_tokens, "max_tokens"
 
 
-def chat_sampling_params(body: ChatCompletionRequest, max_logprobs: int) -> SamplingParams:
-    """The engine's parameters for a chat request: logprobs=True asks for the sampled
-    tokens' log-probabilities with top_logprobs alternatives each."""
+def chat_sampling_params(body: ChatCompletionRequest, max_logprobs: int,
+                         constraint: Constraint | None = None) -> SamplingParams:
+    """The engine's parameters for a chat request (constraint: its output's, from
+    request_constraint): logprobs=True asks for the sampled tokens' log-probabilities with
+    top_logprobs alternatives each."""
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs=true", "top_logprobs")
     max_tokens, param = chat_max_tokens(body)
@@ -96,12 +103,12 @@ def chat_sampling_params(body: ChatCompletionRequest, max_logprobs: int) -> Samp
         raise ApiError(400, f"{param} must be >= 1, got {max_tokens}", param)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     return _sampling_params(body, {"max_tokens": param, "logprobs": "top_logprobs"},
-                            max_logprobs, max_tokens=max_tokens, logprobs=logprobs,
+                            max_logprobs, constraint, max_tokens=max_tokens, logprobs=logprobs,
                             prompt_logprobs=body.prompt_logprobs)
 
 
 def _sampling_params(body: SamplingFields, renamed: dict[str, str], max_logprobs: int,
-                     **specific) -> SamplingParams:
+                     constraint: Constraint | None, **specific) -> SamplingParams:
     if body.stream_options is not None and not body.stream:
         raise ApiError(400, "stream_options needs stream=true", "stream_options")
     if specific.get("prompt_logprobs") == -1:  # vLLM's "the whole vocabulary"
@@ -109,8 +116,10 @@ def _sampling_params(body: SamplingFields, renamed: dict[str, str], max_logprobs
                             f"this server gives at most max_logprobs={max_logprobs}",
                        "prompt_logprobs")
     common = {name: getattr(body, name) for name in SAMPLING_FIELDS if hasattr(body, name)}
+    common |= {"logit_bias": _logit_bias(body),
+               "structured_outputs": None if constraint is None else constraint.params}
     try:
-        return SamplingParams(**(common | {"logit_bias": _logit_bias(body)} | specific))
+        return SamplingParams(**(common | specific))
     except (ValueError, TypeError) as error:
         raise bad_request(error, renamed) from error
 
@@ -221,8 +230,11 @@ class OpenAIServing:
             raise ApiError(400, str(error), getattr(error, "param", None) or param) from error
 
     async def start(self, request_id: str, prompts: list[EncodedPrompt], params: SamplingParams,
-                    cache_salt: str | None, renamed: dict[str, str]) -> list[PromptRun]:
-        """One engine request per prompt; all or none of them."""
+                    cache_salt: str | None, renamed: dict[str, str],
+                    constraint: Constraint | None = None) -> list[PromptRun]:
+        """One engine request per prompt; all or none of them. A ValueError/TypeError is a
+        400 naming the request's field: `renamed` maps the engine's names to the request's,
+        and the constraint names what of it does not compile."""
         runs: list[PromptRun] = []
         try:
             for index, prompt in enumerate(prompts):
@@ -234,7 +246,8 @@ class OpenAIServing:
             for run in runs:
                 run.stream.close()
             if isinstance(error, ValueError | TypeError):
-                raise bad_request(error, renamed) from error
+                api_error = None if constraint is None else constraint.api_error(error)
+                raise (api_error or bad_request(error, renamed)) from error
             raise
         return runs
 
@@ -279,7 +292,8 @@ class OpenAIServing:
 
     async def create_completion(self, body: CompletionRequest, raw_request: Request) -> Any:
         self.check_model(body.model)
-        params = completion_sampling_params(body, self.max_logprobs)
+        constraint = request_constraint(body)
+        params = completion_sampling_params(body, self.max_logprobs, constraint)
         prompt_list = body.prompts()
         if not prompt_list:
             raise ApiError(400, "prompt must not be an empty list", "prompt")
@@ -290,7 +304,7 @@ class OpenAIServing:
                           "max_tokens", "prompt")
         request_id = f"cmpl-{uuid.uuid4().hex}"
         runs = await self.start(request_id, prompts, params, body.cache_salt,
-                                {"n": "best_of"} if body.best_of is not None else {})
+                                {"n": "best_of"} if body.best_of is not None else {}, constraint)
         job = CompletionJob(request_id, body, runs, self.served_model_name)
         if body.stream:
             return StreamingResponse(
@@ -321,7 +335,8 @@ class OpenAIServing:
     async def create_chat_completion(self, body: ChatCompletionRequest,
                                      raw_request: Request) -> Any:
         self.check_model(body.model)
-        params = chat_sampling_params(body, self.max_logprobs)
+        constraint = request_constraint(body)
+        params = chat_sampling_params(body, self.max_logprobs, constraint)
         messages = [message.as_template_message() for message in body.messages]
         options = body.template_options()
         token_ids = await self.on_engine(
@@ -332,8 +347,9 @@ class OpenAIServing:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         runs = await self.start(request_id, [EncodedPrompt(token_ids)], params, body.cache_salt,
                                 {"max_tokens": param, "logprobs": "top_logprobs",
-                                 "prompt": "messages"})
-        job = ChatJob(request_id, body, runs, self.served_model_name)
+                                 "prompt": "messages"}, constraint)
+        job = ChatJob(request_id, body, runs, self.served_model_name,
+                      forced_calls=None if constraint is None else constraint.forced_calls)
         if body.stream:
             return StreamingResponse(
                 self._events(job, self._chat_chunks(job), "chat.completion.chunk"),
@@ -347,8 +363,9 @@ class OpenAIServing:
         return job.envelope(choices, "chat.completion") | job.extras() | {"usage": job.usage()}
 
     async def _chat_chunks(self, job: ChatJob) -> AsyncIterator[dict]:
-        """Each choice's role, its echoed text if any, then one chunk per new piece; the
-        first piece's chunk carries prompt_logprobs when asked for."""
+        """Each choice's role, its echoed text if any, then one chunk per new piece (for
+        forced tool calls, per piece that advances them or ends the choice); the first
+        piece's chunk carries prompt_logprobs when asked for."""
         kind, run = "chat.completion.chunk", job.runs[0]
         for index in range(job.body.n):
             yield job.chunk([job.opening(index)], kind, run, index)
@@ -361,7 +378,10 @@ class OpenAIServing:
         async with contextlib.aclosing(self.deltas(job.runs)) as deltas:
             async for _, delta in deltas:
                 for piece in delta.outputs:
-                    choice = job.choice(piece, "delta", {"content": piece.text})
+                    message = job.delta(piece)
+                    if message is None:
+                        continue
+                    choice = job.choice(piece, "delta", message)
                     chunk = job.chunk([choice], kind, run, piece.index)
                     if extras is None:
                         extras = job.extras()

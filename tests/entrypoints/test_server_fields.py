@@ -285,9 +285,9 @@ REFUSED = {
                            "max_logprobs=20"),
     "prompt_logprobs over 20": (CH, CHAT | {"prompt_logprobs": 21}, {}, 400, "prompt_logprobs",
                                 "max_logprobs=20"),
-    "tools": (CH, CHAT | {"tools": []}, {}, 400, "tools", "'tools'"),
-    "response_format": (CH, CHAT | {"response_format": {"type": "json_schema"}}, {}, 400,
-                        "response_format", "'response_format'"),
+    "no tools": (CH, CHAT | {"tools": []}, {}, 400, "tools", "must not be empty"),
+    "response_format without its schema": (CH, CHAT | {"response_format": {
+        "type": "json_schema"}}, {}, 400, "response_format", "'json_schema' field"),
     "an image part": (CH, CHAT | {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:,"}}]}]}, {}, 400, "messages", "text"),
     "seed over int64": (C, COMPLETION | {"seed": 2**63}, {}, 400, "seed", "seed must be <="),
