@@ -46,9 +46,25 @@ import statistics
 import time
 from typing import Any, NamedTuple
 
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from experiments.report import new_report, progress, record_end_load
+from jpaged import LLM, SamplingParams
+from jpaged.core.attention_metadata import AttentionMetadata
+from jpaged.core.step_shapes import bucket
+from jpaged.model.checkpoint import llama_config
+from jpaged.model.config import LlamaConfig
+from jpaged.model.default_model import default_model_directory, gemma3_gguf
+from jpaged.model.gguf import read_gguf
+from jpaged.model.llama import LlamaForCausalLM
+from jpaged.model.loader import read_hf_config
+from jpaged.model.tokenizer import Tokenizer
+from jpaged.worker.sampling_rows import SamplingRow, sampling_tensors
+
+# Structured outputs' own modules are imported where they are used: --plain-only runs on
+# revisions of jpaged that lack them.
 
 BATCHES = (1, 32)
 TARGET_BATCH32_RATIO = 0.90  # constrained tokens/s over unconstrained, batch 32
@@ -213,8 +229,6 @@ def median_range(values: list[float]) -> dict:
 
 def build_llm(model: str, max_num_seqs: int):
     """An engine of single steps (a grammar's step cannot loop on the device), warmed."""
-    from jpaged import LLM
-
     loaded = tiny_llama() if model == "tiny" else None
     llm = LLM(model, loaded=loaded, max_num_seqs=max_num_seqs, max_model_len=MAX_MODEL_LEN,
               num_decode_steps=1)
@@ -225,14 +239,6 @@ def build_llm(model: str, max_num_seqs: int):
 
 def tiny_llama():
     """(model, config, tokenizer): a random Llama with SmolLM2's tokenizer."""
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from jpaged.model.config import LlamaConfig
-    from jpaged.model.default_model import default_model_directory
-    from jpaged.model.llama import LlamaForCausalLM
-    from jpaged.model.tokenizer import Tokenizer
-
     config = LlamaConfig.from_hf_config(TINY_LLAMA)
     model = LlamaForCausalLM(config, dtype=jnp.float32, rngs=nnx.Rngs(0))
     return model, config, Tokenizer.from_directory(default_model_directory())
@@ -262,7 +268,8 @@ def generate(llm, prompts: list[list[int]], params: list, batch: int) -> dict:
 
 
 def constrained_params(cases: list[SchemaCase], count: int, max_tokens: int) -> list:
-    from jpaged.sampling_params import SamplingParams, StructuredOutputsParams
+
+    from jpaged.sampling_params import StructuredOutputsParams
 
     return [SamplingParams(temperature=0.0, max_tokens=max_tokens,
                            structured_outputs=StructuredOutputsParams(
@@ -272,15 +279,13 @@ def constrained_params(cases: list[SchemaCase], count: int, max_tokens: int) -> 
 
 def plain_params(token_counts: list[int]) -> list:
     """Each request's unconstrained twin: the same number of tokens, whatever they are."""
-    from jpaged.sampling_params import SamplingParams
-
     return [SamplingParams(temperature=0.0, max_tokens=count, ignore_eos=True)
             for count in token_counts]
 
 
 def valid_outputs(completions, cases: list[SchemaCase]) -> int:
     """How many completions parse as JSON and validate against their case's schema."""
-    import jsonschema
+    import jsonschema  # the test extra's
 
     valid = 0
     for completion, case in zip(completions, itertools.cycle(cases)):
@@ -363,11 +368,6 @@ def summarize_throughput(runs: dict[str, list[dict]], cases: list[SchemaCase]) -
 def grammar_compiler(vocabulary: str):
     """A GrammarCompiler over the named model's tokenizer (no weights read), and that
     tokenizer."""
-    from jpaged.model.checkpoint import llama_config
-    from jpaged.model.default_model import default_model_directory, gemma3_gguf
-    from jpaged.model.gguf import read_gguf
-    from jpaged.model.loader import read_hf_config
-    from jpaged.model.tokenizer import Tokenizer
     from jpaged.structured_output.compiler import GrammarCompiler
 
     if vocabulary == "gemma3":
@@ -451,9 +451,6 @@ def fill_times(vocabularies: list[str], cases: list[SchemaCase], batches: tuple[
 def decode_inputs(runner, shapes, batch: int, context: int):
     """(input ids, AttentionMetadata) of a decode step of `batch` sequences, each at
     `context` tokens with blocks of its own."""
-    from jpaged.core.attention_metadata import AttentionMetadata
-    from jpaged.core.step_shapes import bucket
-
     block_size = runner.block_size
     per_seq = -(-context // block_size)
     width = bucket(per_seq, shapes.buckets.min_blocks_per_seq)
@@ -512,8 +509,7 @@ class ComposedStep:
         self.batch, self.context = batch, context
         self.inputs = decode_inputs(self.runner, self.shapes, batch, context)
         self.rows = GrammarRows(llm, cases, batch)
-        from jpaged.structured_output.token_masks import TokenMasks
-        self.token_masks = TokenMasks(self.vocab_size)
+        self.token_masks = step_runner.token_masks
         self.last: dict[str, float] = {}
 
     def _execute(self):
@@ -529,8 +525,6 @@ class ComposedStep:
         return masks
 
     def _sample(self, logits, masks):
-        from jpaged.worker.sampling_rows import SamplingRow, sampling_tensors
-
         rows = [SamplingRow.greedy(position=self.context - 1,
                                    allowed_tokens=None if masks is None else masks[i])
                 for i in range(self.batch)]
@@ -604,8 +598,6 @@ def fill_share(fill: dict, step_ms: float, batch: int) -> dict:
 
 
 def plain_only(model: str, batch: int, rounds: int, max_tokens: int) -> dict:
-    from jpaged import SamplingParams
-
     llm = build_llm(model, batch)
     prompts = [{"prompt_token_ids": p} for p in chat_prompts(llm, SCHEMAS, batch)]
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
