@@ -67,15 +67,20 @@ class EngineCollector:
         yield fallbacks
 
 
+def _counters(rows):
+    """A counter for each (name, documentation, value)."""
+    for name, documentation, value in rows:
+        yield CounterMetricFamily(f"jpaged:{name}", documentation, value=value)
+
+
 def _spec_decode_metrics(counts: SpecDecodeCounts):
     """Speculative decoding's counters, with vLLM's names (all 0 without it)."""
-    for name, documentation, value in (
-            ("spec_decode_num_drafts", "Verifications of a sequence's proposals.",
-             counts.num_drafts),
-            ("spec_decode_num_draft_tokens", "Tokens proposed.", counts.num_draft_tokens),
-            ("spec_decode_num_accepted_tokens", "Proposed tokens the target model accepted.",
-             counts.num_accepted_tokens)):
-        yield CounterMetricFamily(f"jpaged:{name}", documentation, value=value)
+    yield from _counters((
+        ("spec_decode_num_drafts", "Verifications of a sequence's proposals.",
+         counts.num_drafts),
+        ("spec_decode_num_draft_tokens", "Tokens proposed.", counts.num_draft_tokens),
+        ("spec_decode_num_accepted_tokens", "Proposed tokens the target model accepted.",
+         counts.num_accepted_tokens)))
     per_pos = CounterMetricFamily("jpaged:spec_decode_num_accepted_tokens_per_pos",
                                   "Verifications that accepted the proposal at each position.",
                                   labels=["position"])
@@ -86,19 +91,16 @@ def _spec_decode_metrics(counts: SpecDecodeCounts):
 
 def _structured_output_metrics(counts: StructuredOutputCounts):
     """What structured outputs cost so far (all 0 without them)."""
-    for name, documentation, value in (
-            ("structured_output_requests", "Requests with a grammar.", counts.requests),
-            ("grammar_compile_seconds", "Time spent compiling grammars.",
-             counts.compile_seconds),
-            ("grammar_cache_hits", "Requests whose grammar was compiled already.",
-             counts.cache_hits),
-            ("grammar_cache_misses", "Requests whose grammar compiled.", counts.cache_misses),
-            ("token_mask_fill_steps", "Steps that filled grammars' token masks.",
-             counts.fill_steps),
-            ("token_mask_fill_rows", "Token masks filled.", counts.fill_rows),
-            ("token_mask_fill_seconds", "Time spent filling token masks.",
-             counts.fill_seconds)):
-        yield CounterMetricFamily(f"jpaged:{name}", documentation, value=value)
+    yield from _counters((
+        ("structured_output_requests", "Requests with a grammar.", counts.requests),
+        ("grammar_compile_seconds", "Time spent compiling grammars.", counts.compile_seconds),
+        ("grammar_cache_hits", "Requests whose grammar was compiled already.",
+         counts.cache_hits),
+        ("grammar_cache_misses", "Requests whose grammar compiled.", counts.cache_misses),
+        ("token_mask_fill_steps", "Steps that filled grammars' token masks.",
+         counts.fill_steps),
+        ("token_mask_fill_rows", "Token masks filled.", counts.fill_rows),
+        ("token_mask_fill_seconds", "Time spent filling token masks.", counts.fill_seconds)))
 
 
 class ServerMetrics:
