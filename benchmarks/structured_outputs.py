@@ -307,8 +307,8 @@ class Counters:
         self.before = self._now()
 
     def _now(self) -> tuple[int, float]:
-        fills = self.engine.core.step_runner.token_masks.stats
-        return self.engine.stats.num_steps, fills.seconds
+        stats = self.engine.stats
+        return stats.num_steps, stats.structured_outputs.fill_seconds
 
     def delta(self) -> dict:
         (steps, fill), (steps0, fill0) = self._now(), self.before
@@ -371,6 +371,7 @@ def grammar_compiler(vocabulary: str):
     """A GrammarCompiler over the named model's tokenizer (no weights read), and that
     tokenizer."""
     from jpaged.structured_output.compiler import GrammarCompiler
+    from jpaged.structured_output.counts import StructuredOutputCounts
 
     if vocabulary == "gemma3":
         path = gemma3_gguf()
@@ -379,7 +380,8 @@ def grammar_compiler(vocabulary: str):
     else:
         directory = default_model_directory()
         config, tokenizer = read_hf_config(directory), Tokenizer.from_directory(directory)
-    compiler = GrammarCompiler(tokenizer, config.vocab_size, config.eos_token_ids)
+    compiler = GrammarCompiler(tokenizer, config.vocab_size, config.eos_token_ids,
+                               StructuredOutputCounts())
     return compiler, tokenizer
 
 
@@ -402,11 +404,12 @@ def allows(mask: np.ndarray, token: int) -> bool:
 def walk(compiler, tokenizer, case: SchemaCase, rows: int) -> dict:
     """Fill `rows` copies of the case's grammar at every position of its instance, one
     call per position: seconds per row at each position."""
+    from jpaged.structured_output.counts import StructuredOutputCounts
     from jpaged.structured_output.token_masks import TokenMasks
 
     first = schema_grammar(compiler, case)
     grammars = [first] + [first.fork() for _ in range(rows - 1)]
-    masks = TokenMasks(compiler.vocab_size)
+    masks = TokenMasks(compiler.vocab_size, StructuredOutputCounts())
     seconds, allowed = [], True
     for token in instance_tokens(tokenizer, case):
         started = time.perf_counter()
@@ -433,9 +436,9 @@ def fill_times(vocabularies: list[str], cases: list[SchemaCase], batches: tuple[
         walks = [("batch_1_cold", 1)] + [(f"batch_{batch}", batch) for batch in batches]
         rows = {}
         for case in cases:
-            seconds = compiler.stats.seconds
+            seconds = compiler.counts.compile_seconds
             schema_grammar(compiler, case)
-            row = {"compile_ms": 1e3 * (compiler.stats.seconds - seconds),
+            row = {"compile_ms": 1e3 * (compiler.counts.compile_seconds - seconds),
                    "instance_tokens": len(instance_tokens(tokenizer, case)),
                    "instance_walks": True}
             for label, batch in walks:
