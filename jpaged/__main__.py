@@ -47,6 +47,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="S",
                        help="on SIGINT/SIGTERM, seconds running requests get to finish before "
                        "they are aborted (open streams then end with an error event)")
+    serve.add_argument("--enable-prompt-tokens-details", action="store_true",
+                       help="report in each response's usage the prompt tokens the prefix "
+                       "cache served (usage.prompt_tokens_details.cached_tokens)")
     serve.add_argument("--warmup", action="store_true",
                        help="compile every step shape before accepting requests (slower "
                        "start-up; no compile pauses while serving)")
@@ -248,7 +251,8 @@ def _serve(llm: LLM, args: argparse.Namespace) -> None:
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     serve(engine, served_model_name=args.served_model_name or args.model, host=args.host,
           port=args.port, api_key=args.api_key, max_waiting=args.max_waiting,
-          warmup=args.warmup, shutdown_timeout=args.shutdown_timeout)
+          warmup=args.warmup, shutdown_timeout=args.shutdown_timeout,
+          enable_prompt_tokens_details=args.enable_prompt_tokens_details)
 
 
 COMMANDS = {"generate": _generate, "chat": _chat, "serve": _serve}

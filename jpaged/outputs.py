@@ -100,7 +100,11 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
-    """A request's outputs: all of them (cumulative), or what is new (delta)."""
+    """A request's outputs: all of them (cumulative), or what is new (delta).
+
+    num_cached_tokens: prompt tokens the prefix cache served when the request was first
+    admitted (vLLM's name); None before then.
+    """
 
     request_id: str
     prompt: str | None
@@ -109,6 +113,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics = field(repr=False, default=None)
+    num_cached_tokens: int | None = None
 
 
 @dataclass

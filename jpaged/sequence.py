@@ -141,6 +141,8 @@ class SequenceGroup:
     max_tokens: int | None = field(init=False, repr=False)
     # When its sequences end, given by the scheduler that admits it (it knows max_model_len).
     stop_rule: StopRule | None = field(init=False, repr=False, default=None)
+    # Prompt tokens the prefix cache served at its first admission (set by the scheduler).
+    num_cached_tokens: int | None = field(init=False, repr=False, default=None)
 
     def __post_init__(self):
         params = self.params

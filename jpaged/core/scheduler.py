@@ -520,6 +520,8 @@ class Scheduler:
                 self._ignore(group, plan)
                 continue
             self.block_manager.allocate(group)
+            if group.num_cached_tokens is None:  # a recomputed group keeps its first
+                group.num_cached_tokens = seqs[0].num_computed_tokens
             _set_status(seqs, _RUNNING)
             self.running.append(group)
             # Prefix-cache hits computed some tokens: the chunk may have shrunk.

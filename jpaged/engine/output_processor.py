@@ -289,6 +289,7 @@ class OutputProcessor:
             outputs=completions,
             finished=finished,
             metrics=dataclasses.replace(state.metrics),
+            num_cached_tokens=state.group.num_cached_tokens,
         )
 
     def _beam_completions(self, state: RequestState) -> list[CompletionOutput]:

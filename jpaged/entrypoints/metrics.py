@@ -42,8 +42,12 @@ class EngineCollector:
         )
         for name, documentation, value in gauges:
             yield GaugeMetricFamily(f"jpaged:{name}", documentation, value=value)
-        yield CounterMetricFamily("jpaged:num_preemptions", "Sequence groups preempted.",
-                                  value=state.num_preemptions)
+        yield from _counters((
+            ("num_preemptions", "Sequence groups preempted.", state.num_preemptions),
+            ("prefix_cache_queries", "Prompt tokens of admitted requests looked up in the "
+             "prefix cache.", state.prefix_cache_query_tokens),
+            ("prefix_cache_hits", "Of those, tokens the prefix cache served.",
+             state.prefix_cache_hit_tokens)))
         per_group = GaugeMetricFamily(
             "jpaged:kv_cache_group_blocks_used",
             "Block-table entries of each KV cache group (sliding-window and global layers).",

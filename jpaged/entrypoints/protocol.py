@@ -298,6 +298,11 @@ def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:
             "total_tokens": num_prompt_tokens + num_completion_tokens}
 
 
+def prompt_tokens_details(num_cached_tokens: int) -> dict[str, dict[str, int]]:
+    """vLLM's and OpenAI's usage detail: the prompt tokens the prefix cache served."""
+    return {"prompt_tokens_details": {"cached_tokens": num_cached_tokens}}
+
+
 def _finite(logprob: float) -> float:
     return logprob if math.isfinite(logprob) else MIN_LOGPROB
 
@@ -376,10 +381,13 @@ class PromptRun:
     stream: RequestStream
     prompt_logprobs: PromptLogprobs | None = None
     outputs: dict[int, CompletionOutput] = field(default_factory=dict)
+    num_cached_tokens: int = 0
 
     def add(self, delta: RequestOutput) -> None:
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
+        if delta.num_cached_tokens is not None:
+            self.num_cached_tokens = delta.num_cached_tokens
         for piece in delta.outputs:
             total = self.outputs.get(piece.index)
             if total is None:
@@ -412,6 +420,8 @@ class Job:
     runs: list[PromptRun]
     model: str
     created: int = field(default_factory=lambda: int(time.time()))
+    # Usage reports the prompt tokens the prefix cache served (--enable-prompt-tokens-details).
+    cached_tokens_in_usage: bool = False
 
     def close(self) -> None:
         """Abort whatever has not finished (a disconnect, an error)."""
@@ -429,10 +439,13 @@ class Job:
     def num_completion_tokens(self, output: CompletionOutput) -> int:
         return len(output.token_ids)
 
-    def usage(self) -> dict[str, int]:
-        return usage(sum(len(run.prompt.token_ids) for run in self.runs),
-                     sum(self.num_completion_tokens(output)
-                         for run in self.runs for _, output in self.returned(run)))
+    def usage(self) -> dict:
+        counts = usage(sum(len(run.prompt.token_ids) for run in self.runs),
+                       sum(self.num_completion_tokens(output)
+                           for run in self.runs for _, output in self.returned(run)))
+        if self.cached_tokens_in_usage:
+            counts |= prompt_tokens_details(sum(run.num_cached_tokens for run in self.runs))
+        return counts
 
     def chunk(self, choices: list[dict], kind: str, run: PromptRun, index: int) -> dict:
         """A stream's chunk for sample `index` of `run`; with continuous usage it carries

@@ -148,8 +148,11 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | None = None,
-              max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
-    """The server's FastAPI app; its lifespan's end shuts the engine down."""
+              max_body_bytes: int = MAX_BODY_BYTES,
+              enable_prompt_tokens_details: bool = False) -> FastAPI:
+    """The server's FastAPI app; its lifespan's end shuts the engine down.
+    enable_prompt_tokens_details: usage reports the prompt tokens the prefix cache served
+    (`usage.prompt_tokens_details.cached_tokens`, vLLM's option)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -157,7 +160,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
         engine.shutdown()
 
     app = FastAPI(title="jpaged", lifespan=lifespan)
-    serving = OpenAIServing(engine, served_model_name)
+    serving = OpenAIServing(engine, served_model_name, enable_prompt_tokens_details)
     app.state.serving = serving
     tokenizer = TokenizerEndpoints(serving)
     json_body = [Depends(require_json)]
@@ -217,12 +220,14 @@ class DrainingServer(uvicorn.Server):
 def serve(engine: Engine, *, served_model_name: str, host: str = "127.0.0.1",
           port: int = 8000, api_key: str | None = None, max_waiting: int = 1024,
           max_body_bytes: int = MAX_BODY_BYTES, warmup: bool = False,
-          shutdown_timeout: float = SHUTDOWN_TIMEOUT_S) -> None:
+          shutdown_timeout: float = SHUTDOWN_TIMEOUT_S,
+          enable_prompt_tokens_details: bool = False) -> None:
     """Serve `engine` until SIGINT/SIGTERM: then no new connection is accepted, running
     requests get shutdown_timeout seconds to finish, the rest are aborted (their streams
     end with an error event and [DONE]), and the engine thread is joined. warmup=True
     compiles every step shape first (`LLMEngine.warmup`, every replica's for a
-    DataParallelEngine), so no request waits for a compile.
+    DataParallelEngine), so no request waits for a compile. enable_prompt_tokens_details:
+    as build_app's.
 
     In a job of several processes `engine` is process 0's RequestMirror (the others
     run `jpaged.engine.mirror.follow`): while idle it beats every HEARTBEAT_S
@@ -237,7 +242,8 @@ def serve(engine: Engine, *, served_model_name: str, host: str = "127.0.0.1",
                                   on_idle=None if mirror is None else mirror.sync,
                                   idle_s=HEARTBEAT_S)
     try:
-        app = build_app(async_engine, served_model_name, api_key, max_body_bytes)
+        app = build_app(async_engine, served_model_name, api_key, max_body_bytes,
+                        enable_prompt_tokens_details)
         DrainingServer(app, async_engine, shutdown_timeout, host=host, port=port,
                        log_level="info").run()
     finally:

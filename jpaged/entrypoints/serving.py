@@ -196,9 +196,11 @@ def sse(payload: dict) -> str:
 class OpenAIServing:
     """The endpoints' logic over one engine and one served model name."""
 
-    def __init__(self, engine: AsyncLLMEngine, served_model_name: str):
+    def __init__(self, engine: AsyncLLMEngine, served_model_name: str,
+                 enable_prompt_tokens_details: bool = False):
         self.engine = engine
         self.served_model_name = served_model_name
+        self.enable_prompt_tokens_details = enable_prompt_tokens_details
         self.max_model_len = engine.engine.max_model_len
         self.max_logprobs = engine.engine.config.max_logprobs
         self.metrics = ServerMetrics(engine)
@@ -305,7 +307,8 @@ class OpenAIServing:
         request_id = f"cmpl-{uuid.uuid4().hex}"
         runs = await self.start(request_id, prompts, params, body.cache_salt,
                                 {"n": "best_of"} if body.best_of is not None else {}, constraint)
-        job = CompletionJob(request_id, body, runs, self.served_model_name)
+        job = CompletionJob(request_id, body, runs, self.served_model_name,
+                            cached_tokens_in_usage=self.enable_prompt_tokens_details)
         if body.stream:
             return StreamingResponse(
                 self._events(job, self._completion_chunks(job), "text_completion"),
@@ -349,6 +352,7 @@ class OpenAIServing:
                                 {"max_tokens": param, "logprobs": "top_logprobs",
                                  "prompt": "messages"}, constraint)
         job = ChatJob(request_id, body, runs, self.served_model_name,
+                      cached_tokens_in_usage=self.enable_prompt_tokens_details,
                       forced_calls=None if constraint is None else constraint.forced_calls)
         if body.stream:
             return StreamingResponse(

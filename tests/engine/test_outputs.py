@@ -1,10 +1,12 @@
 """What a request gives back: stop conditions, penalties and min_tokens against
 transformers' `generate`, stop strings across token boundaries, deltas and
-streams against the cumulative output."""
+streams against the cumulative output, and the prompt tokens the prefix cache served
+against the block arithmetic."""
 
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import numpy as np
 import pytest
@@ -13,6 +15,8 @@ import transformers
 
 from jpaged.core.step_shapes import BucketSizes
 from jpaged.entrypoints.llm import LLM
+from jpaged.entrypoints.metrics import EngineCollector
+from jpaged.entrypoints.protocol import CompletionJob, CompletionRequest, EncodedPrompt, PromptRun
 from jpaged.model.loader import load_model
 from jpaged.sampling_params import RequestOutputKind, SamplingParams
 
@@ -154,3 +158,41 @@ def test_final_only_reports_once(llm, prompts):
         outputs += engine.step()
     assert len(outputs) == 1 and outputs[0].finished
     assert len(outputs[0].outputs[0].token_ids) == MAX_TOKENS
+
+
+def test_num_cached_tokens_is_the_prefix_cache_hit(loaded):
+    """The full 4-token blocks a prompt shares with an earlier one, never its last token."""
+    llm = LLM("tiny", loaded=loaded, block_size=4, num_blocks=96, max_num_seqs=8,
+              max_num_batched_tokens=64, max_model_len=64, enable_prefix_caching=True,
+              buckets=BucketSizes(min_num_tokens=8, min_num_seqs=4, min_blocks_per_seq=2),
+              persistent_compilation_cache=False)
+    rng = np.random.default_rng(5)
+    first = rng.integers(0, loaded[1].vocab_size - 1, 18).tolist()
+    shares_14 = first[:14] + [(t + 1) % 200 for t in first[14:]]
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    cached = [llm.generate([prompt], params)[0].num_cached_tokens
+              for prompt in (first, shares_14, first, first[:8])]
+    # Nothing cached; 3 blocks of the shared 14 tokens; 4 blocks of 18 (the 5th holds
+    # the last token); a prompt of exactly 2 blocks keeps its last token to compute.
+    assert cached == [0, 12, 16, 4]
+    engine = llm.engine.state()
+    assert engine.prefix_cache_hit_tokens == sum(cached)
+    assert engine.prefix_cache_query_tokens == sum(len(p) for p in (first, shares_14, first,
+                                                                     first[:8]))
+    families = {f.name: f for f in EngineCollector(types.SimpleNamespace(state=engine)
+                                                   ).collect()}
+    totals = {name: next(s.value for s in families[f"jpaged:{name}"].samples
+                         if s.name.endswith("_total"))
+              for name in ("prefix_cache_queries", "prefix_cache_hits")}
+    assert totals == {"prefix_cache_queries": engine.prefix_cache_query_tokens,
+                      "prefix_cache_hits": sum(cached)}
+    # The server's usage, with --enable-prompt-tokens-details, sums its prompts' hits.
+    outputs = llm.generate([shares_14, first], params)
+    runs = [PromptRun(i, EncodedPrompt(p), stream=None) for i, p in enumerate((shares_14,
+                                                                              first))]
+    for run, output in zip(runs, outputs, strict=True):
+        run.add(output)
+    body = CompletionRequest(model="tiny", prompt=[shares_14, first], max_tokens=2)
+    usage = CompletionJob("cmpl", body, runs, "tiny", cached_tokens_in_usage=True).usage()
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 16 + 16}
+    assert "prompt_tokens_details" not in CompletionJob("cmpl", body, runs, "tiny").usage()
