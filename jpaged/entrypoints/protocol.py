@@ -24,6 +24,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_valida
 
 from jpaged.entrypoints.tool_calls import ForcedCalls, ToolCallStream, response_tool_calls
 from jpaged.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
+from jpaged.sampling_params import STRUCTURED_OUTPUT_KINDS
 
 if TYPE_CHECKING:
     from jpaged.engine.async_engine import RequestStream
@@ -99,8 +100,8 @@ class StructuredOutputsFields(OpenAIBaseModel):
 
     def constraints(self) -> dict[str, Any]:
         """The constraints given, by StructuredOutputsParams' names."""
-        given = {"json": self.json_, "regex": self.regex, "choice": self.choice,
-                 "grammar": self.grammar, "json_object": self.json_object}
+        given = {kind: getattr(self, "json_" if kind == "json" else kind)
+                 for kind in STRUCTURED_OUTPUT_KINDS}
         return {kind: value for kind, value in given.items() if value not in (None, False)}
 
     def options(self) -> dict[str, Any]:

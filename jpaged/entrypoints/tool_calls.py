@@ -68,8 +68,9 @@ def required_schema(functions: list[dict[str, Any]], one_call: bool = False
                       "properties": {"name": {"type": "string", "enum": [function["name"]]},
                                      ARGUMENTS_KEY: parameters},
                       "required": ["name", ARGUMENTS_KEY]})
-    # "object" in each alternative, not around them: an object schema without properties
-    # of its own forbids every property once disable_additional_properties closes it.
+    # Each alternative a whole object schema, its type beside its properties (none
+    # around them): disable_additional_properties closes exactly the schemas that list
+    # properties.
     schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}} | definitions
     if one_call:
         schema["maxItems"] = 1
