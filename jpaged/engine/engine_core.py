@@ -223,9 +223,10 @@ class EngineCore:
 
         The step's requests end with FINISHED_ERROR (their state may be half
         updated). Groups the step swapped out may hold garbage on the host: they
-        recompute. If the device call consumed the donated KV cache, every
-        device block is lost: the cache is allocated again, the prefix cache
-        forgets its blocks and every running group recomputes.
+        recompute, and the host tier's copies and the loaded blocks its block ops may
+        have left half written are forgotten. If the device call consumed the
+        donated KV cache, every device block is lost: the cache is allocated again,
+        the prefix cache forgets its blocks and every running group recomputes.
         """
         failed = output.failed = list({id(group): group for group in plan.groups}.values())
         output.error = error
@@ -240,6 +241,7 @@ class EngineCore:
             self.scheduler.fail(group.request_id)
         self.scheduler.recompute([g for g in plan.preempted
                                   if g.seqs_with(SequenceStatus.SWAPPED)])
+        self.kv_manager.forget_unapplied(plan.block_ops)
         if self.step_runner.recover_kv_cache():
             logger.error("the KV cache was lost with the step: reallocating it; running "
                          "requests recompute their tokens")

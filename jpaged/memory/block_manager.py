@@ -18,6 +18,11 @@ groups: group 0's left-to-right hit on its own chain of cache ids, cut to what e
 other group holds of it (a sliding group needs only the blocks in the window of the
 hit's end). Group 0's cache ids key every group's prefix-cache entries, so the manager
 hands them to the other groups when they look up and register blocks.
+
+The host pool is swap space and the prefix cache's host tier (jpaged.memory.host_tier):
+every block a group registers is copied to a free host block, and a hit may continue
+past the device cache into the tier, whose copies admission loads into fresh device
+blocks.
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ from jpaged.config import CacheConfig
 from jpaged.memory import allocator
 from jpaged.memory.allocator import AllocatorState, BlockOps, BlockPool
 from jpaged.memory.block_table import BlockTable
-from jpaged.memory.group_tables import FullAttentionTables, Hits, SharedPool
+from jpaged.memory.group_tables import FullAttentionTables, Hits, SharedPool, TierBlock
+from jpaged.memory.host_tier import HostTier
 from jpaged.memory.invariants import holder_problems
 from jpaged.memory.kv_cache_groups import KVCacheGroups
 from jpaged.memory.kv_cache_manager import AllocStatus
@@ -85,6 +91,10 @@ class BlockManager:
     @property
     def prefix_cache(self) -> PrefixCache:
         return self.pool.prefix_cache
+
+    @property
+    def tier(self) -> HostTier:
+        return self.pool.tier
 
     @property
     def num_free_blocks(self) -> int:
@@ -146,16 +156,18 @@ class BlockManager:
         return ops
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached block: the device KV they held is gone (the engine
-        reallocated its cache). Every device block must be free; swapped
-        sequences keep their host blocks. Pending device ops are dropped."""
+        """Forget every cached device block: the device KV they held is gone (the engine
+        reallocated its cache). Every device block must be free; swapped sequences keep
+        their host blocks and the host tier its copies, but those the pending device ops
+        were to store, which are dropped."""
         for tables in self.group_tables:
             on_device = tables.seqs_on_device()
             if on_device:
                 raise RuntimeError(
                     f"the prefix cache can only be reset with every device block free; "
                     f"sequences {on_device[:5]} hold device blocks")
-        committed, _ = allocator.commit(self.state)
+        committed, pending = allocator.commit(self.state)
+        self.tier.forget_stores(pending)
         num_blocks = self.num_device_blocks + 1
         self.pool.state = allocator.create(num_blocks, 0)._replace(host=committed.host,
                                                                    ops=committed.ops)
@@ -176,6 +188,7 @@ class BlockManager:
         host = [table.array for seq in swapped for table in self.host_block_tables(seq)]
         problems = holder_problems("device", self.state.device, device, first=1)
         problems += holder_problems("host", self.state.host, host, first=0)
+        problems += self.tier.problems(self.state)
         for g, tables in enumerate(self.group_tables):
             where = f"group {g}: " if self.num_groups > 1 else ""
             problems += [where + problem for problem in tables.table_problems(running)]
@@ -261,21 +274,34 @@ class BlockManager:
                              f"only {self.num_free_blocks} are free")
         for tables, group_hits in zip(self.group_tables, hits, strict=True):
             tables.take_hits(group_hits)
+        if group.use_prefix_cache:
+            for seq, seq_hits in zip(seqs, hits[0], strict=True):
+                self._count_query(seq, seq_hits[0])
+        chain_ids = [cache_ids for _, cache_ids in hits[0]]
+        for tables, group_hits in zip(self.group_tables, hits, strict=True):
+            tables.load_tier_hits(seqs, group_hits, chain_ids)
         for tables, group_hits in zip(self.group_tables, hits, strict=True):
             tables.allocate_tables(group, seqs, group_hits)
         for seq, (seq_hits, _) in zip(seqs, hits[0], strict=True):
             seq.num_computed_tokens = len(seq_hits) * self.block_size
-            if group.use_prefix_cache:
-                self._count_query(seq, len(seq_hits))
 
-    def _count_query(self, seq: Sequence, num_hit_blocks: int) -> None:
+    def _count_query(self, seq: Sequence, hit_blocks: list[int | TierBlock]) -> None:
         if not self.enable_prefix_caching:
             return
         stats = self.prefix_cache_stats
+        num_tier_blocks = sum(isinstance(block, TierBlock) for block in hit_blocks)
         stats.query_tokens += len(seq)
-        stats.hit_tokens += num_hit_blocks * self.block_size
+        stats.hit_tokens += len(hit_blocks) * self.block_size
+        stats.tier_hit_tokens += num_tier_blocks * self.block_size
         stats.query_blocks += (len(seq) - 1) // self.block_size
-        stats.hit_blocks += num_hit_blocks
+        stats.hit_blocks += len(hit_blocks)
+
+    def forget_unapplied(self, ops: BlockOps) -> None:
+        """A step failed, its `ops` maybe half applied: drop the tier copies they were to
+        store and the device entries of the blocks they were to load, so no later hit
+        reads a block they left half written (those prefixes are computed again)."""
+        self.tier.forget_stores(ops)
+        self.prefix_cache.evict(ops.load[:, 1].astype(np.int64))
 
     # Growth and sharing ----------------------------------------------------------
 

@@ -203,6 +203,9 @@ class ReservingBlockManager:
     def reset_prefix_cache(self) -> None:
         """No prefix cache: nothing to forget."""
 
+    def forget_unapplied(self, ops: BlockOps) -> None:
+        """No prefix cache and no host tier: no hit can read what `ops` left undone."""
+
     def end_step(self) -> BlockOps:
         self.state, ops = allocator.commit(self.state)
         return ops

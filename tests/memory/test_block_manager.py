@@ -12,12 +12,15 @@ every scheduled token's "K/V" (the salt and the whole token prefix up to it,
 which is what real K/V depend on and what the prefix cache may share) into its
 slot. Every computed position of every live sequence must then read back its
 own prefix: that checks copy-on-write copies, fork copies, swaps, prefix hits,
-evictions and same-step block reuse at once.
+evictions and same-step block reuse at once. With a host pool and the prefix cache
+on, every registered block is also stored to the host tier and prefix hits may load
+blocks back from it: the model applies those phases too, so a loaded block that
+does not hold its prefix fails the same read-back.
 """
 
 import numpy as np
 import pytest
-from hypothesis import settings
+from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -90,6 +93,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.pending: list[tuple[Sequence, int]] = []
         self.written_now: set[int] = set()  # device blocks this step's swap-in or copies write
         self.owing: set[int] = set()  # children forked without sharing, not yet appended
+        self.finished: list[tuple[list[int], str | None]] = []  # computed tokens, salt
 
     # Helpers ---------------------------------------------------------------------
 
@@ -244,6 +248,14 @@ class BlockManagerMachine(RuleBasedStateMachine):
         group, seq = data.draw(st.sampled_from(self.live(RUNNING)))
         self.add(seq.token_slice(0, seq.num_computed_tokens) + extra, group.cache_salt)
 
+    @precondition(lambda self: self.finished)
+    @rule(data=st.data(), extra=st.lists(st.integers(0, 2), min_size=1, max_size=4))
+    def add_next_round(self, data, extra):
+        """A prompt that continues a finished sequence's tokens, as a conversation's next
+        round: its blocks may have left the device and wait in the host tier."""
+        tokens, salt = data.draw(st.sampled_from(self.finished))
+        self.add(tokens + extra, salt)
+
     def add(self, prompt, salt):
         group = SequenceGroup(str(self.next_id), [Sequence(self.next_id, prompt)], cache_salt=salt)
         self.next_id += 1
@@ -369,6 +381,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         group = data.draw(st.sampled_from(candidates))
         seq = data.draw(st.sampled_from(group.unfinished_seqs()))
         self.bm.free(seq)
+        self.finished.append((seq.token_slice(0, seq.num_computed_tokens), group.cache_salt))
         seq.status = SequenceStatus.FINISHED_STOPPED
         if group.is_finished:
             self.groups.remove(group)
@@ -381,7 +394,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         distinct = {block for seq in seqs for table in self.tables(seq) for block in table} - {0}
         fits = len(distinct) <= self.bm.num_free_host_blocks
         # The step's swap-in or copies write those blocks, after its swap-outs.
-        clash = not distinct.isdisjoint(self.written_now)
+        clash = not distinct.isdisjoint(self.written_now | self.loaded_now())
         assert self.bm.can_swap_out(group) == (fits and not clash)
         if fits and clash:
             with pytest.raises(ValueError, match="written by this step"):
@@ -423,6 +436,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def end_step(self, data):
         ops = self.bm.end_step()
         self.apply_block_ops(ops)
+        # Committed: before mark_computed stores the next step's tier copies.
+        self.check_committed_state()
         for seq, n in self.pending:
             group = next(g for g in self.groups if seq in g.seqs)
             for table in self.tables(seq):
@@ -444,24 +459,32 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.pending.clear()
         self.written_now.clear()
         self.check_kv_contents()
-        self.check_committed_state()
         self.bm.check_invariants([s for _, s in self.live(RUNNING)],
                                  [s for _, s in self.live(SWAPPED)])
+
+    def loaded_now(self):
+        """Device blocks this step loads from the host tier, as the open step recorded."""
+        ops = self.bm.state.ops
+        return set(ops.load[: ops.sizes[3], 1].tolist())
 
     def apply_block_ops(self, ops):
         # A phase is one scatter on the device, which leaves a repeated destination's
         # value undefined; across phases a second write would clobber the first.
-        device_writes = ops.swap_in[:, 1].tolist() + ops.copies[:, 1].tolist()
+        device_writes = (ops.swap_in[:, 1].tolist() + ops.load[:, 1].tolist()
+                         + ops.copies[:, 1].tolist())
         assert len(set(device_writes)) == len(device_writes), "a device block written twice"
-        host_writes = ops.swap_out[:, 1].tolist()
+        host_writes = ops.swap_out[:, 1].tolist() + ops.store[:, 1].tolist()
         assert len(set(host_writes)) == len(host_writes), "a host block written twice"
+        if len(ops.load):
+            event("a prefix hit loaded from the host tier")
         bs = self.bs
-        for device, host in ops.swap_out.tolist():
-            for offset in range(bs):
-                self.host_kv[host * bs + offset] = self.device_kv.get(device * bs + offset)
-        for host, device in ops.swap_in.tolist():
-            for offset in range(bs):
-                self.device_kv[device * bs + offset] = self.host_kv.get(host * bs + offset)
+        for pairs, source, dest in ((ops.swap_out, self.device_kv, self.host_kv),
+                                    (ops.store, self.device_kv, self.host_kv),
+                                    (ops.swap_in, self.host_kv, self.device_kv),
+                                    (ops.load, self.host_kv, self.device_kv)):
+            for block, other in pairs.tolist():
+                for offset in range(bs):
+                    dest[other * bs + offset] = source.get(block * bs + offset)
         sources = {
             (src, offset): self.device_kv.get(src * bs + offset)
             for src, _ in ops.copies.tolist()
