@@ -95,6 +95,10 @@ def _parser() -> argparse.ArgumentParser:
                          "more than the sequences that can run at once fill: generate runs "
                          "its prompts, chat one conversation)")
         sub.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks")
+        sub.add_argument("--kv-offloading-size", type=float, default=None, metavar="GIB",
+                         help="host memory for KV blocks in GiB: the prefix cache's second "
+                         "tier (prefixes that left the device are loaded back, not "
+                         "recomputed) and swap space (default: none)")
         sub.add_argument("--max-model-len", type=int, default=None)
         sub.add_argument("--allocation", choices=ALLOCATIONS, default="paged",
                          help="KV allocation: paged, or an Orca baseline reserving each "
@@ -154,7 +158,8 @@ def _llm(args: argparse.Namespace) -> LLM:
               if getattr(args, name) is not None}
     return LLM(args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
                block_size=args.block_size, num_blocks=args.num_blocks,
-               kv_cache_memory=memory, max_model_len=args.max_model_len,
+               kv_cache_memory=memory, kv_offloading_size=args.kv_offloading_size,
+               max_model_len=args.max_model_len,
                attention_backend=args.attention_backend, allocation=args.allocation,
                disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
                tensor_parallel_size=args.tensor_parallel_size,

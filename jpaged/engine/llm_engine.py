@@ -116,8 +116,10 @@ class LLMEngine:
         self.kv_cache_info = size_kv_cache(config, self.model_config, model, self.max_model_len,
                                            device, groups, draft)
         logger.info("%s", self.kv_cache_info)
-        num_blocks = self.kv_cache_info.num_blocks
-        kv_manager = make_kv_manager(config, num_blocks, self.max_model_len, groups)
+        num_blocks, num_host_blocks = (self.kv_cache_info.num_blocks,
+                                       self.kv_cache_info.num_host_blocks)
+        kv_manager = make_kv_manager(config, num_blocks, num_host_blocks, self.max_model_len,
+                                     groups)
         mode = step_mode(config)
         scheduler_class = AsyncScheduler if mode is StepMode.ASYNC_SCHEDULING else Scheduler
         scheduler = scheduler_class(SchedulerConfig(
@@ -128,6 +130,7 @@ class LLMEngine:
             preemption_mode=config.preemption_mode,
         ), kv_manager)
         runner, shapes = start_runner(config, model, self.model_config, num_blocks=num_blocks,
+                                      num_host_blocks=num_host_blocks,
                                       max_model_len=self.max_model_len, mesh=mesh,
                                       groups=groups)
         vocab_size = self.model_config.vocab_size
@@ -301,7 +304,9 @@ class LLMEngine:
             queues = self.core.scheduler.stats()
         self.stats.record_blocks(core.kv_blocks)
         self.stats.spec_decode.record(core.proposals)
-        self.stats.record_step(core.plan, queues, self.core.kv_manager.prefix_cache_stats,
+        manager = self.core.kv_manager
+        self.stats.record_step(core.plan, queues, manager.prefix_cache_stats,
+                               manager.host_pool_counts(self.kv_cache_info.host_block_bytes),
                                started, time.perf_counter())
         if core.error is not None:
             self.last_step_error = core.error
@@ -336,6 +341,8 @@ class LLMEngine:
             num_swapped=scheduler.num_swapped, kv_blocks_used=manager.physical_blocks_used,
             kv_blocks_total=manager.num_device_blocks, prefix_cache_query_tokens=stats.query_tokens,
             prefix_cache_hit_tokens=stats.hit_tokens, num_preemptions=scheduler.num_preemptions,
+            prefix_cache_tier_hit_tokens=stats.tier_hit_tokens,
+            host_pool=manager.host_pool_counts(self.kv_cache_info.host_block_bytes),
             kv_group_blocks_used=manager.group_blocks_used,
             kv_cache_dtype=self.kv_cache_info.dtype,
             kv_bytes_per_token=self.kv_cache_info.bytes_per_token,
@@ -356,7 +363,7 @@ def _proposer(config: EngineConfig, draft, runner: ModelRunner, kv_manager: KVMa
                              spec.prompt_lookup_max, fallbacks=fallbacks)
     draft_runner = ModelRunner(
         *draft, num_blocks=runner.num_blocks, block_size=config.block_size,
-        num_host_blocks=config.num_host_blocks, kv_dtype=config.kv_dtype,
+        num_host_blocks=runner.num_host_blocks, kv_dtype=config.kv_dtype,
         attention_backend=runner.attention_backend, interpret=config.interpret,
         logit_rows_per_seq=runner.logit_rows_per_seq)
     return DraftModelProposer(draft_runner, kv_manager, shapes, vocab_size,

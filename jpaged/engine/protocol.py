@@ -13,6 +13,7 @@ from jpaged.engine.config import EngineConfig
 from jpaged.engine.input_processor import EngineRequest
 from jpaged.engine.stats import SpecDecodeCounts
 from jpaged.inputs import PromptType
+from jpaged.memory.host_tier import HostPoolCounts
 from jpaged.outputs import RequestOutput
 from jpaged.sampling_params import BeamSearchParams, SamplingParams
 from jpaged.structured_output.counts import StructuredOutputCounts
@@ -30,6 +31,8 @@ class EngineState:
     prefix_cache_query_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
     num_preemptions: int = 0
+    prefix_cache_tier_hit_tokens: int = 0
+    """Of the hit tokens, those loaded from the host tier."""
     kv_group_blocks_used: tuple[int, ...] = ()
     """Each KV cache group's logical blocks: the entries its tables hold."""
     kv_cache_dtype: str = ""
@@ -42,6 +45,8 @@ class EngineState:
     """How often each fallback of the step modes' table happened (ModeFallbacks.counts)."""
     structured_outputs: StructuredOutputCounts = field(default_factory=StructuredOutputCounts)
     """Requests with a grammar, grammar compiles and token-mask fills so far."""
+    host_pool: HostPoolCounts = field(default_factory=HostPoolCounts)
+    """The host pool's blocks (swapped, the tier's copies) and the tier's traffic."""
 
     @property
     def kv_usage(self) -> float:
@@ -61,7 +66,8 @@ class EngineState:
         groups = [s.kv_group_blocks_used for s in states if s.kv_group_blocks_used]
         return cls(*(sum(values) for values in zip(*(
             (s.num_running, s.num_waiting, s.num_swapped, s.kv_blocks_used, s.kv_blocks_total,
-             s.prefix_cache_query_tokens, s.prefix_cache_hit_tokens, s.num_preemptions)
+             s.prefix_cache_query_tokens, s.prefix_cache_hit_tokens, s.num_preemptions,
+             s.prefix_cache_tier_hit_tokens)
             for s in states), strict=True)),
             kv_group_blocks_used=tuple(sum(group) for group in zip(*groups, strict=True)),
             kv_cache_dtype=states[0].kv_cache_dtype if states else "",
@@ -71,7 +77,9 @@ class EngineState:
             mode_fallbacks=dict(sum((Counter(s.mode_fallbacks) for s in states), Counter())),
             structured_outputs=functools.reduce(
                 StructuredOutputCounts.add, (s.structured_outputs for s in states),
-                StructuredOutputCounts()))
+                StructuredOutputCounts()),
+            host_pool=functools.reduce(HostPoolCounts.add, (s.host_pool for s in states),
+                                       HostPoolCounts()))
 
 
 class Engine(Protocol):

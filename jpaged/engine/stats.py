@@ -24,6 +24,7 @@ import numpy as np
 from jax import monitoring
 
 from jpaged.core.step_modes import ModeFallbacks, StepMode
+from jpaged.memory.host_tier import HostPoolCounts
 from jpaged.outputs import RequestMetrics
 from jpaged.sequence import SequenceStatus
 from jpaged.structured_output.counts import StructuredOutputCounts
@@ -157,6 +158,8 @@ class EngineStats:
     num_preemptions: int = 0
     prefix_cache_query_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
+    prefix_cache_tier_hit_tokens: int = 0
+    host_pool: HostPoolCounts = field(default_factory=HostPoolCounts)
     logical_block_steps: int = 0
     physical_block_steps: int = 0
     group_block_steps: tuple[int, ...] = ()
@@ -180,8 +183,10 @@ class EngineStats:
         self.group_block_steps = tuple(a + b for a, b in zip(steps, blocks.groups, strict=True))
 
     def record_step(self, plan: SchedulerOutput, queues: SchedulerStats,
-                    prefix_cache: PrefixCacheStats, started: float, ended: float) -> None:
-        """One step: its plan, the queues it left and the prefix cache's counters."""
+                    prefix_cache: PrefixCacheStats, host_pool: HostPoolCounts, started: float,
+                    ended: float) -> None:
+        """One step: its plan, the queues it left, the prefix cache's counters and the
+        host pool's."""
         self.num_steps += 1
         self.num_batched_tokens += plan.num_batched_tokens
         self.busy_seconds += ended - started
@@ -192,6 +197,8 @@ class EngineStats:
         self.num_preemptions = queues.num_preemptions
         self.prefix_cache_query_tokens = prefix_cache.query_tokens
         self.prefix_cache_hit_tokens = prefix_cache.hit_tokens
+        self.prefix_cache_tier_hit_tokens = prefix_cache.tier_hit_tokens
+        self.host_pool = host_pool
         if self.step_log is not None:
             self.step_log.append(StepRecord(tuple(n for _, n in plan.scheduled),
                                             tuple(plan.context_lens)))
@@ -310,6 +317,8 @@ def summarize(replicas: Sequence[EngineStats]) -> dict:
     kv_blocks_used = sum(r.kv_utilization.total * r.num_kv_blocks for r in replicas)
     logical = sum(r.logical_block_steps for r in replicas)
     physical = sum(r.physical_block_steps for r in replicas)
+    host_pool = functools.reduce(HostPoolCounts.add, (r.host_pool for r in replicas),
+                                 HostPoolCounts())
     return {
         "steps": num_steps,
         "finished_requests": sum(r.num_finished for r in replicas),
@@ -323,6 +332,10 @@ def summarize(replicas: Sequence[EngineStats]) -> dict:
         "preemptions": sum(r.num_preemptions for r in replicas),
         "prefix_cache_hit_rate": _ratio(sum(r.prefix_cache_hit_tokens for r in replicas),
                                         sum(r.prefix_cache_query_tokens for r in replicas)),
+        "prefix_cache_tier_hit_tokens": sum(r.prefix_cache_tier_hit_tokens for r in replicas),
+        "kv_offload_stored_blocks": host_pool.stored_blocks,
+        "kv_offload_loaded_blocks": host_pool.loaded_blocks,
+        "kv_offload_bytes": host_pool.bytes_moved,
         "kv_blocks_logical_mean": logical / max(num_steps, 1),
         "kv_blocks_physical_mean": physical / max(num_steps, 1),
         "kv_blocks_per_group_mean": [sum(group) / max(num_steps, 1) for group in zip(

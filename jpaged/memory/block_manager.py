@@ -36,7 +36,7 @@ from jpaged.memory import allocator
 from jpaged.memory.allocator import AllocatorState, BlockOps, BlockPool
 from jpaged.memory.block_table import BlockTable
 from jpaged.memory.group_tables import FullAttentionTables, Hits, SharedPool, TierBlock
-from jpaged.memory.host_tier import HostTier
+from jpaged.memory.host_tier import HostPoolCounts, HostTier
 from jpaged.memory.invariants import holder_problems
 from jpaged.memory.kv_cache_groups import KVCacheGroups
 from jpaged.memory.kv_cache_manager import AllocStatus
@@ -104,6 +104,14 @@ class BlockManager:
     @property
     def num_free_host_blocks(self) -> int:
         return int(self.state.host.num_free)
+
+    def host_pool_counts(self, block_bytes: int) -> HostPoolCounts:
+        """The host pool's blocks and the tier's traffic; block_bytes: one host block's."""
+        host = self.state.host
+        return HostPoolCounts(
+            self.num_host_blocks, int(np.count_nonzero(host.refcounts)),
+            self.tier.num_cached_blocks, block_bytes, self.tier.stats.stored_blocks,
+            self.tier.stats.loaded_blocks)
 
     def refcount(self, block: int) -> int:
         """Holders of device `block`."""

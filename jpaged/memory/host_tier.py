@@ -40,6 +40,39 @@ class HostTierStats:
     loaded_blocks: int = 0
 
 
+@dataclass(frozen=True)
+class HostPoolCounts:
+    """The host pool's blocks and the tier's traffic, as an engine reports them.
+
+    num_blocks: the pool's blocks; swapped_blocks of them held by swapped-out
+    sequences, cached_blocks holding the tier's copies. block_bytes: one host block's
+    bytes. stored_blocks, loaded_blocks: the tier's copies written and read back so far.
+    """
+
+    num_blocks: int = 0
+    swapped_blocks: int = 0
+    cached_blocks: int = 0
+    block_bytes: int = 0
+    stored_blocks: int = 0
+    loaded_blocks: int = 0
+
+    @property
+    def num_bytes(self) -> int:
+        return self.num_blocks * self.block_bytes
+
+    @property
+    def bytes_moved(self) -> int:
+        """Bytes the tier copied to the host and back."""
+        return (self.stored_blocks + self.loaded_blocks) * self.block_bytes
+
+    def add(self, other: HostPoolCounts) -> HostPoolCounts:
+        """The sums of two replicas' pools (of one model: their blocks are alike)."""
+        return HostPoolCounts(
+            self.num_blocks + other.num_blocks, self.swapped_blocks + other.swapped_blocks,
+            self.cached_blocks + other.cached_blocks, max(self.block_bytes, other.block_bytes),
+            self.stored_blocks + other.stored_blocks, self.loaded_blocks + other.loaded_blocks)
+
+
 class HostTier:
     """The tier's index over a host pool of `num_host_blocks` blocks: which free host
     blocks hold the copy of which content key."""

@@ -20,6 +20,7 @@ from jpaged.config import CacheConfig
 from jpaged.memory import allocator
 from jpaged.memory.allocator import AllocatorState, BlockOps
 from jpaged.memory.block_table import BlockTable
+from jpaged.memory.host_tier import HostPoolCounts
 from jpaged.memory.invariants import holder_problems
 from jpaged.memory.kv_cache_manager import AllocStatus
 from jpaged.memory.prefix_cache import PrefixCacheStats
@@ -202,6 +203,10 @@ class ReservingBlockManager:
 
     def reset_prefix_cache(self) -> None:
         """No prefix cache: nothing to forget."""
+
+    def host_pool_counts(self, block_bytes: int) -> HostPoolCounts:
+        """No host pool."""
+        return HostPoolCounts(block_bytes=block_bytes)
 
     def forget_unapplied(self, ops: BlockOps) -> None:
         """No prefix cache and no host tier: no hit can read what `ops` left undone."""

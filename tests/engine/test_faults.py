@@ -122,7 +122,7 @@ def _has_copies(call, ops) -> bool:
     return len(ops.copies) > 0
 
 
-SWAPPING = dict(preemption_mode="swap", num_blocks=8, num_host_blocks=32, max_model_len=40)
+SWAPPING = dict(preemption_mode="swap", num_blocks=8, kv_offloading_size=0.01, max_model_len=40)
 SCENARIOS = {
     # (engine options, runner call, when it raises)
     "mid_prefill": ({}, "execute", lambda call, *args: call == 2),
