@@ -425,9 +425,10 @@ def test_an_int8_cache_and_its_scales_split_by_head_match_one_device(loaded_mode
 
 @pytest.mark.parametrize("kv_dtype", [np.float32, pytest.param(jnp.int8, marks=pytest.mark.full)])
 def test_swaps_and_copies_keep_the_cache_split_by_head(kv_dtype):
-    """Swap out, swap in and copy-on-write copies on a cache over 4 devices move the
-    same blocks as numpy indexing of the whole cache (a quantized cache's scales with
-    their pages), and leave it split by KV head."""
+    """Swap out, swap in, copy-on-write copies and the host tier's store and load on a
+    cache over 4 devices move the same blocks as numpy indexing of the whole cache (a
+    quantized cache's scales with their pages), and leave it split by KV head: a host
+    block holds every device's heads."""
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
                          num_heads=4, num_kv_heads=2, head_dim=8)
     mesh = model_mesh(jax.devices()[:4])
@@ -444,8 +445,11 @@ def test_swaps_and_copies_keep_the_cache_split_by_head(kv_dtype):
     runner.apply_block_ops(BlockOps(swap_out=np.array([[3, 1]], np.int32), swap_in=none,
                                     copies=none))
     runner.apply_block_ops(BlockOps(swap_out=none, swap_in=np.array([[1, 5]], np.int32),
-                                    copies=np.array([[2, 6]], np.int32)))
+                                    copies=np.array([[2, 6]], np.int32),
+                                    store=np.array([[4, 2]], np.int32)))
+    runner.apply_block_ops(BlockOps(none, none, none, load=np.array([[2, 7]], np.int32)))
     for expected, cache in zip(before, jax.tree.leaves(runner.kv_cache), strict=True):
         expected[:, :, 5], expected[:, :, 6] = expected[:, :, 3], expected[:, :, 2]
+        expected[:, :, 7] = expected[:, :, 4]
         assert cache.sharding.spec == P(None, "model") and len(cache.sharding.device_set) == 4
         np.testing.assert_array_equal(np.asarray(cache), expected)
