@@ -11,6 +11,7 @@ import pytest
 
 from jpaged.core.step_shapes import BucketSizes
 from jpaged.entrypoints.llm import LLM
+from jpaged.memory.reserved_prefixes import PrefixNotCached
 from jpaged.model.loader import load_model
 from jpaged.outputs import ReservedPrefix
 from jpaged.sampling_params import SamplingParams
@@ -175,6 +176,49 @@ def test_a_prefix_whose_kv_a_fault_lost_is_computed_again(loaded, workload, unca
     assert _tokens(outputs) == uncached[1]
     assert [o.num_cached_tokens for o in outputs] == [16] * len(prompts)
     llm.release_prefix(reserved)
+
+
+def test_a_lost_prefix_runs_again_if_evicted_and_stays_lost_if_its_step_fails(
+        loaded, workload, monkeypatch, caplog):
+    """The two other ends of a recomputation (the prefix cache reset by hand here, as a
+    lost KV cache resets it): blocks gone before they could be held (a full pool under
+    async scheduling) run the prefix again; a step that fails without losing the cache
+    leaves it lost, holding nothing, until released."""
+    prefix, _, _ = workload
+    llm = _llm(loaded)
+    engine, manager = llm.engine, llm.engine.block_manager
+    reserved = llm.reserve_prefix(prefix)
+    restore, evicted = manager.restore, []
+
+    def restore_once_evicted(prefix_id):
+        if not evicted:
+            evicted.append(prefix_id)
+            raise PrefixNotCached("evicted before the host could hold them")
+        return restore(prefix_id)
+
+    monkeypatch.setattr(manager, "restore", restore_once_evicted)
+    manager.reset_prefix_cache()
+    engine.prefix_requests.recompute_lost()
+    while engine.has_unfinished_requests():
+        assert engine.step() == []
+    assert evicted == [1] and manager.num_reserved_blocks == 2
+
+    manager.reset_prefix_cache()
+    engine.prefix_requests.recompute_lost()
+    monkeypatch.setattr(engine.runner, "execute", _raise)
+    with caplog.at_level("ERROR", logger="jpaged"):
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert "reserved prefix 1: recomputing its KV failed" in caplog.text
+    assert manager.num_reserved_blocks == 0
+    assert [r.is_lost for r in manager.reserved_prefixes] == [True]
+    engine.check_invariants()
+    llm.release_prefix(reserved)
+    assert len(manager.reserved_prefixes) == 0
+
+
+def _raise(*args, **kwargs):
+    raise RuntimeError("a step failed; the KV cache survived")
 
 
 def window_blocks(end: int, window: int, block_size: int) -> int:
