@@ -59,6 +59,7 @@ class PrefixRequests:
             raise ValueError(f"a prefix is reserved between requests: {in_flight} requests "
                              "are in flight, whose outputs its steps would take")
         request_id = self._compute(token_ids, cache_salt, None)
+        self.engine.last_step_error = None
         try:
             while request_id not in self._finished:
                 self.engine.step()
@@ -68,7 +69,8 @@ class PrefixRequests:
                 self.engine.abort(request_id)
             raise
         if self._finished.pop(request_id).outputs[0].finish_reason == "error":
-            raise self.engine.last_step_error
+            raise self.engine.last_step_error or RuntimeError(
+                "the prefix's logits were not finite: nothing is reserved")
         return manager.reserve(token_ids, cache_salt)
 
     def release(self, prefix_id: int) -> None:
