@@ -50,6 +50,11 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--enable-prompt-tokens-details", action="store_true",
                        help="report in each response's usage the prompt tokens the prefix "
                        "cache served (usage.prompt_tokens_details.cached_tokens)")
+    serve.add_argument("--reserved-system-prompt", action="append", default=[],
+                       metavar="TEXT",
+                       help="keep the KV blocks of this system prompt, as the chat template "
+                       "renders it (the text itself without a template), for every chat "
+                       "request that opens with it; repeatable")
     serve.add_argument("--warmup", action="store_true",
                        help="compile every step shape before accepting requests (slower "
                        "start-up; no compile pauses while serving)")
@@ -241,9 +246,14 @@ def _chat(llm: LLM, args: argparse.Namespace) -> None:
 
 def _serve(llm: LLM, args: argparse.Namespace) -> None:
     from jpaged.engine.mirror import RequestMirror, follow
-    from jpaged.entrypoints.server import serve  # the HTTP stack loads only for this command
+    from jpaged.entrypoints.server import (  # the HTTP stack loads only for this command
+        reserve_system_prompts,
+        serve,
+    )
 
     engine = llm.engine
+    # Every process reserves: their engines step in lockstep.
+    reserve_system_prompts(engine, args.reserved_system_prompt)
     if not _is_first_process(args):
         if args.warmup:
             engine.warmup()

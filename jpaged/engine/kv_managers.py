@@ -34,4 +34,4 @@ def make_kv_manager(config: EngineConfig, num_blocks: int, num_host_blocks: int,
     )
     if config.allocation != "paged":
         return ReservingBlockManager(cache_config, config.allocation, max_model_len)
-    return BlockManager(cache_config, groups)
+    return BlockManager(cache_config, groups, max_model_len=max_model_len)

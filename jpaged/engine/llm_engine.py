@@ -9,10 +9,11 @@ A facade over three parts, each of which a request passes through once:
 
 `step()` runs the core once, hands its output to the output processor, ends
 the sequences a stop string ended (through the scheduler) and returns the
-outputs. Start-up decides what the config left to the engine against the machine and
-the model (the step modes' table: jpaged.core.step_modes), sizes the KV pool
-(jpaged.engine.kv_cache_sizing), picks the KV cache manager for `allocation` and starts
-the runner on its backend.
+outputs, less those of the internal requests that compute reserved prefixes
+(jpaged.engine.prefix_requests). Start-up decides what the config left to the engine
+against the machine and the model (the step modes' table: jpaged.core.step_modes), sizes
+the KV pool (jpaged.engine.kv_cache_sizing), picks the KV cache manager for `allocation`
+and starts the runner on its backend.
 """
 
 from __future__ import annotations
@@ -41,13 +42,15 @@ from jpaged.engine.input_processor import EngineRequest, InputProcessor, Request
 from jpaged.engine.kv_cache_sizing import size_kv_cache
 from jpaged.engine.kv_managers import KVManager, kv_cache_groups, make_kv_manager
 from jpaged.engine.output_processor import OutputProcessor
+from jpaged.engine.prefix_requests import PrefixRequests
 from jpaged.engine.protocol import EngineState
 from jpaged.engine.stats import EngineStats, SpecDecodeCounts
 from jpaged.inputs import PromptType
+from jpaged.memory.reserved_prefixes import check_token_ids
 from jpaged.model.config import LlamaConfig
 from jpaged.model.loader import load_model, read_model_config
 from jpaged.model.sharding import shard_model
-from jpaged.outputs import RequestOutput
+from jpaged.outputs import RequestOutput, ReservedPrefix
 from jpaged.sampling_params import BeamSearchParams, SamplingParams
 from jpaged.sequence import Sequence, SequenceGroup
 from jpaged.speculative.draft_model import DraftModelProposer, check_draft_model
@@ -161,6 +164,7 @@ class LLMEngine:
                                  mode_fallbacks=self.mode_fallbacks,
                                  structured_outputs=structured_outputs)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.prefix_requests = PrefixRequests(self)
         self._seeds = np.random.default_rng(config.seed)
         self.last_step_error: BaseException | None = None
 
@@ -275,6 +279,39 @@ class LLMEngine:
         InputProcessor.apply_chat_template's."""
         return self.input_processor.apply_chat_template(messages, **options)
 
+    # Reserved prefixes.
+
+    def reserve_prefix(self, prompt: str | list[int], cache_salt: str | None = None
+                       ) -> ReservedPrefix:
+        """Compute a prefix's KV now and keep its full blocks in the pool until
+        `release_prefix`: every later request whose prompt extends the prefix (with the
+        same cache_salt) finds them cached, however full the pool gets (the paper's
+        Section 4.4: a shared prefix stored in advance).
+
+        prompt: text (tokenized as a prompt, BOS included) or token ids. The prefix runs
+        as a prompt of its own through the engine's steps (jpaged.engine.prefix_requests),
+        so call this between requests. A prefix shorter than a block holds no block
+        (num_blocks 0). Raises, reserving nothing: TypeError for another prompt type or
+        non-int token ids; ValueError for an empty prefix, token ids outside the
+        vocabulary, prefix caching off or an Orca allocation, a prefix of max_model_len
+        tokens or more, one that would leave too few blocks (BlockManager.
+        reservable_blocks), and while requests are in flight; the error of a step that
+        failed the prefix. After a step that loses the KV cache the prefix is computed
+        again and held under the same id.
+        """
+        if isinstance(prompt, list):
+            check_token_ids(prompt)  # an error naming the token, not the prompt forms
+        elif not isinstance(prompt, str):
+            raise TypeError(f"a prefix is text or a list of token ids, got "
+                            f"{type(prompt).__name__}")
+        return self.prefix_requests.reserve(self.tokenize(prompt), cache_salt)
+
+    def release_prefix(self, prefix: ReservedPrefix | int) -> None:
+        """Return a reserved prefix's blocks to the pool's LRU order, still cached.
+        ValueError, changing nothing, for a prefix not reserved (or released already)."""
+        prefix_id = prefix.prefix_id if isinstance(prefix, ReservedPrefix) else prefix
+        self.prefix_requests.release(prefix_id)
+
     # One iteration.
 
     def step(self) -> list[RequestOutput]:
@@ -308,6 +345,9 @@ class LLMEngine:
         self.stats.record_step(core.plan, queues, manager.prefix_cache_stats,
                                manager.host_pool_counts(self.kv_cache_info.host_block_bytes),
                                started, time.perf_counter())
+        outputs = self.prefix_requests.users_outputs(outputs)
+        if core.kv_lost:
+            self.prefix_requests.recompute_lost()
         if core.error is not None:
             self.last_step_error = core.error
             if is_fatal(core.error):
@@ -344,6 +384,7 @@ class LLMEngine:
             prefix_cache_tier_hit_tokens=stats.tier_hit_tokens,
             host_pool=manager.host_pool_counts(self.kv_cache_info.host_block_bytes),
             kv_group_blocks_used=manager.group_blocks_used,
+            kv_blocks_reserved=manager.num_reserved_blocks,
             kv_cache_dtype=self.kv_cache_info.dtype,
             kv_bytes_per_token=self.kv_cache_info.bytes_per_token,
             spec_decode=SpecDecodeCounts().add(self.stats.spec_decode),

@@ -14,7 +14,7 @@ from jpaged.engine.input_processor import EngineRequest
 from jpaged.engine.stats import SpecDecodeCounts
 from jpaged.inputs import PromptType
 from jpaged.memory.host_tier import HostPoolCounts
-from jpaged.outputs import RequestOutput
+from jpaged.outputs import RequestOutput, ReservedPrefix
 from jpaged.sampling_params import BeamSearchParams, SamplingParams
 from jpaged.structured_output.counts import StructuredOutputCounts
 
@@ -35,6 +35,8 @@ class EngineState:
     """Of the hit tokens, those loaded from the host tier."""
     kv_group_blocks_used: tuple[int, ...] = ()
     """Each KV cache group's logical blocks: the entries its tables hold."""
+    kv_blocks_reserved: int = 0
+    """Device KV blocks reserved prefixes hold (kv_blocks_used counts them too)."""
     kv_cache_dtype: str = ""
     """What the pool's pages store (KVCacheInfo.dtype); the same in every replica."""
     kv_bytes_per_token: int = 0
@@ -50,7 +52,7 @@ class EngineState:
 
     @property
     def kv_usage(self) -> float:
-        """Fraction of the device KV blocks held by live sequences."""
+        """Fraction of the device KV blocks held by live sequences or reserved prefixes."""
         return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
 
     @property
@@ -70,6 +72,7 @@ class EngineState:
              s.prefix_cache_tier_hit_tokens)
             for s in states), strict=True)),
             kv_group_blocks_used=tuple(sum(group) for group in zip(*groups, strict=True)),
+            kv_blocks_reserved=sum(s.kv_blocks_reserved for s in states),
             kv_cache_dtype=states[0].kv_cache_dtype if states else "",
             kv_bytes_per_token=states[0].kv_bytes_per_token if states else 0,
             spec_decode=functools.reduce(SpecDecodeCounts.add, (s.spec_decode for s in states),
@@ -102,6 +105,9 @@ class Engine(Protocol):
                     cache_salt: str | None = None) -> None: ...
 
     def abort(self, request_id: str) -> None: ...
+    def reserve_prefix(self, prompt: str | list[int], cache_salt: str | None = None
+                       ) -> ReservedPrefix: ...
+    def release_prefix(self, prefix: ReservedPrefix | int) -> None: ...
     def step(self) -> list[RequestOutput]: ...
     def has_unfinished_requests(self) -> bool: ...
     def num_unfinished_requests(self) -> int: ...

@@ -40,20 +40,23 @@ _compilations = 0
 
 
 class KVBlockCounts(NamedTuple):
-    """A pool's device blocks (the null block excluded), those some table holds, and the
-    sum of the tables' lengths (what the tables would hold without sharing); `groups`
-    splits that sum over the KV cache groups (one entry without groups)."""
+    """A pool's device blocks (the null block excluded), those some table or reserved
+    prefix holds, and the sum of the tables' lengths (what the tables would hold without
+    sharing); `groups` splits that sum over the KV cache groups (one entry without
+    groups); `reserved`: the blocks reserved prefixes hold."""
 
     total: int
     physical: int
     logical: int
     groups: tuple[int, ...] = ()
+    reserved: int = 0
 
     @classmethod
     def of(cls, manager) -> KVBlockCounts:
         """A KV cache manager's counts now."""
         return cls(manager.num_device_blocks, manager.physical_blocks_used,
-                   manager.logical_blocks_used, manager.group_blocks_used)
+                   manager.logical_blocks_used, manager.group_blocks_used,
+                   manager.num_reserved_blocks)
 
 
 def block_usage(manager, groups) -> list[tuple[str, int, int]]:
@@ -141,6 +144,7 @@ class EngineStats:
     filler count into it).
     step_log: when a list, every step appends its StepRecord (a study's record of the
     steps' shapes); None, the default, keeps a server's memory constant.
+    num_reserved_kv_blocks: the device blocks reserved prefixes held as the last step ran.
     """
 
     num_steps: int = 0
@@ -164,6 +168,7 @@ class EngineStats:
     physical_block_steps: int = 0
     group_block_steps: tuple[int, ...] = ()
     num_kv_blocks: int = 0
+    num_reserved_kv_blocks: int = 0
     kv_cache_dtype: str = ""
     kv_bytes_per_token: int = 0
     spec_decode: SpecDecodeCounts = field(default_factory=lambda: SpecDecodeCounts())
@@ -176,6 +181,7 @@ class EngineStats:
         """The KV blocks a step runs with: counted after scheduling (appends and their
         copy-on-write copies made) and before sampling forks and drops sequences."""
         self.num_kv_blocks = blocks.total
+        self.num_reserved_kv_blocks = blocks.reserved
         self.kv_utilization.add(blocks.physical / blocks.total)
         self.logical_block_steps += blocks.logical
         self.physical_block_steps += blocks.physical
@@ -341,6 +347,7 @@ def summarize(replicas: Sequence[EngineStats]) -> dict:
         "kv_blocks_per_group_mean": [sum(group) / max(num_steps, 1) for group in zip(
             *(r.group_block_steps for r in replicas if r.group_block_steps), strict=True)],
         "kv_memory_saved": 1.0 - _ratio(physical, logical, empty=1.0),
+        "kv_blocks_reserved": sum(r.num_reserved_kv_blocks for r in replicas),
         "kv_cache_dtype": replicas[0].kv_cache_dtype if replicas else "",
         "kv_bytes_per_token": replicas[0].kv_bytes_per_token if replicas else 0,
         "ttft_s": percentiles(value for r in replicas for value in r.ttft),

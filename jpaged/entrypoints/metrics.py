@@ -31,9 +31,11 @@ class EngineCollector:
              state.num_running),
             ("num_requests_waiting", "Requests waiting to be scheduled.", state.num_waiting),
             ("num_requests_swapped", "Requests swapped out to host memory.", state.num_swapped),
-            ("kv_cache_blocks_used", "Device KV blocks held by live sequences.",
-             state.kv_blocks_used),
+            ("kv_cache_blocks_used", "Device KV blocks held by live sequences or reserved "
+             "prefixes.", state.kv_blocks_used),
             ("kv_cache_blocks_total", "Device KV blocks in the pool.", state.kv_blocks_total),
+            ("kv_cache_blocks_reserved", "Device KV blocks held by reserved prefixes "
+             "(kv_cache_blocks_used counts them too).", state.kv_blocks_reserved),
             ("kv_cache_usage_perc", "Fraction of device KV blocks in use (0 to 1).",
              state.kv_usage),
             ("prefix_cache_hit_rate", "Fraction of admitted prompt tokens found in the "

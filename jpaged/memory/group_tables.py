@@ -233,14 +233,16 @@ class FullAttentionTables:
             hashes.append(hash_block(parent, tokens, record.cache_salt))
             record.block_tokens.append(tokens)
 
-    def prefix_hit(self, seq: Sequence, group: SequenceGroup) -> Hits:
-        """The cached blocks holding seq's longest cached prefix on this group's own chain
-        of cache ids, left to right, never its last token (none for a request that must
-        compute every token), and their cache ids: group 0's hit."""
+    def prefix_hit(self, seq: Sequence, group: SequenceGroup, num_blocks: int | None = None
+                   ) -> Hits:
+        """The cached blocks holding seq's longest cached prefix of at most `num_blocks`
+        blocks (None: never its last token) on this group's own chain of cache ids, left
+        to right (none for a request that must compute every token), and their cache
+        ids: group 0's hit."""
         if not self.config.enable_prefix_caching or not group.use_prefix_cache:
             return [], []
         record = self._record(seq, group.cache_salt)
-        num_eligible = (len(seq) - 1) // self.block_size
+        num_eligible = (len(seq) - 1) // self.block_size if num_blocks is None else num_blocks
         self._memoise_blocks(seq, record, num_eligible)
         blocks: list[int | TierBlock] = []
         cache_ids: list[int] = []
@@ -307,13 +309,17 @@ class FullAttentionTables:
             if record is not None and record.table:
                 raise ValueError(f"sequence {seq.seq_id} already has a block table")
 
+    def held_hits(self, hit_blocks: list[int]) -> list[int]:
+        """The blocks of a prefix hit that a sequence holds: those in the window of the
+        hit's end (every one without a window)."""
+        return hit_blocks[self.window_start_block(len(hit_blocks) * self.block_size):]
+
     def take_hits(self, hits: list[Hits]) -> None:
         """Hold the hit blocks within the window. Every group's hits must be taken before
         any block is allocated: a free cached hit must not be handed out as another
         sequence's new block."""
         for seq_hits, _ in hits:
-            released = self.window_start_block(len(seq_hits) * self.block_size)
-            for block in seq_hits[released:]:
+            for block in self.held_hits(seq_hits):
                 if not isinstance(block, TierBlock):
                     self.state = allocator.take(self.state, block)
 

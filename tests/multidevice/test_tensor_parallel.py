@@ -270,6 +270,23 @@ def test_two_replicas_of_two_devices_match_one_device(two_by_two, loaded_models,
     assert all(r.block_manager.num_free_blocks == ENGINE["num_blocks"] - 1 for r in replicas)
 
 
+def test_a_reserved_prefix_is_held_by_every_replica(two_by_two, loaded_models):
+    """Each replica holds the prefix's blocks, so the prompts extending it hit them on
+    whichever replica they land; releasing releases it everywhere."""
+    llm, replicas = two_by_two, two_by_two.engine.replicas
+    prefix = prompts(loaded_models["llama"][1].vocab_size, lengths=(20,), seed=3)[0]
+    reserved = llm.reserve_prefix(prefix["prompt_token_ids"])
+    assert (reserved.num_cached_tokens, reserved.num_blocks) == (16, 2)
+    assert [r.block_manager.num_reserved_blocks for r in replicas] == [2, 2]
+    extensions = [prefix["prompt_token_ids"] + [5 + i] for i in range(4)]
+    outputs = llm.generate(extensions, GREEDY)
+    assert [o.num_cached_tokens for o in outputs] == [16] * 4
+    llm.release_prefix(reserved)
+    assert [r.block_manager.num_reserved_blocks for r in replicas] == [0, 0]
+    with pytest.raises(ValueError, match="no prefix 1 is reserved"):
+        llm.release_prefix(reserved)
+
+
 async def _collect(stream) -> SimpleNamespace:
     """A request's deltas joined into one output: token ids and log-probabilities."""
     token_ids, logprobs = [], []
