@@ -324,14 +324,12 @@ class FullAttentionTables:
                     self.state = allocator.take(self.state, block)
 
     def load_tier_hits(self, seqs: list[Sequence], hits: list[Hits],
-                       chain_ids: list[list[int]]) -> int:
+                       chain_ids: list[list[int]]) -> None:
         """Load the host-tier hits within the window into fresh device blocks, each
         copy once (a later hit on it shares the block), registered under their
         entries' keys; `hits` then hold the device blocks. chain_ids: group 0's cache
         ids of each sequence's hit. Every group's device hits must be taken first: a
         load takes a block from the free queue's head.
-
-        returns the tokens loaded.
         """
         loaded: dict[int, int] = {}
         for seq, (seq_hits, cache_ids), chain in zip(seqs, hits, chain_ids, strict=True):
@@ -346,14 +344,12 @@ class FullAttentionTables:
                     continue
                 seq_hits[i] = loaded[hit.host_block] = self._load(
                     self._seqs[seq.seq_id], i, hit, chain, cache_ids[i])
-        return len(loaded) * self.block_size
 
     def _load(self, record: SeqBlocks, i: int, hit: TierBlock, chain_ids: list[int],
               cache_id: int) -> int:
         """Load the tier's copy of block i of the record's sequence into a fresh device
         block, registered in the device cache under its entry's cache id."""
-        entry = self.pool.tier.cache.entries[record.block_hashes[i]]
-        self.state, block = self.pool.tier.load(self.state, entry)
+        self.state, block = self.pool.tier.load(self.state, hit.host_block)
         self.prefix_cache.evict(np.array([block]))
         self.prefix_cache.register(block, record.block_hashes[i], self._parent(i, chain_ids),
                                    record.cache_salt, record.block_tokens[i], cache_id)

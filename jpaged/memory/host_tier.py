@@ -104,13 +104,13 @@ class HostTier:
         self.stats.stored_blocks += 1
         return state
 
-    def load(self, state: AllocatorState, entry: CachedBlock) -> tuple[AllocatorState, int]:
-        """Copy the tier's `entry` into a fresh device block, held once.
+    def load(self, state: AllocatorState, host_block: int) -> tuple[AllocatorState, int]:
+        """Copy the tier's copy in `host_block` into a fresh device block, held once.
 
-        returns (state, the device block), which the caller registers under the entry's
+        returns (state, the device block), which the caller registers under the copy's
         key and cache id.
         """
-        state, device_block = allocator.load_block(state, entry[0])
+        state, device_block = allocator.load_block(state, host_block)
         self.stats.loaded_blocks += 1
         return state, device_block
 
