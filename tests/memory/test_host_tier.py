@@ -19,7 +19,11 @@ from hypothesis.stateful import initialize, run_state_machine_as_test
 from jpaged.config import CacheConfig
 from jpaged.memory.block_manager import BlockManager
 from jpaged.sequence import Sequence, SequenceGroup, SequenceStatus
-from tests.memory.test_block_manager import LAYER_WINDOWS, BlockManagerMachine
+from tests.memory.test_block_manager import (
+    LAYER_WINDOWS,
+    BlockManagerMachine,
+    setup_strategies,
+)
 
 
 class HostTierMachine(BlockManagerMachine):
@@ -27,18 +31,11 @@ class HostTierMachine(BlockManagerMachine):
     blocks and a host pool larger than it: conversations' next rounds find their
     prefixes in the tier."""
 
-    @initialize(
-        block_size=st.sampled_from([1, 2, 4]),
-        num_blocks=st.integers(3, 8),
-        num_host_blocks=st.integers(4, 24),
-        watermark=st.sampled_from([0.0, 0.1]),
-        share_blocks=st.booleans(),
-        layer_windows=st.sampled_from(LAYER_WINDOWS),
-    )
-    def setup(self, block_size, num_blocks, num_host_blocks, watermark, share_blocks,
-              layer_windows):
-        super().setup(block_size, num_blocks, num_host_blocks, True, watermark, share_blocks,
-                      layer_windows)
+    @initialize(**(setup_strategies(LAYER_WINDOWS) | dict(
+        num_blocks=st.integers(3, 8), num_host_blocks=st.integers(4, 24),
+        caching=st.just(True))))
+    def setup(self, **config):
+        super().setup(**config)
 
     def teardown(self):
         if hasattr(self, "bm"):
