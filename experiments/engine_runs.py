@@ -291,12 +291,14 @@ def make_engine(loaded, *, allocation: str, block_size: int, num_pool_tokens: in
                 max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                 preemption_mode: str = "recompute", num_host_tokens: int = 0,
                 share_blocks: bool = True, kv_cache_dtype: str = "auto",
-                enable_prefix_caching: bool = False):
+                enable_prefix_caching: bool = False, kv_offloading_size: float = 0.0):
     """An engine on an already loaded model with a pool of `num_pool_tokens` token slots
     (rounded down to whole blocks; the null block comes on top), prefix caching off
-    unless asked for."""
+    unless asked for, and a host tier for the prefix cache of kv_offloading_size GiB
+    if that is not 0."""
     from jpaged.engine.llm_engine import EngineConfig, LLMEngine
 
+    tier = {"kv_offloading_size": kv_offloading_size} if kv_offloading_size else {}
     config = EngineConfig(
         block_size=block_size, num_blocks=num_pool_tokens // block_size + 1,
         num_host_blocks=math.ceil(num_host_tokens / block_size),
@@ -304,6 +306,6 @@ def make_engine(loaded, *, allocation: str, block_size: int, num_pool_tokens: in
         max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
         allocation=allocation,
         preemption_mode=preemption_mode, share_blocks=share_blocks,
-        kv_cache_dtype=kv_cache_dtype,
+        kv_cache_dtype=kv_cache_dtype, **tier,
     )
     return LLMEngine(config, loaded=loaded)

@@ -19,6 +19,9 @@ from experiments.paper import (  # noqa: E402
     FIGURE15_MEMORY_SAVED_PCT,
 )
 
+SMOKE_NOTE = ("smoke run (--quick): for the figure run python -m experiments.sweep "
+              "--studies {studies}; measured: docs/results.md")
+
 POLICY_STYLE = {
     "paged": ("jpaged (paged)", "tab:blue", "o"),
     "orca-oracle": ("Orca (Oracle)", "tab:green", "s"),
@@ -290,9 +293,114 @@ def accelerator_figures(section: dict, figure12: dict, out_dir: Path) -> list[st
     return names
 
 
+def _rate_panel(ax, result: dict, title: str) -> None:
+    """Normalized latency against rate per server of a rate_search result, each
+    capacity dashed, the threshold dotted."""
+    for server, points in result["curves"].items():
+        label, color, marker = POLICY_STYLE[server]
+        ax.plot([p["request_rate"] for p in points],
+                [p["normalized_latency_s_mean"] for p in points], marker=marker, color=color,
+                label=label)
+        ax.axvline(result["capacity_requests_per_s"][server], color=color, linestyle="--",
+                   alpha=0.5)
+    ax.axhline(result["threshold_normalized_latency_s"], color="black", linestyle=":",
+               label="threshold")
+    ax.set_xlabel("Request rate (req/s, virtual clock)")
+    ax.set_ylabel("Normalized latency (s/token)")
+    ax.set_yscale("log")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+
+
+def _ratio(result: dict) -> tuple[float, str]:
+    """paged / orca-oracle: the sustained-rate ratio, else the capacity ratio."""
+    if "rate_ratios" in result:
+        return result["rate_ratios"]["rate_ratio_vs_orca_oracle"], "sustained rate"
+    return result["capacity_ratios"]["capacity_ratio_vs_orca_oracle"], "capacity"
+
+
+def shared_prefix(section: dict, out_dir: Path, smoke: bool) -> str:
+    """Figure 16: each prefix's curves on the engine, and paged / Orca (Oracle) on the
+    engine and in simulation beside the paper's."""
+    prefixes = section["prefixes"]
+    with_curves = {p: r["engine"] for p, r in prefixes.items() if "curves" in r["engine"]}
+    fig, axes = plt.subplots(1, len(with_curves) + 1, figsize=(5.0 * (len(with_curves) + 1), 4.4),
+                             squeeze=False)
+    for ax, (prefix, engine) in zip(axes[0], with_curves.items(), strict=False):
+        _rate_panel(ax, engine, f"{prefix} prefix ({engine['prefix_tokens']} tokens), pool "
+                                f"{engine['pool_tokens']} tokens")
+    ax = axes[0][-1]
+    names = list(prefixes)
+    bars = (("engine", "tab:blue"), ("simulator", "tab:purple"))
+    for i, (where, color) in enumerate(bars):
+        values = [_ratio(prefixes[p][where])[0] for p in names]
+        ax.bar([x + (i - 1) * 0.27 for x in range(len(names))], values, width=0.27,
+               color=color, label=f"{where} ({_ratio(prefixes[names[0]][where])[1]})")
+    ax.bar([x + 0.27 for x in range(len(names))],
+           [section["paper_rate_ratio"][p] for p in names], width=0.27, color="gray",
+           label="paper (LLaMA-13B, A100)")
+    ax.axhline(1.0, color="black", linestyle=":")
+    ax.set_xticks(range(len(names)), names)
+    ax.set_ylabel("paged / Orca (Oracle)")
+    ax.set_title("Sustained rate (or capacity), paged over Orca (Oracle)", fontsize=9)
+    ax.legend(fontsize=7)
+    title = "Figure 16: a shared translation prefix, SmolLM2-135M on CPU and simulated"
+    fig.suptitle(title + ("\n" + SMOKE_NOTE.format(studies="prefix") if smoke else ""),
+                 fontsize=10)
+    return _save(fig, out_dir, "figure16_shared_prefix.png")
+
+
+def chatbot(section: dict, out_dir: Path, smoke: bool) -> str:
+    """Figure 17's curves (or capacities), the replay's time to first token per arm, and
+    a block recomputed against loaded."""
+    fig, (left, middle, right) = plt.subplots(1, 3, figsize=(15.0, 4.4))
+    chat = section["figure17"]
+    if "curves" in chat:
+        _rate_panel(left, chat, f"Figure 17: prompts cut to {chat['settings']['prompt_cut']} "
+                                f"tokens, pool {chat['pool_tokens']} tokens")
+    else:
+        policies = list(chat["capacity_requests_per_s"])
+        left.bar(range(len(policies)), [chat["capacity_requests_per_s"][p] for p in policies],
+                 color=[POLICY_STYLE[p][1] for p in policies])
+        left.set_xticks(range(len(policies)), [SYSTEM_LABELS[p] for p in policies])
+        left.set_ylabel("Capacity (req/s, virtual clock)")
+        left.set_title("Figure 17: capacity, every request queued at once", fontsize=9)
+    arms = section["replay"]["arms"]
+    names = list(arms)
+    for i, (stat, color) in enumerate((("mean", "tab:blue"), ("p90", "tab:orange"))):
+        middle.bar([x + (i - 0.5) * 0.4 for x in range(len(names))],
+                   [arms[a][f"ttft_s_{stat}"] for a in names], width=0.4, color=color,
+                   label=stat)
+    middle.set_xticks(range(len(names)), [f"{a}\n{arms[a]['device_pool_tokens']} tok"
+                                          for a in names], fontsize=8)
+    middle.set_ylabel("Time to first token (s, virtual clock)")
+    middle.set_title("Conversations replayed, KV kept between rounds", fontsize=9)
+    middle.legend(fontsize=7)
+    costs = section["block_costs"]
+    wheres = (("engine", "this CPU (measured)"), ("gpu_projection", "A100 + PCIe (model)"))
+    for i, (kind, color) in enumerate((("recompute", "tab:red"), ("load", "tab:green"))):
+        right.bar([x + (i - 0.5) * 0.4 for x in range(len(wheres))],
+                  [costs[w][f"{kind}_ms_per_block"] for w, _ in wheres], width=0.4,
+                  color=color, label=kind)
+    right.set_xticks(range(len(wheres)), [label for _, label in wheres])
+    right.set_yscale("log")
+    right.set_ylabel("ms per block")
+    right.set_title("A prompt block: recomputed or loaded from host memory", fontsize=9)
+    right.legend(fontsize=7)
+    title = "Figure 17 and past it: conversations, SmolLM2-135M on CPU"
+    fig.suptitle(title + ("\n" + SMOKE_NOTE.format(studies="chatbot") if smoke else ""),
+                 fontsize=10)
+    return _save(fig, out_dir, "figure17_chatbot.png")
+
+
 def draw_all(report: dict, out_dir: Path) -> list[str]:
     """Every figure whose data the report holds; the PNG file names written."""
     names = []
+    smoke = report.get("args", {}).get("quick") == "True"
+    if "figure16" in report:
+        names.append(shared_prefix(report["figure16"], out_dir, smoke))
+    if "figure17" in report:
+        names.append(chatbot(report["figure17"], out_dir, smoke))
     if "runs" in report:
         names.append(memory_breakdown(report["runs"], out_dir))
         names.append(block_size_memory(report["runs"], out_dir))

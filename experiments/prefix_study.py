@@ -20,10 +20,11 @@ memory binds as it did there. Requests: three times what the pool holds for
 orca-oracle (the rate study's rule). Rates, threshold and sustained rate: the rate
 study's rules (experiments.rate_study.RateRules).
 
-The same traces then run in the simulator (experiments.simulator) on a LLaMA-13B /
-A100-40GB step-cost clock at the paper's pool, vLLM's limits (256 sequences, a
-2,048-token step), the reserved prefix held by one more holder, beside the paper's
-1.67x (1-shot) and 3.58x (5-shot).
+The same trace generator then runs in the simulator (experiments.simulator) on a
+LLaMA-13B / A100-40GB step-cost clock at the paper's pool and vLLM's limits (256
+sequences, a 2,048-token step), as many requests as the same rule gives there, the
+reserved prefix held by one more holder, beside the paper's 1.67x (1-shot) and 3.58x
+(5-shot).
 """
 
 from __future__ import annotations
@@ -56,17 +57,25 @@ SIM_LIMITS = dict(max_num_seqs=256, max_num_batched_tokens=2048, max_model_len=2
 
 @dataclass(frozen=True)
 class PrefixSettings:
-    """One prefix's runs on the engine (curves=False: capacities only)."""
+    """One prefix's runs on the engine: the paper's pool and sequence cap times
+    pool_scale; num_requests, None for the rule's (`num_requests`); curves=False
+    measures the capacities only."""
 
     prefix: str
     pool_scale: float = 1.0
     block_size: int = 16
-    max_num_seqs: int = 256
     max_num_batched_tokens: int = 512
     reserve: bool = False
     curves: bool = True
+    num_requests: int | None = None
     rules: RateRules = field(default_factory=RateRules)
     seed: int = 0
+
+    @property
+    def max_num_seqs(self) -> int:
+        """vLLM's 256 sequences scaled as the pool is: whichever of memory and the cap
+        binds at the paper's pool binds here."""
+        return max(1, round(SIM_LIMITS["max_num_seqs"] * self.pool_scale))
 
     @property
     def pool_tokens(self) -> int:
@@ -75,13 +84,15 @@ class PrefixSettings:
         return blocks * self.block_size
 
 
-def num_requests(prompts: TranslationPrompts, pool_tokens: int, vocab_size: int,
-                 seed: int) -> int:
-    """Three times the requests of the workload's mean length (prompt + output) the pool
-    holds for orca-oracle, from a large sample of the same distribution."""
+def num_requests(prompts: TranslationPrompts, pool_tokens: int, max_num_seqs: int,
+                 vocab_size: int, seed: int) -> int:
+    """The rate study's rule: three times the most requests a server holds at once, here
+    the more of the sequence cap (what paged, sharing the prefix, nearly reaches at the
+    paper's pool) and the requests of the workload's mean length (prompt + output, from
+    a large sample of it) the pool holds for orca-oracle."""
     sample = translation_workload(prompts, 1000, vocab_size=vocab_size, seed=seed + 1)
     mean_len = float(np.mean([r.total_len for r in sample]))
-    return math.ceil(3 * pool_tokens / mean_len)
+    return math.ceil(3 * max(pool_tokens / mean_len, max_num_seqs))
 
 
 def longest_request(prompts: TranslationPrompts) -> int:
@@ -118,7 +129,8 @@ def engine_runs(loaded, settings: PrefixSettings, vocab_size: int) -> dict:
     """The prefix's Figure 16 on the engine."""
     prompts = TranslationPrompts.of(loaded[2], settings.prefix)
     pool = settings.pool_tokens
-    count = num_requests(prompts, pool, vocab_size, settings.seed)
+    count = settings.num_requests or num_requests(prompts, pool, settings.max_num_seqs,
+                                                  vocab_size, settings.seed)
     limits = dict(block_size=settings.block_size, num_pool_tokens=pool,
                   max_num_seqs=settings.max_num_seqs,
                   max_num_batched_tokens=settings.max_num_batched_tokens,
@@ -139,7 +151,8 @@ def engine_runs(loaded, settings: PrefixSettings, vocab_size: int) -> dict:
     result = rate_search(run_at, SERVERS, settings.rules, settings.curves)
     trace = translation_workload(prompts, count, vocab_size=vocab_size, seed=settings.seed)
     return {"settings": dataclasses.asdict(settings), "pool_tokens": pool,
-            "prefix_held": "reserved" if settings.reserve else "prefix cache",
+            "max_num_seqs": settings.max_num_seqs,
+            "prefix_held": "reserved" if settings.reserve else "held by the prefix cache",
             **workload_stats(trace, prompts), **result}
 
 
@@ -183,8 +196,8 @@ def run(loaded, settings: list[PrefixSettings], vocab_size: int, progress) -> di
         progress(f"figure 16 {prefix} on the engine: {engine['capacity_ratios']} "
                  f"{engine.get('rate_ratios')}")
         prompts = TranslationPrompts.of(loaded[2], prefix)
-        paper_count = num_requests(prompts, paper_pool_tokens(), vocab_size,
-                                   prefix_settings.seed)
+        paper_count = num_requests(prompts, paper_pool_tokens(), SIM_LIMITS["max_num_seqs"],
+                                   vocab_size, prefix_settings.seed)
         sim = simulated(prompts, paper_count, vocab_size, prefix_settings)
         progress(f"figure 16 {prefix} in simulation: {sim['rate_ratios']}")
         out["prefixes"][prefix] = {"engine": engine, "simulator": sim,

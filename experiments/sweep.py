@@ -72,7 +72,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from experiments import engine_studies, figures, paper, rate_study
+from experiments import chatbot_study, engine_studies, figures, paper, rate_study
 from experiments.paper import FIGURE2_SHAREGPT_TOKEN_STATES_PCT, FIGURE15_MEMORY_SAVED_PCT
 from experiments.report import new_report
 from experiments.simulator import SimConfig, simulate
@@ -301,14 +301,19 @@ def write_csv(path: Path, rows: list[dict]) -> None:
         writer.writerows(rows)
 
 
-STUDIES = ("memory", "rate", "block-size", "preemption", "kv-dtype", "sharing", "accelerators")
+DEFAULT_STUDIES = ("memory", "rate", "block-size", "preemption", "kv-dtype", "sharing",
+                   "accelerators")
+# Run when asked for (--studies): past the README's main job's budget.
+STUDIES = (*DEFAULT_STUDIES, "prefix", "chatbot")
 ENGINE_STUDIES = STUDIES[1:]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--studies", type=lambda s: s.split(","), default=list(STUDIES),
-                        help=f"comma-separated, of {','.join(STUDIES)}")
+    parser.add_argument("--studies", type=lambda s: s.split(","),
+                        default=list(DEFAULT_STUDIES),
+                        help=f"comma-separated, of {','.join(STUDIES)} (default "
+                             f"{','.join(DEFAULT_STUDIES)})")
     parser.add_argument("--quick", action="store_true",
                         help="every study with small settings (a few minutes)")
     parser.add_argument(
@@ -329,6 +334,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device-calibration", type=Path, default=None,
                         help="a benchmarks.accelerator report whose fitted step cost "
                              "replaces its device's assumed one in the accelerators study")
+    parser.add_argument("--prefix-pool-scale", type=float, default=0.125,
+                        help="the prefix study's pool and sequence cap as a share of the "
+                             "paper's (1: its 15,728 token slots and 256 sequences)")
+    parser.add_argument("--reserve-prefix", action=argparse.BooleanOptionalAction,
+                        default=False,
+                        help="the prefix study's paged server reserves the prefix before "
+                             "each run (else the prefix cache holds it while in use)")
+    parser.add_argument("--chatbot-prompt-cut", type=int, default=128,
+                        help="the chatbot's prompt cut and output cap, N (the paper's 1024)")
+    parser.add_argument("--replay-arms", type=lambda s: s.split(","),
+                        default=list(chatbot_study.ARMS),
+                        help=f"comma-separated, of {','.join(chatbot_study.ARMS)}")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--jobs", type=int, default=2, help="simulations run in parallel")
     parser.add_argument("--out-dir", type=Path, default=Path("results"))
