@@ -22,6 +22,12 @@ from experiments.paper import (  # noqa: E402
 SMOKE_NOTE = ("smoke run (--quick): for the figure run python -m experiments.sweep "
               "--studies {studies}; measured: docs/results.md")
 
+
+def _title(fig, title: str, smoke: bool, studies: str) -> None:
+    """The figure's title; a --quick run's says it is a smoke run and where the figure is."""
+    fig.suptitle(title + ("\n" + SMOKE_NOTE.format(studies=studies) if smoke else ""),
+                 fontsize=10 if smoke else None)
+
 POLICY_STYLE = {
     "paged": ("jpaged (paged)", "tab:blue", "o"),
     "orca-oracle": ("Orca (Oracle)", "tab:green", "s"),
@@ -74,7 +80,7 @@ def memory_breakdown(runs: list[dict], out_dir: Path) -> str:
     return _save(fig, out_dir, "figure2_memory_breakdown.png")
 
 
-def latency_vs_rate(figure12: dict, out_dir: Path) -> str:
+def latency_vs_rate(figure12: dict, out_dir: Path, smoke: bool = False) -> str:
     """Figure 12: mean normalized latency against request rate, one panel per dataset
     with curves, each policy's capacity marked; then every dataset's capacities."""
     with_curves = {dataset: r for dataset, r in figure12.items() if "curves" in r}
@@ -97,7 +103,7 @@ def latency_vs_rate(figure12: dict, out_dir: Path) -> str:
         ax.set_yscale("log")
         ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=3)
     capacity_bars(figure12, axes[0][-1])
-    fig.suptitle("Figure 12 on the engine: SmolLM2-135M on CPU")
+    _title(fig, "Figure 12 on the engine: SmolLM2-135M on CPU", smoke, "rate")
     return _save(fig, out_dir, "figure12_latency_vs_rate.png")
 
 
@@ -142,7 +148,7 @@ def _workload_name(run: dict) -> str:
     return run["dataset"] + (f"+{prefix}" if prefix else "")
 
 
-def block_size_engine(rows: list[dict], out_dir: Path) -> str:
+def block_size_engine(rows: list[dict], out_dir: Path, smoke: bool = False) -> str:
     """Figure 18: normalized latency and attention time per step against block size."""
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     sizes = [r["block_size"] for r in rows]
@@ -155,11 +161,11 @@ def block_size_engine(rows: list[dict], out_dir: Path) -> str:
     right.set_title("Attention op alone, same steps")
     for ax in (left, right):
         _block_size_axis(ax, sizes)
-    fig.suptitle("Figure 18 on the engine: SmolLM2-135M on CPU")
+    _title(fig, "Figure 18 on the engine: SmolLM2-135M on CPU", smoke, "block-size")
     return _save(fig, out_dir, "figure18_block_size_engine.png")
 
 
-def preemption_cost(figure19: dict, out_dir: Path) -> str:
+def preemption_cost(figure19: dict, out_dir: Path, smoke: bool = False) -> str:
     """Figure 19: (a) swapping and recomputing one sequence, (b) normalized latency
     of a burst that preempts, with each mode, against block size."""
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
@@ -196,11 +202,11 @@ def preemption_cost(figure19: dict, out_dir: Path) -> str:
     _block_size_axis(right, sizes)
     left.legend(fontsize=8)
     right.legend(fontsize=8, title="numbers: preemptions", title_fontsize=8)
-    fig.suptitle("Figure 19 on the engine: recompute vs swap")
+    _title(fig, "Figure 19 on the engine: recompute vs swap", smoke, "preemption")
     return _save(fig, out_dir, "figure19_preemption_cost.png")
 
 
-def sharing_savings(rows: list[dict], out_dir: Path) -> str:
+def sharing_savings(rows: list[dict], out_dir: Path, smoke: bool = False) -> str:
     """Figures 14 and 15: memory saved and throughput gain by block sharing."""
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     for kind, color in (("parallel", "tab:blue"), ("beam", "tab:orange")):
@@ -221,8 +227,8 @@ def sharing_savings(rows: list[dict], out_dir: Path) -> str:
         ax.set_xticks(sorted({r["degree"] for r in rows}))
         ax.set_xlabel("Number of samples / beam width")
         ax.legend(fontsize=8)
-    fig.suptitle(f"Figures 14 and 15 on the engine: {DATASET_LABELS[rows[0]['dataset']]} "
-                 "requests")
+    _title(fig, f"Figures 14 and 15 on the engine: {DATASET_LABELS[rows[0]['dataset']]} "
+                "requests", smoke, "sharing")
     return _save(fig, out_dir, "figures14_15_sharing.png")
 
 
@@ -249,7 +255,8 @@ def _curve_panel(ax, result: dict, title: str, engine: dict | None = None) -> No
     ax.legend(fontsize=7, loc="upper left")
 
 
-def accelerator_figures(section: dict, figure12: dict, out_dir: Path) -> list[str]:
+def accelerator_figures(section: dict, figure12: dict, out_dir: Path, smoke: bool = False
+                        ) -> list[str]:
     """The accelerators study: the calibration's held-out steps and the CPU check, Figure
     12 in simulation on an A100, and the projections."""
     scenarios = section["scenarios"]
@@ -276,6 +283,8 @@ def accelerator_figures(section: dict, figure12: dict, out_dir: Path) -> list[st
     _curve_panel(check_ax, scenarios["cpu-smollm2-sharegpt"],
                  "SmolLM2-135M on this CPU: simulated (solid), engine (dashed)",
                  engine=figure12["sharegpt"])
+    if smoke:  # its engine steps and curves are the quick rate study's
+        _title(fig, "Calibration and CPU check", smoke, "rate,accelerators")
     names = [_save(fig, out_dir, "accelerators_cpu_check.png")]
     for name, keys, title in (
             ("accelerators_figure12_a100.png", ("a100-opt13b-sharegpt", "a100-opt13b-alpaca"),
@@ -344,9 +353,8 @@ def shared_prefix(section: dict, out_dir: Path, smoke: bool) -> str:
     ax.set_ylabel("paged / Orca (Oracle)")
     ax.set_title("Sustained rate (or capacity), paged over Orca (Oracle)", fontsize=9)
     ax.legend(fontsize=7)
-    title = "Figure 16: a shared translation prefix, SmolLM2-135M on CPU and simulated"
-    fig.suptitle(title + ("\n" + SMOKE_NOTE.format(studies="prefix") if smoke else ""),
-                 fontsize=10)
+    _title(fig, "Figure 16: a shared translation prefix, SmolLM2-135M on CPU and simulated",
+           smoke, "prefix")
     return _save(fig, out_dir, "figure16_shared_prefix.png")
 
 
@@ -387,9 +395,7 @@ def chatbot(section: dict, out_dir: Path, smoke: bool) -> str:
     right.set_ylabel("ms per block")
     right.set_title("A prompt block: recomputed or loaded from host memory", fontsize=9)
     right.legend(fontsize=7)
-    title = "Figure 17 and past it: conversations, SmolLM2-135M on CPU"
-    fig.suptitle(title + ("\n" + SMOKE_NOTE.format(studies="chatbot") if smoke else ""),
-                 fontsize=10)
+    _title(fig, "Figure 17 and past it: conversations, SmolLM2-135M on CPU", smoke, "chatbot")
     return _save(fig, out_dir, "figure17_chatbot.png")
 
 
@@ -405,13 +411,13 @@ def draw_all(report: dict, out_dir: Path) -> list[str]:
         names.append(memory_breakdown(report["runs"], out_dir))
         names.append(block_size_memory(report["runs"], out_dir))
     if "figure12" in report:
-        names.append(latency_vs_rate(report["figure12"], out_dir))
+        names.append(latency_vs_rate(report["figure12"], out_dir, smoke))
     if "figure18" in report:
-        names.append(block_size_engine(report["figure18"], out_dir))
+        names.append(block_size_engine(report["figure18"], out_dir, smoke))
     if "figure19" in report:
-        names.append(preemption_cost(report["figure19"], out_dir))
+        names.append(preemption_cost(report["figure19"], out_dir, smoke))
     if "figures14_15" in report:
-        names.append(sharing_savings(report["figures14_15"], out_dir))
+        names.append(sharing_savings(report["figures14_15"], out_dir, smoke))
     if "accelerators" in report:
-        names += accelerator_figures(report["accelerators"], report["figure12"], out_dir)
+        names += accelerator_figures(report["accelerators"], report["figure12"], out_dir, smoke)
     return names

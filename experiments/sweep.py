@@ -461,6 +461,11 @@ def main(argv: list[str] | None = None) -> None:
     (args.out_dir / "sweep.json").write_text(json.dumps(report, indent=1, default=str))
     summary = engine_studies.summary_rows(report)
     print(f"\nSummary\n{format_table(summary)}")
+    if args.quick and selected:
+        # Too few requests for the engine's figures to separate the systems: say so.
+        print("\n--quick is a smoke run of the pipeline: its engine figures are titled so. "
+              "The figures: python -m experiments.sweep [--studies ...]; measured: "
+              "docs/results.md")
     print(f"\nthe sweep took {report['wall_s']:.0f} s wall clock; results in {args.out_dir}/")
 
 
