@@ -1,11 +1,12 @@
 """The paper's studies: memory in simulation, serving on the real engine, with figures.
 
     python -m experiments.sweep [--studies memory,rate,block-size,preemption,kv-dtype,sharing,
-                                           accelerators]
+                                           accelerators,prefix,chatbot]
                                 [--quick] [--out-dir results]
 
-Studies (all by default; --quick runs each with small settings in a few
-minutes, to check the pipeline rather than the numbers):
+Studies (all but prefix and chatbot by default; --quick runs each with small
+settings in a few minutes, to check the pipeline rather than the numbers: its
+engine figures are titled as smoke runs):
 
 - memory: the model-free simulator (below);
 - rate: the paper's Figure 12 on the real engine (experiments.rate_study:
@@ -22,7 +23,14 @@ minutes, to check the pipeline rather than the numbers):
   (experiments.step_cost), calibrated on this CPU by the rate study's engine
   steps (selecting it selects rate), checked against the engine's rate ratios,
   then Figure 12 for OPT-13B on an A100 and projections for a Llama-3-8B-shaped
-  model on an H200 and a TPU v5e-4 (experiments.accelerator_study).
+  model on an H200 and a TPU v5e-4 (experiments.accelerator_study);
+- prefix: Figure 16, translation behind a shared 1-shot or 5-shot prefix, paged
+  against Orca (Oracle) on the engine and in simulation at LLaMA-13B / A100 shapes
+  (experiments.prefix_study);
+- chatbot: Figure 17, conversation rounds with no KV kept between them, paged
+  against Orca's three policies; then the conversations replayed round after round
+  with no cache, the device's prefix cache, a host tier, and a device pool of the
+  tier's bytes; and a block recomputed against loaded (experiments.chatbot_study).
 
 The real-engine studies run the default model (SmolLM2-135M-Instruct, float32)
 with Poisson arrivals replayed on a virtual clock of measured step times
