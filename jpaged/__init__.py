@@ -20,6 +20,7 @@ if TYPE_CHECKING:
         CompletionOutput,
         Logprob,
         RequestOutput,
+        ReservedPrefix,
     )
     from jpaged.sampling_params import (
         BeamSearchParams,
@@ -39,6 +40,7 @@ _MODULE_OF = {
     "Logprob": "jpaged.outputs",
     "RequestOutput": "jpaged.outputs",
     "RequestOutputKind": "jpaged.sampling_params",
+    "ReservedPrefix": "jpaged.outputs",
     "SamplingParams": "jpaged.sampling_params",
     "StructuredOutputsParams": "jpaged.sampling_params",
     "TextPrompt": "jpaged.inputs",
@@ -56,6 +58,7 @@ __all__ = [
     "Logprob",
     "RequestOutput",
     "RequestOutputKind",
+    "ReservedPrefix",
     "SamplingParams",
     "StructuredOutputsParams",
     "TextPrompt",

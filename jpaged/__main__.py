@@ -50,6 +50,11 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--enable-prompt-tokens-details", action="store_true",
                        help="report in each response's usage the prompt tokens the prefix "
                        "cache served (usage.prompt_tokens_details.cached_tokens)")
+    serve.add_argument("--reserved-system-prompt", action="append", default=[],
+                       metavar="TEXT",
+                       help="keep the KV blocks of this system prompt, as the chat template "
+                       "renders it (the text itself without a template), for every chat "
+                       "request that opens with it; repeatable")
     serve.add_argument("--warmup", action="store_true",
                        help="compile every step shape before accepting requests (slower "
                        "start-up; no compile pauses while serving)")
@@ -95,6 +100,10 @@ def _parser() -> argparse.ArgumentParser:
                          "more than the sequences that can run at once fill: generate runs "
                          "its prompts, chat one conversation)")
         sub.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks")
+        sub.add_argument("--kv-offloading-size", type=float, default=None, metavar="GIB",
+                         help="host memory for KV blocks in GiB: the prefix cache's second "
+                         "tier (prefixes that left the device are loaded back, not "
+                         "recomputed) and swap space (default: none)")
         sub.add_argument("--max-model-len", type=int, default=None)
         sub.add_argument("--allocation", choices=ALLOCATIONS, default="paged",
                          help="KV allocation: paged, or an Orca baseline reserving each "
@@ -154,7 +163,8 @@ def _llm(args: argparse.Namespace) -> LLM:
               if getattr(args, name) is not None}
     return LLM(args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
                block_size=args.block_size, num_blocks=args.num_blocks,
-               kv_cache_memory=memory, max_model_len=args.max_model_len,
+               kv_cache_memory=memory, kv_offloading_size=args.kv_offloading_size,
+               max_model_len=args.max_model_len,
                attention_backend=args.attention_backend, allocation=args.allocation,
                disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
                tensor_parallel_size=args.tensor_parallel_size,
@@ -236,9 +246,14 @@ def _chat(llm: LLM, args: argparse.Namespace) -> None:
 
 def _serve(llm: LLM, args: argparse.Namespace) -> None:
     from jpaged.engine.mirror import RequestMirror, follow
-    from jpaged.entrypoints.server import serve  # the HTTP stack loads only for this command
+    from jpaged.entrypoints.server import (  # the HTTP stack loads only for this command
+        reserve_system_prompts,
+        serve,
+    )
 
     engine = llm.engine
+    # Every process reserves: their engines step in lockstep.
+    reserve_system_prompts(engine, args.reserved_system_prompt)
     if not _is_first_process(args):
         if args.warmup:
             engine.warmup()

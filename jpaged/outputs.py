@@ -116,6 +116,26 @@ class RequestOutput:
     num_cached_tokens: int | None = None
 
 
+@dataclass(frozen=True)
+class ReservedPrefix:
+    """A prefix whose full KV blocks stay in the device pool until it is released
+    (`LLM.reserve_prefix`; the paper's Section 4.4: a shared prefix stored in advance).
+
+    prefix_id:         names it to `release_prefix`; never reused.
+    num_tokens:        the prefix's tokens.
+    num_cached_tokens: of those, the tokens of its full blocks: what a request whose
+                       prompt extends the prefix finds cached (its
+                       `RequestOutput.num_cached_tokens`); 0 for a prefix shorter than
+                       a block, which holds nothing.
+    num_blocks:        device blocks it holds, over every KV cache group.
+    """
+
+    prefix_id: int
+    num_tokens: int
+    num_cached_tokens: int
+    num_blocks: int
+
+
 @dataclass
 class BeamSearchSequence:
     """One beam: `tokens` holds the prompt and the output, as in vLLM; `text` and

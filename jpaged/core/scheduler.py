@@ -70,7 +70,8 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig, block_manager: KVCacheManager):
         if config.preemption_mode == "swap" and block_manager.num_host_blocks == 0:
-            raise ValueError("preemption_mode='swap' needs host blocks, but num_host_blocks is 0")
+            raise ValueError("preemption_mode='swap' needs a host pool, but it has no blocks: "
+                             "give kv_offloading_size (GiB of host memory)")
         self.config = config
         self.block_manager = block_manager
         self.waiting: deque[SequenceGroup] = deque()

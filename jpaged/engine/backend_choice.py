@@ -19,7 +19,7 @@ logger = logging.getLogger("jpaged")
 
 
 def start_runner(config: EngineConfig, model: LlamaForCausalLM, model_config: LlamaConfig, *,
-                 num_blocks: int, max_model_len: int, mesh: Mesh | None,
+                 num_blocks: int, num_host_blocks: int, max_model_len: int, mesh: Mesh | None,
                  groups: KVCacheGroups) -> tuple[ModelRunner, StepShapes]:
     """The runner on the configured backend or else the device's own, and its step shapes.
 
@@ -31,8 +31,8 @@ def start_runner(config: EngineConfig, model: LlamaForCausalLM, model_config: Ll
     requested = config.attention_backend
     backend = requested or device_attention_backend()
     try:
-        return _runner_on(backend, config, model, model_config, num_blocks, max_model_len, mesh,
-                          groups)
+        return _runner_on(backend, config, model, model_config, num_blocks, num_host_blocks,
+                          max_model_len, mesh, groups)
     except Exception as error:
         if requested is not None:
             if isinstance(error, ValueError):
@@ -45,12 +45,12 @@ def start_runner(config: EngineConfig, model: LlamaForCausalLM, model_config: Ll
     # Out of the except block, so the failed runner and its KV cache are freed first.
     logger.warning("the default %r attention kernel cannot run on this %s device (%s); "
                    "using the 'xla' implementation", backend, jax.default_backend(), reason)
-    return _runner_on("xla", config, model, model_config, num_blocks, max_model_len, mesh,
-                      groups)
+    return _runner_on("xla", config, model, model_config, num_blocks, num_host_blocks,
+                      max_model_len, mesh, groups)
 
 
 def _runner_on(backend: AttentionBackend, config: EngineConfig, model, model_config, num_blocks,
-               max_model_len, mesh, groups) -> tuple[ModelRunner, StepShapes]:
+               num_host_blocks, max_model_len, mesh, groups) -> tuple[ModelRunner, StepShapes]:
     dtype = config.kv_dtype
     pallas = backend in ("tpu", "triton")
     if pallas:
@@ -58,7 +58,7 @@ def _runner_on(backend: AttentionBackend, config: EngineConfig, model, model_con
                                           model_config.head_dim)
     runner = ModelRunner(
         model, model_config, num_blocks=num_blocks, block_size=config.block_size,
-        num_host_blocks=config.num_host_blocks, kv_dtype=dtype, attention_backend=backend,
+        num_host_blocks=num_host_blocks, kv_dtype=dtype, attention_backend=backend,
         interpret=config.interpret, mesh=mesh, groups=groups,
         logit_rows_per_seq=1 + config.num_speculative_tokens,
     )

@@ -63,6 +63,15 @@ class EngineConfig:
     fragment nothing outside a sequence, unlike Orca's contiguous slabs: these
     policies flatter Orca.
 
+    kv_offloading_size: GiB of host memory for the host pool (vLLM's name): swap space
+    for `preemption_mode="swap"` and, with prefix caching, its second tier. Every
+    block the prefix cache registers is copied there, and a prompt whose prefix left
+    the device loads it back instead of computing it again (jpaged.memory.host_tier).
+    Swapped-out blocks are held; the tier's copies are evicted least recently used
+    first, by swapping too. A host block holds the block of every device (tensor
+    parallelism) and of a draft model. num_host_blocks: the same pool in blocks, a
+    deprecated alias.
+
     kv_cache_dtype: what the KV cache stores. "auto" is the model's dtype;
     "float32", "bfloat16" and "float16" store K/V in that dtype; "int8",
     "fp8_e4m3" and "fp8_e5m2" store 1-byte values with one float32 scale per
@@ -113,6 +122,7 @@ class EngineConfig:
     num_blocks: int | None = None
     kv_cache_memory: int | None = None
     kv_cache_fraction: float | None = None
+    kv_offloading_size: float | None = None
     num_host_blocks: int = 0
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
@@ -164,6 +174,7 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be one of "
                              f"{kernels_pallas.IMPLEMENTATIONS} or None, got "
                              f"{self.attention_backend!r}")
+        self._check_host_pool()
         minimums = {"block_size": 1, "num_blocks": 2, "kv_cache_memory": 1, "max_num_seqs": 1,
                     "max_num_batched_tokens": 1, "max_model_len": 1, "max_logprobs": 1,
                     "tensor_parallel_size": 1, "data_parallel_size": 1, "num_decode_steps": 1}
@@ -184,6 +195,24 @@ class EngineConfig:
                                      or not 0.0 < fraction <= 1.0):
             raise ValueError(f"kv_cache_fraction must be in (0, 1], got {fraction!r}")
         step_modes.check_conflicts(self)
+
+    def _check_host_pool(self) -> None:
+        size = self.kv_offloading_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int | float)
+                                 or not size >= 0):
+            raise ValueError(f"kv_offloading_size must be a number of GiB >= 0, got {size!r}")
+        if isinstance(self.num_host_blocks, bool) or not isinstance(self.num_host_blocks,
+                                                                    int | np.integer):
+            raise TypeError(f"num_host_blocks must be an int, got "
+                            f"{type(self.num_host_blocks).__name__} {self.num_host_blocks!r}")
+        if self.num_host_blocks < 0:
+            raise ValueError(f"num_host_blocks must be >= 0, got {self.num_host_blocks}")
+        if self.num_host_blocks and size is not None:
+            raise ValueError("give kv_offloading_size (GiB) or the deprecated num_host_blocks, "
+                             "not both")
+        if self.preemption_mode == "swap" and not (size or self.num_host_blocks):
+            raise ValueError("preemption_mode='swap' needs a host pool: give "
+                             "kv_offloading_size (GiB of host memory)")
 
     @property
     def kv_dtype(self) -> jnp.dtype:

@@ -39,9 +39,10 @@ from jpaged.engine.lockstep import (
 from jpaged.engine.protocol import EngineState
 from jpaged.engine.stats import CombinedStats
 from jpaged.inputs import PromptType
+from jpaged.memory.reserved_prefixes import check_prefix_id
 from jpaged.model.config import LlamaConfig
 from jpaged.model.loader import load_model
-from jpaged.outputs import RequestOutput
+from jpaged.outputs import RequestOutput, ReservedPrefix
 from jpaged.sampling_params import BeamSearchParams, SamplingParams
 
 
@@ -81,6 +82,8 @@ class DataParallelEngine:
         self.max_model_len = self.replicas[0].max_model_len
         self._replica_of: dict[str, int] = {}
         self._routing = b""  # a digest of every add and abort so far
+        # A reserved prefix's id (the first replica's) -> each replica's ReservedPrefix.
+        self._reserved: dict[int, list[ReservedPrefix]] = {}
         self._threads = ThreadPoolExecutor(len(self.replicas), thread_name_prefix="jpaged-dp")
 
     @property
@@ -135,6 +138,32 @@ class DataParallelEngine:
             self._route(f"-{request_id}")
         if index in self._local:
             self._local[index].abort(request_id)
+
+    def reserve_prefix(self, prompt: str | list[int], cache_salt: str | None = None
+                       ) -> ReservedPrefix:
+        """`LLMEngine.reserve_prefix` in every replica (in a job of several processes,
+        each process's replicas): all or none hold it; the first replica's id names it."""
+        prefixes: list[ReservedPrefix] = []
+        try:
+            for replica in self.replicas:
+                prefixes.append(replica.reserve_prefix(prompt, cache_salt))
+        except BaseException:
+            for replica, prefix in zip(self.replicas, prefixes, strict=False):
+                replica.release_prefix(prefix)
+            raise
+        self._reserved[prefixes[0].prefix_id] = prefixes
+        return prefixes[0]
+
+    def release_prefix(self, prefix: ReservedPrefix | int) -> None:
+        """`LLMEngine.release_prefix` in every replica."""
+        prefix_id = check_prefix_id(prefix.prefix_id if isinstance(prefix, ReservedPrefix)
+                                    else prefix)
+        if prefix_id not in self._reserved:
+            raise ValueError(f"no prefix {prefix_id} is reserved (reserved: "
+                             f"{sorted(self._reserved)})")
+        for replica, replica_prefix in zip(self.replicas, self._reserved.pop(prefix_id),
+                                           strict=True):
+            replica.release_prefix(replica_prefix)
 
     def _route(self, change: str) -> None:
         """Fold a change of the routing into its digest, which the processes compare."""

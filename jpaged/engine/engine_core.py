@@ -58,6 +58,7 @@ class CoreOutput:
               the step runs: its tables' total length, and the distinct blocks in them.
     sampled, draw_rows, proposals: the step runner's (jpaged.worker.step_runner.StepResult).
     failed:   groups whose step failed (they finished with FINISHED_ERROR).
+    kv_lost:  whether the failed step lost the KV cache (it was allocated again).
     beam_results: request id -> best hypotheses, for beam searches that ended.
     error:    the exception of a failed step.
     """
@@ -73,6 +74,7 @@ class CoreOutput:
     failed: list[SequenceGroup] = field(default_factory=list)
     beam_results: dict[str, list[Hypothesis]] = field(default_factory=dict)
     error: BaseException | None = None
+    kv_lost: bool = False
 
     def take(self, result: StepResult) -> None:
         self.sampled, self.draw_rows, self.proposals = (result.sampled, result.draw_rows,
@@ -223,9 +225,11 @@ class EngineCore:
 
         The step's requests end with FINISHED_ERROR (their state may be half
         updated). Groups the step swapped out may hold garbage on the host: they
-        recompute. If the device call consumed the donated KV cache, every
-        device block is lost: the cache is allocated again, the prefix cache
-        forgets its blocks and every running group recomputes.
+        recompute, and the host tier's copies and the loaded blocks its block ops may
+        have left half written are forgotten. If the device call consumed the
+        donated KV cache, every device block is lost: the cache is allocated again,
+        the prefix cache forgets its blocks (and reserved prefixes theirs) and every
+        running group recomputes.
         """
         failed = output.failed = list({id(group): group for group in plan.groups}.values())
         output.error = error
@@ -240,7 +244,9 @@ class EngineCore:
             self.scheduler.fail(group.request_id)
         self.scheduler.recompute([g for g in plan.preempted
                                   if g.seqs_with(SequenceStatus.SWAPPED)])
+        self.kv_manager.forget_unapplied(plan.block_ops)
         if self.step_runner.recover_kv_cache():
+            output.kv_lost = True
             logger.error("the KV cache was lost with the step: reallocating it; running "
                          "requests recompute their tokens")
             self.scheduler.recompute(list(self.scheduler.running))

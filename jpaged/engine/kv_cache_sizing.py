@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass
 
 import jax
@@ -25,6 +26,8 @@ class KVCacheInfo:
     quantized). groups: how the layers share the blocks; a block holds block_size
     tokens of the layers_per_block layers of one group (all layers without groups).
     dtype: the name of what the pages store (EngineConfig.kv_cache_dtype, resolved).
+    num_host_blocks: blocks of the host pool (swap space and the prefix cache's host
+    tier), each holding a device block of every device (`num_shards` of them).
     """
 
     num_blocks: int
@@ -32,6 +35,8 @@ class KVCacheInfo:
     bytes_per_token: int
     groups: KVCacheGroups
     dtype: str = "float32"
+    num_host_blocks: int = 0
+    num_shards: int = 1
 
     @property
     def block_bytes(self) -> int:
@@ -42,16 +47,25 @@ class KVCacheInfo:
     def num_bytes(self) -> int:
         return self.num_blocks * self.block_bytes
 
+    @property
+    def host_block_bytes(self) -> int:
+        """Bytes of one host block: a device block of every device."""
+        return self.block_bytes * self.num_shards
+
     def __str__(self) -> str:
         groups, layout = self.groups, ""
         if groups.num_groups > 1:
             windows = ", ".join("global" if w is None else f"window {w}" for w in groups.windows)
             layout = (f"; {groups.num_groups} groups of {groups.layers_per_block} layers: "
                       f"{windows}")
+        host = ""
+        if self.num_host_blocks:
+            host = (f"; host pool (swap space and prefix cache tier): {self.num_host_blocks} "
+                    f"blocks, {self.num_host_blocks * self.host_block_bytes / 2**20:.1f} MiB")
         return (
             f"KV cache: {self.num_blocks - 1} blocks x {self.block_size} tokens, "
             f"{self.num_bytes / 2**20:.1f} MiB of {self.dtype} ({self.bytes_per_token} bytes "
-            f"per token{layout})"
+            f"per token{layout}){host}"
         )
 
 
@@ -150,5 +164,16 @@ def size_kv_cache(config: EngineConfig, model_config, model, max_model_len: int,
     num_blocks = kv_cache_num_blocks(config, max_model_len, info.block_bytes, memory, groups)
     # Processes of one job measure their own memory; their pools must be the same.
     num_blocks = lockstep.smallest_over_processes(num_blocks)
-    return dataclasses.replace(info, num_blocks=num_blocks)
+    info = dataclasses.replace(info, num_blocks=num_blocks, num_shards=model_config.shard_groups)
+    return dataclasses.replace(info, num_host_blocks=host_pool_blocks(config, info))
+
+
+def host_pool_blocks(config: EngineConfig, info: KVCacheInfo) -> int:
+    """Blocks of the host pool: `kv_offloading_size` GiB in whole host blocks (each a
+    device block of every device), or the deprecated `num_host_blocks`."""
+    if config.num_host_blocks:
+        warnings.warn("num_host_blocks is deprecated: use kv_offloading_size, the host pool's "
+                      "GiB (vLLM's name)", DeprecationWarning, stacklevel=2)
+        return config.num_host_blocks
+    return int((config.kv_offloading_size or 0) * 2**30) // info.host_block_bytes
 

@@ -9,10 +9,11 @@ A facade over three parts, each of which a request passes through once:
 
 `step()` runs the core once, hands its output to the output processor, ends
 the sequences a stop string ended (through the scheduler) and returns the
-outputs. Start-up decides what the config left to the engine against the machine and
-the model (the step modes' table: jpaged.core.step_modes), sizes the KV pool
-(jpaged.engine.kv_cache_sizing), picks the KV cache manager for `allocation` and starts
-the runner on its backend.
+outputs, less those of the internal requests that compute reserved prefixes
+(jpaged.engine.prefix_requests). Start-up decides what the config left to the engine
+against the machine and the model (the step modes' table: jpaged.core.step_modes), sizes
+the KV pool (jpaged.engine.kv_cache_sizing), picks the KV cache manager for `allocation`
+and starts the runner on its backend.
 """
 
 from __future__ import annotations
@@ -41,13 +42,15 @@ from jpaged.engine.input_processor import EngineRequest, InputProcessor, Request
 from jpaged.engine.kv_cache_sizing import size_kv_cache
 from jpaged.engine.kv_managers import KVManager, kv_cache_groups, make_kv_manager
 from jpaged.engine.output_processor import OutputProcessor
+from jpaged.engine.prefix_requests import PrefixRequests
 from jpaged.engine.protocol import EngineState
 from jpaged.engine.stats import EngineStats, SpecDecodeCounts
 from jpaged.inputs import PromptType
+from jpaged.memory.reserved_prefixes import check_token_ids
 from jpaged.model.config import LlamaConfig
 from jpaged.model.loader import load_model, read_model_config
 from jpaged.model.sharding import shard_model
-from jpaged.outputs import RequestOutput
+from jpaged.outputs import RequestOutput, ReservedPrefix
 from jpaged.sampling_params import BeamSearchParams, SamplingParams
 from jpaged.sequence import Sequence, SequenceGroup
 from jpaged.speculative.draft_model import DraftModelProposer, check_draft_model
@@ -116,8 +119,10 @@ class LLMEngine:
         self.kv_cache_info = size_kv_cache(config, self.model_config, model, self.max_model_len,
                                            device, groups, draft)
         logger.info("%s", self.kv_cache_info)
-        num_blocks = self.kv_cache_info.num_blocks
-        kv_manager = make_kv_manager(config, num_blocks, self.max_model_len, groups)
+        num_blocks, num_host_blocks = (self.kv_cache_info.num_blocks,
+                                       self.kv_cache_info.num_host_blocks)
+        kv_manager = make_kv_manager(config, num_blocks, num_host_blocks, self.max_model_len,
+                                     groups)
         mode = step_mode(config)
         scheduler_class = AsyncScheduler if mode is StepMode.ASYNC_SCHEDULING else Scheduler
         scheduler = scheduler_class(SchedulerConfig(
@@ -128,6 +133,7 @@ class LLMEngine:
             preemption_mode=config.preemption_mode,
         ), kv_manager)
         runner, shapes = start_runner(config, model, self.model_config, num_blocks=num_blocks,
+                                      num_host_blocks=num_host_blocks,
                                       max_model_len=self.max_model_len, mesh=mesh,
                                       groups=groups)
         vocab_size = self.model_config.vocab_size
@@ -158,6 +164,7 @@ class LLMEngine:
                                  mode_fallbacks=self.mode_fallbacks,
                                  structured_outputs=structured_outputs)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.prefix_requests = PrefixRequests(self)
         self._seeds = np.random.default_rng(config.seed)
         self.last_step_error: BaseException | None = None
 
@@ -272,6 +279,39 @@ class LLMEngine:
         InputProcessor.apply_chat_template's."""
         return self.input_processor.apply_chat_template(messages, **options)
 
+    # Reserved prefixes.
+
+    def reserve_prefix(self, prompt: str | list[int], cache_salt: str | None = None
+                       ) -> ReservedPrefix:
+        """Compute a prefix's KV now and keep its full blocks in the pool until
+        `release_prefix`: every later request whose prompt extends the prefix (with the
+        same cache_salt) finds them cached, however full the pool gets (the paper's
+        Section 4.4: a shared prefix stored in advance).
+
+        prompt: text (tokenized as a prompt, BOS included) or token ids. The prefix runs
+        as a prompt of its own through the engine's steps (jpaged.engine.prefix_requests),
+        so call this between requests. A prefix shorter than a block holds no block
+        (num_blocks 0). Raises, reserving nothing: TypeError for another prompt type or
+        non-int token ids; ValueError for an empty prefix, token ids outside the
+        vocabulary, prefix caching off or an Orca allocation, a prefix of max_model_len
+        tokens or more, one that would leave too few blocks (BlockManager.
+        reservable_blocks), and while requests are in flight; the error of a step that
+        failed the prefix. After a step that loses the KV cache the prefix is computed
+        again and held under the same id.
+        """
+        if isinstance(prompt, list):
+            check_token_ids(prompt)  # an error naming the token, not the prompt forms
+        elif not isinstance(prompt, str):
+            raise TypeError(f"a prefix is text or a list of token ids, got "
+                            f"{type(prompt).__name__}")
+        return self.prefix_requests.reserve(self.tokenize(prompt), cache_salt)
+
+    def release_prefix(self, prefix: ReservedPrefix | int) -> None:
+        """Return a reserved prefix's blocks to the pool's LRU order, still cached.
+        ValueError, changing nothing, for a prefix not reserved (or released already)."""
+        prefix_id = prefix.prefix_id if isinstance(prefix, ReservedPrefix) else prefix
+        self.prefix_requests.release(prefix_id)
+
     # One iteration.
 
     def step(self) -> list[RequestOutput]:
@@ -301,8 +341,13 @@ class LLMEngine:
             queues = self.core.scheduler.stats()
         self.stats.record_blocks(core.kv_blocks)
         self.stats.spec_decode.record(core.proposals)
-        self.stats.record_step(core.plan, queues, self.core.kv_manager.prefix_cache_stats,
+        manager = self.core.kv_manager
+        self.stats.record_step(core.plan, queues, manager.prefix_cache_stats,
+                               manager.host_pool_counts(self.kv_cache_info.host_block_bytes),
                                started, time.perf_counter())
+        outputs = self.prefix_requests.users_outputs(outputs)
+        if core.kv_lost:
+            self.prefix_requests.recompute_lost()
         if core.error is not None:
             self.last_step_error = core.error
             if is_fatal(core.error):
@@ -336,7 +381,10 @@ class LLMEngine:
             num_swapped=scheduler.num_swapped, kv_blocks_used=manager.physical_blocks_used,
             kv_blocks_total=manager.num_device_blocks, prefix_cache_query_tokens=stats.query_tokens,
             prefix_cache_hit_tokens=stats.hit_tokens, num_preemptions=scheduler.num_preemptions,
+            prefix_cache_tier_hit_tokens=stats.tier_hit_tokens,
+            host_pool=manager.host_pool_counts(self.kv_cache_info.host_block_bytes),
             kv_group_blocks_used=manager.group_blocks_used,
+            kv_blocks_reserved=manager.num_reserved_blocks,
             kv_cache_dtype=self.kv_cache_info.dtype,
             kv_bytes_per_token=self.kv_cache_info.bytes_per_token,
             spec_decode=SpecDecodeCounts().add(self.stats.spec_decode),
@@ -356,7 +404,7 @@ def _proposer(config: EngineConfig, draft, runner: ModelRunner, kv_manager: KVMa
                              spec.prompt_lookup_max, fallbacks=fallbacks)
     draft_runner = ModelRunner(
         *draft, num_blocks=runner.num_blocks, block_size=config.block_size,
-        num_host_blocks=config.num_host_blocks, kv_dtype=config.kv_dtype,
+        num_host_blocks=runner.num_host_blocks, kv_dtype=config.kv_dtype,
         attention_backend=runner.attention_backend, interpret=config.interpret,
         logit_rows_per_seq=runner.logit_rows_per_seq)
     return DraftModelProposer(draft_runner, kv_manager, shapes, vocab_size,

@@ -13,7 +13,8 @@ from jpaged.engine.config import EngineConfig
 from jpaged.engine.input_processor import EngineRequest
 from jpaged.engine.stats import SpecDecodeCounts
 from jpaged.inputs import PromptType
-from jpaged.outputs import RequestOutput
+from jpaged.memory.host_tier import HostPoolCounts
+from jpaged.outputs import RequestOutput, ReservedPrefix
 from jpaged.sampling_params import BeamSearchParams, SamplingParams
 from jpaged.structured_output.counts import StructuredOutputCounts
 
@@ -30,8 +31,12 @@ class EngineState:
     prefix_cache_query_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
     num_preemptions: int = 0
+    prefix_cache_tier_hit_tokens: int = 0
+    """Of the hit tokens, those loaded from the host tier."""
     kv_group_blocks_used: tuple[int, ...] = ()
     """Each KV cache group's logical blocks: the entries its tables hold."""
+    kv_blocks_reserved: int = 0
+    """Device KV blocks reserved prefixes hold (kv_blocks_used counts them too)."""
     kv_cache_dtype: str = ""
     """What the pool's pages store (KVCacheInfo.dtype); the same in every replica."""
     kv_bytes_per_token: int = 0
@@ -42,10 +47,12 @@ class EngineState:
     """How often each fallback of the step modes' table happened (ModeFallbacks.counts)."""
     structured_outputs: StructuredOutputCounts = field(default_factory=StructuredOutputCounts)
     """Requests with a grammar, grammar compiles and token-mask fills so far."""
+    host_pool: HostPoolCounts = field(default_factory=HostPoolCounts)
+    """The host pool's blocks (swapped, the tier's copies) and the tier's traffic."""
 
     @property
     def kv_usage(self) -> float:
-        """Fraction of the device KV blocks held by live sequences."""
+        """Fraction of the device KV blocks held by live sequences or reserved prefixes."""
         return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
 
     @property
@@ -61,9 +68,11 @@ class EngineState:
         groups = [s.kv_group_blocks_used for s in states if s.kv_group_blocks_used]
         return cls(*(sum(values) for values in zip(*(
             (s.num_running, s.num_waiting, s.num_swapped, s.kv_blocks_used, s.kv_blocks_total,
-             s.prefix_cache_query_tokens, s.prefix_cache_hit_tokens, s.num_preemptions)
+             s.prefix_cache_query_tokens, s.prefix_cache_hit_tokens, s.num_preemptions,
+             s.prefix_cache_tier_hit_tokens)
             for s in states), strict=True)),
             kv_group_blocks_used=tuple(sum(group) for group in zip(*groups, strict=True)),
+            kv_blocks_reserved=sum(s.kv_blocks_reserved for s in states),
             kv_cache_dtype=states[0].kv_cache_dtype if states else "",
             kv_bytes_per_token=states[0].kv_bytes_per_token if states else 0,
             spec_decode=functools.reduce(SpecDecodeCounts.add, (s.spec_decode for s in states),
@@ -71,7 +80,9 @@ class EngineState:
             mode_fallbacks=dict(sum((Counter(s.mode_fallbacks) for s in states), Counter())),
             structured_outputs=functools.reduce(
                 StructuredOutputCounts.add, (s.structured_outputs for s in states),
-                StructuredOutputCounts()))
+                StructuredOutputCounts()),
+            host_pool=functools.reduce(HostPoolCounts.add, (s.host_pool for s in states),
+                                       HostPoolCounts()))
 
 
 class Engine(Protocol):
@@ -94,6 +105,9 @@ class Engine(Protocol):
                     cache_salt: str | None = None) -> None: ...
 
     def abort(self, request_id: str) -> None: ...
+    def reserve_prefix(self, prompt: str | list[int], cache_salt: str | None = None
+                       ) -> ReservedPrefix: ...
+    def release_prefix(self, prefix: ReservedPrefix | int) -> None: ...
     def step(self) -> list[RequestOutput]: ...
     def has_unfinished_requests(self) -> bool: ...
     def num_unfinished_requests(self) -> int: ...

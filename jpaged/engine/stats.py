@@ -24,6 +24,7 @@ import numpy as np
 from jax import monitoring
 
 from jpaged.core.step_modes import ModeFallbacks, StepMode
+from jpaged.memory.host_tier import HostPoolCounts
 from jpaged.outputs import RequestMetrics
 from jpaged.sequence import SequenceStatus
 from jpaged.structured_output.counts import StructuredOutputCounts
@@ -39,20 +40,23 @@ _compilations = 0
 
 
 class KVBlockCounts(NamedTuple):
-    """A pool's device blocks (the null block excluded), those some table holds, and the
-    sum of the tables' lengths (what the tables would hold without sharing); `groups`
-    splits that sum over the KV cache groups (one entry without groups)."""
+    """A pool's device blocks (the null block excluded), those some table or reserved
+    prefix holds, and the sum of the tables' lengths (what the tables would hold without
+    sharing); `groups` splits that sum over the KV cache groups (one entry without
+    groups); `reserved`: the blocks reserved prefixes hold."""
 
     total: int
     physical: int
     logical: int
     groups: tuple[int, ...] = ()
+    reserved: int = 0
 
     @classmethod
     def of(cls, manager) -> KVBlockCounts:
         """A KV cache manager's counts now."""
         return cls(manager.num_device_blocks, manager.physical_blocks_used,
-                   manager.logical_blocks_used, manager.group_blocks_used)
+                   manager.logical_blocks_used, manager.group_blocks_used,
+                   manager.num_reserved_blocks)
 
 
 def block_usage(manager, groups) -> list[tuple[str, int, int]]:
@@ -140,6 +144,7 @@ class EngineStats:
     filler count into it).
     step_log: when a list, every step appends its StepRecord (a study's record of the
     steps' shapes); None, the default, keeps a server's memory constant.
+    num_reserved_kv_blocks: the device blocks reserved prefixes held as the last step ran.
     """
 
     num_steps: int = 0
@@ -157,10 +162,13 @@ class EngineStats:
     num_preemptions: int = 0
     prefix_cache_query_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
+    prefix_cache_tier_hit_tokens: int = 0
+    host_pool: HostPoolCounts = field(default_factory=HostPoolCounts)
     logical_block_steps: int = 0
     physical_block_steps: int = 0
     group_block_steps: tuple[int, ...] = ()
     num_kv_blocks: int = 0
+    num_reserved_kv_blocks: int = 0
     kv_cache_dtype: str = ""
     kv_bytes_per_token: int = 0
     spec_decode: SpecDecodeCounts = field(default_factory=lambda: SpecDecodeCounts())
@@ -173,6 +181,7 @@ class EngineStats:
         """The KV blocks a step runs with: counted after scheduling (appends and their
         copy-on-write copies made) and before sampling forks and drops sequences."""
         self.num_kv_blocks = blocks.total
+        self.num_reserved_kv_blocks = blocks.reserved
         self.kv_utilization.add(blocks.physical / blocks.total)
         self.logical_block_steps += blocks.logical
         self.physical_block_steps += blocks.physical
@@ -180,8 +189,10 @@ class EngineStats:
         self.group_block_steps = tuple(a + b for a, b in zip(steps, blocks.groups, strict=True))
 
     def record_step(self, plan: SchedulerOutput, queues: SchedulerStats,
-                    prefix_cache: PrefixCacheStats, started: float, ended: float) -> None:
-        """One step: its plan, the queues it left and the prefix cache's counters."""
+                    prefix_cache: PrefixCacheStats, host_pool: HostPoolCounts, started: float,
+                    ended: float) -> None:
+        """One step: its plan, the queues it left, the prefix cache's counters and the
+        host pool's."""
         self.num_steps += 1
         self.num_batched_tokens += plan.num_batched_tokens
         self.busy_seconds += ended - started
@@ -192,6 +203,8 @@ class EngineStats:
         self.num_preemptions = queues.num_preemptions
         self.prefix_cache_query_tokens = prefix_cache.query_tokens
         self.prefix_cache_hit_tokens = prefix_cache.hit_tokens
+        self.prefix_cache_tier_hit_tokens = prefix_cache.tier_hit_tokens
+        self.host_pool = host_pool
         if self.step_log is not None:
             self.step_log.append(StepRecord(tuple(n for _, n in plan.scheduled),
                                             tuple(plan.context_lens)))
@@ -310,6 +323,8 @@ def summarize(replicas: Sequence[EngineStats]) -> dict:
     kv_blocks_used = sum(r.kv_utilization.total * r.num_kv_blocks for r in replicas)
     logical = sum(r.logical_block_steps for r in replicas)
     physical = sum(r.physical_block_steps for r in replicas)
+    host_pool = functools.reduce(HostPoolCounts.add, (r.host_pool for r in replicas),
+                                 HostPoolCounts())
     return {
         "steps": num_steps,
         "finished_requests": sum(r.num_finished for r in replicas),
@@ -323,11 +338,16 @@ def summarize(replicas: Sequence[EngineStats]) -> dict:
         "preemptions": sum(r.num_preemptions for r in replicas),
         "prefix_cache_hit_rate": _ratio(sum(r.prefix_cache_hit_tokens for r in replicas),
                                         sum(r.prefix_cache_query_tokens for r in replicas)),
+        "prefix_cache_tier_hit_tokens": sum(r.prefix_cache_tier_hit_tokens for r in replicas),
+        "kv_offload_stored_blocks": host_pool.stored_blocks,
+        "kv_offload_loaded_blocks": host_pool.loaded_blocks,
+        "kv_offload_bytes": host_pool.bytes_moved,
         "kv_blocks_logical_mean": logical / max(num_steps, 1),
         "kv_blocks_physical_mean": physical / max(num_steps, 1),
         "kv_blocks_per_group_mean": [sum(group) / max(num_steps, 1) for group in zip(
             *(r.group_block_steps for r in replicas if r.group_block_steps), strict=True)],
         "kv_memory_saved": 1.0 - _ratio(physical, logical, empty=1.0),
+        "kv_blocks_reserved": sum(r.num_reserved_kv_blocks for r in replicas),
         "kv_cache_dtype": replicas[0].kv_cache_dtype if replicas else "",
         "kv_bytes_per_token": replicas[0].kv_bytes_per_token if replicas else 0,
         "ttft_s": percentiles(value for r in replicas for value in r.ttft),

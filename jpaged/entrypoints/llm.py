@@ -19,7 +19,7 @@ from jpaged.engine.data_parallel import DataParallelEngine
 from jpaged.engine.llm_engine import LLMEngine
 from jpaged.engine.lockstep import check_process_layout
 from jpaged.inputs import PromptType, as_prompt_list
-from jpaged.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from jpaged.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput, ReservedPrefix
 from jpaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 Conversation = list[dict[str, str]]
@@ -134,6 +134,20 @@ class LLM:
                             return
         finally:
             self.engine.abort(request_id)  # a no-op once finished
+
+    def reserve_prefix(self, prompt: str | list[int], cache_salt: str | None = None
+                       ) -> ReservedPrefix:
+        """Compute a shared prefix's KV now and keep its full blocks in the pool until
+        `release_prefix` (the paper's Section 4.4): every later prompt that extends it
+        (with the same cache_salt) maps its first blocks onto them and computes only the
+        rest, however full the pool gets. With several data-parallel replicas each holds
+        it. See LLMEngine.reserve_prefix for what it refuses."""
+        return self.engine.reserve_prefix(prompt, cache_salt)
+
+    def release_prefix(self, prefix: ReservedPrefix | int) -> None:
+        """Return a reserved prefix's blocks to the pool's LRU order (still cached until
+        evicted); ValueError for a prefix not reserved."""
+        self.engine.release_prefix(prefix)
 
     def _params_per_prompt(self, sampling_params, num_prompts: int) -> list[SamplingParams]:
         if isinstance(sampling_params, list | tuple):

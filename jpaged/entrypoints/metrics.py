@@ -13,6 +13,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from jpaged.engine.async_engine import AsyncLLMEngine
 from jpaged.engine.stats import SpecDecodeCounts
 from jpaged.entrypoints.protocol import PromptRun
+from jpaged.memory.host_tier import HostPoolCounts
 from jpaged.outputs import RequestOutput
 from jpaged.structured_output.counts import StructuredOutputCounts
 
@@ -30,9 +31,11 @@ class EngineCollector:
              state.num_running),
             ("num_requests_waiting", "Requests waiting to be scheduled.", state.num_waiting),
             ("num_requests_swapped", "Requests swapped out to host memory.", state.num_swapped),
-            ("kv_cache_blocks_used", "Device KV blocks held by live sequences.",
-             state.kv_blocks_used),
+            ("kv_cache_blocks_used", "Device KV blocks held by live sequences or reserved "
+             "prefixes.", state.kv_blocks_used),
             ("kv_cache_blocks_total", "Device KV blocks in the pool.", state.kv_blocks_total),
+            ("kv_cache_blocks_reserved", "Device KV blocks held by reserved prefixes "
+             "(kv_cache_blocks_used counts them too).", state.kv_blocks_reserved),
             ("kv_cache_usage_perc", "Fraction of device KV blocks in use (0 to 1).",
              state.kv_usage),
             ("prefix_cache_hit_rate", "Fraction of admitted prompt tokens found in the "
@@ -46,8 +49,11 @@ class EngineCollector:
             ("num_preemptions", "Sequence groups preempted.", state.num_preemptions),
             ("prefix_cache_queries", "Prompt tokens of admitted requests looked up in the "
              "prefix cache.", state.prefix_cache_query_tokens),
-            ("prefix_cache_hits", "Of those, tokens the prefix cache served.",
-             state.prefix_cache_hit_tokens)))
+            ("prefix_cache_hits", "Of those, tokens the prefix cache served (device and host "
+             "tier).", state.prefix_cache_hit_tokens),
+            ("prefix_cache_tier_hits", "Of those, tokens loaded from the prefix cache's host "
+             "tier.", state.prefix_cache_tier_hit_tokens)))
+        yield from _host_pool_metrics(state.host_pool)
         per_group = GaugeMetricFamily(
             "jpaged:kv_cache_group_blocks_used",
             "Block-table entries of each KV cache group (sliding-window and global layers).",
@@ -75,6 +81,27 @@ def _counters(rows):
     """A counter for each (name, documentation, value)."""
     for name, documentation, value in rows:
         yield CounterMetricFamily(f"jpaged:{name}", documentation, value=value)
+
+
+def _host_pool_metrics(pool: HostPoolCounts):
+    """The host pool's blocks and bytes, and the tier's traffic (all 0 without a pool)."""
+    gauges = (
+        ("kv_offload_blocks_total", "Blocks of the host pool (kv_offloading_size).",
+         pool.num_blocks),
+        ("kv_offload_bytes_total", "Bytes of the host pool.", pool.num_bytes),
+        ("kv_offload_blocks_swapped", "Host blocks held by swapped-out sequences.",
+         pool.swapped_blocks),
+        ("kv_offload_blocks_cached", "Host blocks holding the prefix cache tier's copies.",
+         pool.cached_blocks))
+    for name, documentation, value in gauges:
+        yield GaugeMetricFamily(f"jpaged:{name}", documentation, value=value)
+    yield from _counters((
+        ("kv_offload_stored_blocks", "Prefix-cached blocks copied to the host tier.",
+         pool.stored_blocks),
+        ("kv_offload_loaded_blocks", "Host tier blocks loaded back for a prefix hit.",
+         pool.loaded_blocks),
+        ("kv_offload_bytes_moved", "Bytes the host tier copied to the host and back.",
+         pool.bytes_moved)))
 
 
 def _spec_decode_metrics(counts: SpecDecodeCounts):

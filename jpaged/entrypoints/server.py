@@ -19,17 +19,20 @@ model; 413 for a body over max_body_bytes; 503 with Retry-After when max_waiting
 requests wait.
 
 A client that disconnects aborts its requests: their KV blocks are freed before
-the engine's next step. The endpoints' logic is jpaged.entrypoints.serving; this
-module is the app around it.
+the engine's next step. System prompts reserved at start-up (`reserve_system_prompts`)
+keep their KV blocks for every chat request that opens with them. The endpoints' logic
+is jpaged.entrypoints.serving; this module is the app around it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import secrets
 import threading
 import time
+from collections.abc import Sequence
 
 import uvicorn
 from fastapi import Depends, FastAPI, Request
@@ -48,6 +51,7 @@ from jpaged.engine.mirror import HEARTBEAT_S, RequestMirror
 from jpaged.entrypoints.errors import ApiError, RequestFailedError, validation_error
 from jpaged.entrypoints.serving import OpenAIServing
 from jpaged.entrypoints.tokenization import TokenizerEndpoints
+from jpaged.outputs import ReservedPrefix
 
 logger = logging.getLogger("jpaged")
 
@@ -58,6 +62,38 @@ SHUTDOWN_TIMEOUT_S = 10.0
 # After that, what the aborted requests' streams get to send their last events.
 FINAL_EVENTS_S = 5.0
 RETRY_AFTER_S = 1
+
+
+# A user turn after a system message: what a chat request's conversation goes on with.
+_NEXT_TURN = {"role": "user", "content": "?"}
+
+
+def system_prompt_tokens(engine: Engine, text: str) -> list[int]:
+    """The token ids that every chat request opening with system message `text` starts
+    with: the chat template's rendering of a conversation holding only that message, cut
+    to what it shares with one that goes on (a template may close the message otherwise
+    when nothing follows, and tokens may merge across its end); the text as a prompt
+    where the tokenizer has no chat template."""
+    if getattr(engine.tokenizer, "chat_template", None) is None:
+        return engine.tokenize(text)
+    system = [{"role": "system", "content": text}]
+    alone = engine.apply_chat_template(system, add_generation_prompt=False)
+    followed = engine.apply_chat_template([*system, _NEXT_TURN])
+    return alone[:len(os.path.commonprefix([alone, followed]))]
+
+
+def reserve_system_prompts(engine: Engine, system_prompts: Sequence[str]
+                           ) -> list[ReservedPrefix]:
+    """Reserve each system prompt's KV blocks in `engine` (LLMEngine.reserve_prefix of
+    `system_prompt_tokens`), logging what each holds; call it before serving."""
+    reserved = []
+    for text in system_prompts:
+        prefix = engine.reserve_prefix(system_prompt_tokens(engine, text))
+        logger.info("reserved system prompt %d: %d tokens, %d of them in full blocks, held "
+                    "in %d KV blocks", prefix.prefix_id, prefix.num_tokens,
+                    prefix.num_cached_tokens, prefix.num_blocks)
+        reserved.append(prefix)
+    return reserved
 
 
 class BodySizeLimit:

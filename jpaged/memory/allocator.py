@@ -21,18 +21,23 @@ hold cached K/V is the prefix cache's business (jpaged.memory.prefix_cache):
 the allocator only hands blocks out. Block 0 of the device pool is the null
 block: never in the queue, never allocated, never freed.
 
+The host pool has two uses. A swapped-out sequence holds its host blocks; a
+free host block may still hold a copy of a prefix-cached device block (the
+prefix cache's host tier, jpaged.memory.host_tier), evicted as the queue hands
+it out, as the device's free cached blocks are.
+
 The device applies a step's `BlockOps` before the step's attention, in this
-order: swap_out (device -> host), swap_in (host -> device), copies
-(copy-on-write, all sources read before any destination is written); a host tier's
-store and load phases sit between them (`BlockOps`), though no transition here asks
-for them yet. Blocks
+order: swap_out (device -> host), store (device -> host: a tier copy),
+swap_in (host -> device), load (host -> device: a tier hit), copies
+(copy-on-write, all sources read before any destination is written). Blocks
 freed during a step may be reused in the same step, which that order makes
 safe, except for blocks the step's ops still touch: blocks a later phase reads
-(copy sources on the device, swap-in sources on the host) and blocks an op
-writes (swap-out destinations on the host, swap-in and copy destinations on the
-device; reused, one would take a second write from a later phase or the same
-scatter). Those are pinned: freed, they wait in the pool's `deferred` list and
-join the free queue at `commit`, so no step writes a block twice. Because
+(copy sources on the device, swap-in and load sources on the host) and blocks
+an op writes (swap-out and store destinations on the host, swap-in, load and
+copy destinations on the device; reused, one would take a second write from a
+later phase or the same scatter). Those are pinned: freed, they wait in the
+pool's `deferred` list and join the free queue at `commit`, so no step writes a
+block twice. Because
 copies read before they write, a copy from a block that this step's copies fill
 reads that block's own source instead. The one order a step cannot express is
 swapping out a device block that its own swap-in or copies write, so
@@ -83,17 +88,21 @@ class StepOps(NamedTuple):
     """The device ops of the open step (N device blocks, H host blocks).
 
     swap_out:    int32 [H, 2]  (device block, host block) pairs, the first sizes[0] rows.
-    swap_in:     int32 [N, 2]  (host block, device block), the first sizes[1] rows.
-    copies:      int32 [N, 2]  (source, destination) device blocks, the first sizes[2].
-    sizes:       int32 [3]
-    written:     bool [N]      device blocks this step's swap-in or copies write.
+    store:       int32 [H, 2]  (device block, host block), the first sizes[1] rows.
+    swap_in:     int32 [N, 2]  (host block, device block), the first sizes[2] rows.
+    load:        int32 [N, 2]  (host block, device block), the first sizes[3] rows.
+    copies:      int32 [N, 2]  (source, destination) device blocks, the first sizes[4].
+    sizes:       int32 [5]     rows in use, in the order of the phases above.
+    written:     bool [N]      device blocks this step's swap-in, load or copies write.
     copied_from: int32 [N]     a copy destination's source (-1 for other blocks).
 
     Capacities hold a whole step: its writes go to distinct blocks.
     """
 
     swap_out: np.ndarray
+    store: np.ndarray
     swap_in: np.ndarray
+    load: np.ndarray
     copies: np.ndarray
     sizes: np.ndarray
     written: np.ndarray
@@ -118,18 +127,16 @@ class BlockOps:
     before any is written, and the copies may copy a block swap_in or load filled).
 
     swap_out: int32 [K, 2]  (device block, host block): preemption's swap space.
-    store:    int32 [K, 2]  (device block, host-tier block): the prefix cache's host
-              tier keeps a copy.
     swap_in:  int32 [K, 2]  (host block, device block).
-    load:     int32 [K, 2]  (host-tier block, device block).
     copies:   int32 [K, 2]  (source, destination) device blocks, all sources read
               before any destination is written.
+    store:    int32 [K, 2]  (device block, host block): the prefix cache's host tier
+              keeps a copy of a block it registered.
+    load:     int32 [K, 2]  (host block, device block): a prefix hit in the host tier.
 
     No block is written twice: the destinations of swap_in, load and copies are
-    distinct device blocks, those of swap_out distinct host blocks and those of store
-    distinct host-tier blocks, so every phase may scatter its writes in any order.
-    store and load are empty until the prefix cache has a host tier: the transitions
-    below never ask for them.
+    distinct device blocks, those of swap_out and store distinct host blocks, so every
+    phase may scatter its writes in any order.
     """
 
     swap_out: np.ndarray
@@ -144,7 +151,8 @@ class BlockOps:
         return cls(_NO_PAIRS, _NO_PAIRS, _NO_PAIRS)
 
 
-_SWAP_OUT, _SWAP_IN, _COPIES = 0, 1, 2
+# StepOps' buffers, by their index in `sizes` (the order a step applies them).
+_SWAP_OUT, _STORE, _SWAP_IN, _LOAD, _COPIES = range(5)
 
 
 def _new_pool(num_blocks: int, first_block: int) -> BlockPool:
@@ -173,9 +181,11 @@ def create(num_blocks: int, num_host_blocks: int) -> AllocatorState:
         host=_new_pool(num_host_blocks, first_block=0),
         ops=StepOps(
             swap_out=np.zeros((num_host_blocks, 2), np.int32),
+            store=np.zeros((num_host_blocks, 2), np.int32),
             swap_in=np.zeros((num_blocks, 2), np.int32),
+            load=np.zeros((num_blocks, 2), np.int32),
             copies=np.zeros((num_blocks, 2), np.int32),
-            sizes=np.zeros(3, np.int32),
+            sizes=np.zeros(5, np.int32),
             written=np.zeros(num_blocks, bool),
             copied_from=np.full(num_blocks, -1, np.int32),
         ),
@@ -423,21 +433,25 @@ def share(state: AllocatorState, blocks) -> AllocatorState:
 def take(state: AllocatorState, block: int) -> AllocatorState:
     """One more holder of a device block in use or free (a prefix hit on a cached block);
     a free one leaves the free queue, or the step's deferred list."""
-    device = state.device
-    _check_range(device, "device", _as_blocks(block))
+    _check_range(state.device, "device", _as_blocks(block))
     if block == 0:
         raise ValueError("device block 0 is the null block: it holds no K/V")
-    if device.refcounts[block] == 0:
-        num_deferred = int(device.num_deferred)
-        waiting = np.flatnonzero(device.deferred[:num_deferred] == block)
+    return state._replace(device=_take(state.device, block))
+
+
+def _take(pool: BlockPool, block: int) -> BlockPool:
+    """One more holder of `block`; a free one leaves the queue or the deferred list."""
+    if pool.refcounts[block] == 0:
+        num_deferred = int(pool.num_deferred)
+        waiting = np.flatnonzero(pool.deferred[:num_deferred] == block)
         if len(waiting):
             i = int(waiting[0])
-            device.deferred[i : num_deferred - 1] = device.deferred[i + 1 : num_deferred]
-            device.num_deferred[...] -= 1
+            pool.deferred[i : num_deferred - 1] = pool.deferred[i + 1 : num_deferred]
+            pool.num_deferred[...] -= 1
         else:
-            device = unlink(device, block)
-    device.refcounts[block] += 1
-    return state._replace(device=device)
+            pool = unlink(pool, block)
+    pool.refcounts[block] += 1
+    return pool
 
 
 def free(state: AllocatorState, blocks) -> AllocatorState:
@@ -456,7 +470,7 @@ def free_host(state: AllocatorState, blocks) -> AllocatorState:
 
 def _record(state: AllocatorState, kind: int, pairs: np.ndarray) -> None:
     ops, start = state.ops, int(state.ops.sizes[kind])
-    buffer = (ops.swap_out, ops.swap_in, ops.copies)[kind]
+    buffer = (ops.swap_out, ops.store, ops.swap_in, ops.load, ops.copies)[kind]
     buffer[start : start + len(pairs)] = pairs
     ops.sizes[kind] += len(pairs)
 
@@ -546,6 +560,49 @@ def swap_in(state: AllocatorState, host_tables: list[list[int]]
     return state._replace(device=device, host=host), tables
 
 
+def store_block(state: AllocatorState, device_block: int) -> tuple[AllocatorState, int]:
+    """The step copies device `device_block` (in use) into the host queue's head block,
+    which joins the queue's tail, free, at commit: the host tier's copy, evicted as the
+    queue hands it out.
+
+    returns (state, the host block).
+    """
+    device, host = state.device, state.host
+    _check_range(device, "device", _as_blocks(device_block))
+    if device.refcounts[device_block] < 1:
+        raise ValueError(f"device block {device_block} is free: only a block in use "
+                         "holds K/V to store")
+    _check_free_count(host, "host", 1)
+    host, host_block = take_free_block(host)
+    host.pinned[host_block] = True
+    host = drop_holder(host, host_block)  # pinned: it waits for commit
+    _record(state, _STORE, np.array([[device_block, host_block]]))
+    return state._replace(host=host), int(host_block)
+
+
+def load_block(state: AllocatorState, host_block: int) -> tuple[AllocatorState, int]:
+    """The step copies free host `host_block` (a tier copy) into a device block from the
+    head of the free queue, held once; the host block rejoins the host queue's tail at
+    commit, as the most recently used.
+
+    returns (state, the device block).
+    """
+    device, host = state.device, state.host
+    _check_range(host, "host", _as_blocks(host_block))
+    if host.refcounts[host_block] != 0:
+        raise ValueError(f"host block {host_block} is held by a swapped-out sequence: only "
+                         "a free host block holds a tier copy")
+    _check_free_count(device, "device", 1)
+    host = _take(host, host_block)
+    host.pinned[host_block] = True
+    host = drop_holder(host, host_block)
+    device, device_block = take_free_block(device)
+    device.pinned[device_block] = True
+    state.ops.written[device_block] = True
+    _record(state, _LOAD, np.array([[host_block, device_block]]))
+    return state._replace(device=device, host=host), int(device_block)
+
+
 def _end_step(pool: BlockPool, pinned: np.ndarray) -> BlockPool:
     """Deferred blocks join the tail in the order they were freed; the pins lift."""
     num_deferred = int(pool.num_deferred)
@@ -559,18 +616,21 @@ def commit(state: AllocatorState) -> tuple[AllocatorState, BlockOps]:
     """End the step: its device ops (the device applies them before the step runs), and
     a state whose next step starts with no ops, pins or deferred blocks."""
     ops = state.ops
-    num_swap_out, num_swap_in, num_copies = ops.sizes.tolist()
     block_ops = BlockOps.none()
-    if num_swap_out or num_swap_in or num_copies:
-        block_ops = BlockOps(ops.swap_out[:num_swap_out].copy(),
-                             ops.swap_in[:num_swap_in].copy(), ops.copies[:num_copies].copy())
+    if ops.sizes.any():
+        swap_out, stores, swap_in, loads, copies = (
+            buffer[:size].copy() for buffer, size in zip(
+                (ops.swap_out, ops.store, ops.swap_in, ops.load, ops.copies),
+                ops.sizes.tolist(), strict=True))
+        block_ops = BlockOps(swap_out, swap_in, copies, store=stores, load=loads)
         # Exactly the blocks the ops name are pinned, and the written ones are destinations.
-        device = _end_step(state.device, np.concatenate([block_ops.swap_in[:, 1],
-                                                         block_ops.copies.reshape(-1)]))
-        host = _end_step(state.host, np.concatenate([block_ops.swap_out[:, 1],
-                                                     block_ops.swap_in[:, 0]]))
-        ops.written[block_ops.swap_in[:, 1]] = False
-        ops.written[block_ops.copies[:, 1]] = False
+        device = _end_step(state.device, np.concatenate([swap_in[:, 1], loads[:, 1],
+                                                         copies.reshape(-1)]))
+        host = _end_step(state.host, np.concatenate([swap_out[:, 1], stores[:, 1],
+                                                     swap_in[:, 0], loads[:, 0]]))
+        ops.written[swap_in[:, 1]] = False
+        ops.written[loads[:, 1]] = False
+        ops.written[copies[:, 1]] = False
         ops.copied_from[block_ops.copies[:, 1]] = -1
         ops.sizes[:] = 0
         state = state._replace(device=device, host=host)

@@ -18,6 +18,14 @@ groups: group 0's left-to-right hit on its own chain of cache ids, cut to what e
 other group holds of it (a sliding group needs only the blocks in the window of the
 hit's end). Group 0's cache ids key every group's prefix-cache entries, so the manager
 hands them to the other groups when they look up and register blocks.
+
+The host pool is swap space and the prefix cache's host tier (jpaged.memory.host_tier):
+every block a group registers is copied to a free host block, and a hit may continue
+past the device cache into the tier, whose copies admission loads into fresh device
+blocks.
+
+Reserved prefixes (jpaged.memory.reserved_prefixes) hold computed prefixes' blocks
+beside the tables: `reserve`, `release`, and `restore` after `reset_prefix_cache`.
 """
 
 from __future__ import annotations
@@ -30,23 +38,42 @@ from jpaged.config import CacheConfig
 from jpaged.memory import allocator
 from jpaged.memory.allocator import AllocatorState, BlockOps, BlockPool
 from jpaged.memory.block_table import BlockTable
-from jpaged.memory.group_tables import FullAttentionTables, Hits, SharedPool
+from jpaged.memory.group_tables import FullAttentionTables, Hits, SharedPool, TierBlock
+from jpaged.memory.host_tier import HostPoolCounts, HostTier
 from jpaged.memory.invariants import holder_problems
 from jpaged.memory.kv_cache_groups import KVCacheGroups
 from jpaged.memory.kv_cache_manager import AllocStatus
 from jpaged.memory.prefix_cache import PrefixCache, PrefixCacheStats
+from jpaged.memory.reserved_prefixes import (
+    PrefixNotCached,
+    ReservedPrefixes,
+    check_cache_salt,
+    check_prefix_id,
+    check_token_ids,
+)
 from jpaged.memory.sliding_window_tables import tables_type
+from jpaged.outputs import ReservedPrefix
 from jpaged.sequence import Sequence, SequenceGroup, SequenceStatus
+
+# The seq_id of the sequence a reservation's lookup makes (the scheduler's count from 0).
+_PROBE_SEQ_ID = -1
 
 
 class BlockManager:
     """Block tables, prefix cache and swap space of a KV cache of `cache_config.num_blocks`
     blocks, for the KV cache groups `groups` (None: one group whose window is
-    `cache_config.sliding_window`; given groups, each has its own window instead)."""
+    `cache_config.sliding_window`; given groups, each has its own window instead).
 
-    def __init__(self, cache_config: CacheConfig, groups: KVCacheGroups | None = None):
+    max_model_len: the longest sequence the scheduler admits, in tokens; reserved
+    prefixes leave room for one (None: reservations may fill the pool beside the
+    watermark).
+    """
+
+    def __init__(self, cache_config: CacheConfig, groups: KVCacheGroups | None = None, *,
+                 max_model_len: int | None = None):
         windows = (cache_config.sliding_window,) if groups is None else groups.windows
         self.block_size = cache_config.block_size
+        self.max_model_len = max_model_len
         self.num_device_blocks = cache_config.num_blocks - 1
         self.num_host_blocks = cache_config.num_host_blocks
         self.enable_prefix_caching = cache_config.enable_prefix_caching
@@ -56,6 +83,7 @@ class BlockManager:
         group_configs = [replace(cache_config, sliding_window=window) for window in windows]
         self.group_tables: list[FullAttentionTables] = [
             tables_type(config)(config, self.pool, g) for g, config in enumerate(group_configs)]
+        self.reserved_prefixes = ReservedPrefixes()
         if len(self.group_tables) == 1:
             self._call_one_group_directly(self.group_tables[0])
 
@@ -87,6 +115,10 @@ class BlockManager:
         return self.pool.prefix_cache
 
     @property
+    def tier(self) -> HostTier:
+        return self.pool.tier
+
+    @property
     def num_free_blocks(self) -> int:
         """Free device blocks, cached ones included (allocation evicts them)."""
         return int(self.state.device.num_free)
@@ -94,6 +126,14 @@ class BlockManager:
     @property
     def num_free_host_blocks(self) -> int:
         return int(self.state.host.num_free)
+
+    def host_pool_counts(self, block_bytes: int) -> HostPoolCounts:
+        """The host pool's blocks and the tier's traffic; block_bytes: one host block's."""
+        host = self.state.host
+        return HostPoolCounts(
+            self.num_host_blocks, int(np.count_nonzero(host.refcounts)),
+            self.tier.num_cached_blocks, block_bytes, self.tier.stats.stored_blocks,
+            self.tier.stats.loaded_blocks)
 
     def refcount(self, block: int) -> int:
         """Holders of device `block`."""
@@ -104,8 +144,14 @@ class BlockManager:
 
     @property
     def physical_blocks_used(self) -> int:
-        """Device blocks held by at least one table (free cached blocks excluded)."""
+        """Device blocks held by at least one table or reserved prefix (free cached
+        blocks excluded)."""
         return self.num_device_blocks - self.num_free_blocks
+
+    @property
+    def num_reserved_blocks(self) -> int:
+        """Device blocks some reserved prefix holds (some tables may hold them too)."""
+        return self.reserved_prefixes.num_held_blocks
 
     @property
     def logical_blocks_used(self) -> int:
@@ -146,36 +192,47 @@ class BlockManager:
         return ops
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached block: the device KV they held is gone (the engine
-        reallocated its cache). Every device block must be free; swapped
-        sequences keep their host blocks. Pending device ops are dropped."""
+        """Forget every cached device block: the device KV they held is gone (the engine
+        reallocated its cache). No table may hold a device block; swapped sequences keep
+        their host blocks and the host tier its copies, but those the pending device ops
+        were to store, which are dropped. Every reserved prefix loses its blocks but stays
+        reserved, lost, until its prefix is computed again and `restore`d (or it is
+        released)."""
         for tables in self.group_tables:
             on_device = tables.seqs_on_device()
             if on_device:
                 raise RuntimeError(
                     f"the prefix cache can only be reset with every device block free; "
                     f"sequences {on_device[:5]} hold device blocks")
-        committed, _ = allocator.commit(self.state)
+        committed, pending = allocator.commit(self.state)
+        self.tier.forget_stores(pending)
         num_blocks = self.num_device_blocks + 1
         self.pool.state = allocator.create(num_blocks, 0)._replace(host=committed.host,
                                                                    ops=committed.ops)
         self.pool.prefix_cache = PrefixCache(num_blocks, self.prefix_cache.next_cache_id)
+        self.reserved_prefixes.lose_all()
 
     def check_invariants(self, running: list[Sequence], swapped: list[Sequence]) -> None:
         """Check the blocks against the live sequences; RuntimeError on a violation.
 
         Every device and host block's reference count equals the number of the
         running (device) and swapped (host) sequences' tables holding it, in every
-        group together (a block belongs to one group's table at a time), so a block
-        is free exactly when none does; the free counts agree; the null block is in
-        no table but as its released leading entries, which are all the entries
+        group together (a block belongs to one group's table at a time), plus the
+        reserved prefixes holding it, so a block is free exactly when none does; the
+        free counts agree; every reserved block is in the prefix cache; the null block
+        is in no table but as its released leading entries, which are all the entries
         before the window of the sequence's next token; each group's logical block
         count is its tables' total, released entries excepted.
         """
         device = [table.array for seq in running for table in self.block_tables(seq)]
         host = [table.array for seq in swapped for table in self.host_block_tables(seq)]
-        problems = holder_problems("device", self.state.device, device, first=1)
+        reserved = self.reserved_prefixes.held()
+        problems = holder_problems("device", self.state.device, device + reserved, first=1)
         problems += holder_problems("host", self.state.host, host, first=0)
+        problems += self.tier.problems(self.state)
+        problems += [f"reserved block {block} is not in the prefix cache"
+                     for group in reserved for block in group.tolist()
+                     if not self.prefix_cache.holds(block)]
         for g, tables in enumerate(self.group_tables):
             where = f"group {g}: " if self.num_groups > 1 else ""
             problems += [where + problem for problem in tables.table_problems(running)]
@@ -191,8 +248,11 @@ class BlockManager:
         per_seq = [self._seq_hits(seq, group) for seq in seqs]
         return [list(hits) for hits in zip(*per_seq, strict=True)]
 
-    def _seq_hits(self, seq: Sequence, group: SequenceGroup) -> list[Hits]:
-        blocks, chain_ids = self.group_tables[0].prefix_hit(seq, group)
+    def _seq_hits(self, seq: Sequence, group: SequenceGroup, num_blocks: int | None = None
+                  ) -> list[Hits]:
+        """seq's hit in each group, of at most `num_blocks` blocks (None: never its last
+        token)."""
+        blocks, chain_ids = self.group_tables[0].prefix_hit(seq, group, num_blocks)
         num_blocks = len(chain_ids)
         while True:  # cut to the shortest until every group holds the same length
             others = [tables.hit_on_chain(seq, group, chain_ids, num_blocks)
@@ -261,21 +321,34 @@ class BlockManager:
                              f"only {self.num_free_blocks} are free")
         for tables, group_hits in zip(self.group_tables, hits, strict=True):
             tables.take_hits(group_hits)
+        if group.use_prefix_cache:
+            for seq, seq_hits in zip(seqs, hits[0], strict=True):
+                self._count_query(seq, seq_hits[0])
+        chain_ids = [cache_ids for _, cache_ids in hits[0]]
+        for tables, group_hits in zip(self.group_tables, hits, strict=True):
+            tables.load_tier_hits(seqs, group_hits, chain_ids)
         for tables, group_hits in zip(self.group_tables, hits, strict=True):
             tables.allocate_tables(group, seqs, group_hits)
         for seq, (seq_hits, _) in zip(seqs, hits[0], strict=True):
             seq.num_computed_tokens = len(seq_hits) * self.block_size
-            if group.use_prefix_cache:
-                self._count_query(seq, len(seq_hits))
 
-    def _count_query(self, seq: Sequence, num_hit_blocks: int) -> None:
+    def _count_query(self, seq: Sequence, hit_blocks: list[int | TierBlock]) -> None:
         if not self.enable_prefix_caching:
             return
         stats = self.prefix_cache_stats
+        num_tier_blocks = sum(isinstance(block, TierBlock) for block in hit_blocks)
         stats.query_tokens += len(seq)
-        stats.hit_tokens += num_hit_blocks * self.block_size
+        stats.hit_tokens += len(hit_blocks) * self.block_size
+        stats.tier_hit_tokens += num_tier_blocks * self.block_size
         stats.query_blocks += (len(seq) - 1) // self.block_size
-        stats.hit_blocks += num_hit_blocks
+        stats.hit_blocks += len(hit_blocks)
+
+    def forget_unapplied(self, ops: BlockOps) -> None:
+        """A step failed, its `ops` maybe half applied: drop the tier copies they were to
+        store and the device entries of the blocks they were to load, so no later hit
+        reads a block they left half written (those prefixes are computed again)."""
+        self.tier.forget_stores(ops)
+        self.prefix_cache.evict(ops.load[:, 1].astype(np.int64))
 
     # Growth and sharing ----------------------------------------------------------
 
@@ -350,3 +423,122 @@ class BlockManager:
         """Move the SWAPPED sequences' tables back to fresh device blocks."""
         for tables in self.group_tables:
             tables.swap_in(group)
+
+    # Reserved prefixes -------------------------------------------------------------
+
+    def reserve(self, token_ids: list[int], cache_salt: str | None = None) -> ReservedPrefix:
+        """Hold the full blocks of a computed prefix until `release`: no allocation evicts
+        them, and every request whose prompt extends the prefix (with the same
+        cache_salt) hits them.
+
+        token_ids: the prefix, whose full blocks some sequence computed and
+        `mark_computed` registered in the prefix cache under cache_salt. Which blocks
+        it holds: those a prefix lookup of its full blocks must find (`_lookup_blocks`).
+        Raises, changing nothing, what `check_reservable` raises, and PrefixNotCached (a
+        ValueError) if not every full block is in the prefix cache.
+        """
+        token_ids = check_token_ids(token_ids)
+        self.check_reservable(token_ids, cache_salt)
+        blocks = self._cached_prefix_blocks(token_ids, cache_salt)
+        self._hold(blocks)
+        num_cached_tokens = len(token_ids) // self.block_size * self.block_size
+        return self.reserved_prefixes.add(token_ids, cache_salt, blocks,
+                                          num_cached_tokens).prefix
+
+    def check_reservable(self, token_ids: list[int], cache_salt: str | None = None) -> None:
+        """Raise, naming the limit, unless a prefix of these tokens may be reserved once
+        computed: TypeError for anything but int token ids and a str or None salt;
+        ValueError for an empty prefix, with prefix caching off, for a prefix of
+        max_model_len tokens or more (no request could extend it), and for one whose
+        blocks, with those the reservations hold (`ReservedPrefixes.num_blocks`), are
+        more than `reservable_blocks`."""
+        num_tokens = len(check_token_ids(token_ids))
+        check_cache_salt(cache_salt)
+        if not self.enable_prefix_caching:
+            raise ValueError("prefix caching is off: a reserved prefix is held in the prefix "
+                             "cache (enable_prefix_caching=True)")
+        if self.max_model_len is not None and num_tokens >= self.max_model_len:
+            raise ValueError(f"a prefix of {num_tokens} tokens leaves no room within "
+                             f"max_model_len={self.max_model_len} for a request extending it")
+        num_blocks = self.prefix_blocks(num_tokens)
+        reserved = self.reserved_prefixes.num_blocks
+        if reserved + num_blocks > self.reservable_blocks:
+            raise ValueError(
+                f"a prefix of {num_tokens} tokens needs {num_blocks} blocks; beside the "
+                f"{reserved} blocks of the prefixes reserved already that is more than the "
+                f"{self.reservable_blocks} blocks reserved prefixes may hold (the pool's "
+                f"{self.num_device_blocks} blocks less the watermark's {self.watermark_blocks} "
+                f"and the {self._longest_seq_blocks} of one max_model_len="
+                f"{self.max_model_len} sequence)")
+
+    @property
+    def _longest_seq_blocks(self) -> int:
+        return self.seq_blocks(self.max_model_len or 0)
+
+    @property
+    def reservable_blocks(self) -> int:
+        """The most blocks reserved prefixes may hold together: the pool less the
+        watermark and the blocks of one max_model_len sequence, so that every request the
+        scheduler admits can still run once the others end."""
+        return self.num_device_blocks - self.watermark_blocks - self._longest_seq_blocks
+
+    def prefix_blocks(self, num_tokens: int) -> int:
+        """Blocks a reserved prefix of `num_tokens` tokens holds, over every group."""
+        num_full = num_tokens // self.block_size
+        return sum(map(len, self._lookup_blocks([list(range(num_full))] * self.num_groups)))
+
+    def _lookup_blocks(self, hits: list[list[int]]) -> list[list[int]]:
+        """Of each group's blocks of a prefix hit, those a later lookup of that length must
+        find in the cache: every one of group 0's (a lookup walks its chain of cache ids
+        from the first block) and, in another group, those in the window of the hit's
+        end (`held_hits`: every one without a window)."""
+        first, *others = hits
+        return [first, *(tables.held_hits(blocks)
+                         for tables, blocks in zip(self.group_tables[1:], others, strict=True))]
+
+    def _cached_prefix_blocks(self, token_ids: tuple[int, ...], cache_salt: str | None
+                              ) -> tuple[np.ndarray, ...]:
+        """Each group's cached blocks that a lookup of the prefix's full blocks must find
+        (int32 [K_g] each); PrefixNotCached, changing nothing, if one is missing."""
+        num_blocks = len(token_ids) // self.block_size
+        probe = Sequence(_PROBE_SEQ_ID, list(token_ids))
+        hits = self._seq_hits(probe, SequenceGroup("reserved prefix", [probe],
+                                                   cache_salt=cache_salt), num_blocks)
+        self.free(probe)  # its records (memoised hashes) go
+        num_hit = len(hits[0][0])
+        if num_hit < num_blocks:
+            raise PrefixNotCached(
+                f"{num_hit} of the prefix's {num_blocks} full blocks are in the prefix cache; "
+                "a prefix is reserved once a sequence computed it")
+        blocks = self._lookup_blocks([group_blocks for group_blocks, _ in hits])
+        if any(isinstance(block, TierBlock) for group_blocks in blocks for block in group_blocks):
+            raise PrefixNotCached("some of the prefix's full blocks are in the host tier, "
+                                  "not on the device: a prefix is reserved once a sequence "
+                                  "computed or loaded it")
+        return tuple(np.asarray(group_blocks, np.int32) for group_blocks in blocks)
+
+    def _hold(self, blocks: tuple[np.ndarray, ...]) -> None:
+        for group_blocks in blocks:
+            for block in group_blocks.tolist():
+                self.pool.state = allocator.take(self.state, block)
+
+    def release(self, prefix_id: int) -> None:
+        """Drop reservation `prefix_id`'s holder of its blocks: those no table holds join
+        the free queue's tail, last first, still cached. Raises, changing nothing,
+        ValueError for a prefix not reserved (or released already), TypeError for an id
+        that is not an int."""
+        reservation = self.reserved_prefixes.remove(check_prefix_id(prefix_id))
+        for group_blocks in reservation.blocks or ():
+            self.pool.state = allocator.free(self.state, group_blocks[::-1])
+
+    def restore(self, prefix_id: int) -> ReservedPrefix:
+        """Hold again the blocks of a reservation whose KV was lost (`reset_prefix_cache`),
+        once its prefix is computed again. Raises, changing nothing, ValueError for a
+        prefix not reserved or not lost, PrefixNotCached if a block is missing."""
+        reservation = self.reserved_prefixes.get(prefix_id)
+        if not reservation.is_lost:
+            raise ValueError(f"reserved prefix {prefix_id} holds its blocks: it is not lost")
+        blocks = self._cached_prefix_blocks(reservation.token_ids, reservation.cache_salt)
+        self._hold(blocks)
+        reservation.blocks = blocks
+        return reservation.prefix

@@ -19,7 +19,11 @@ moves; everything else about a table is here.
 A prefix hit needs a cached block whose key (parent entry, salt, tokens) equals
 the sequence's, block after block from the first: the hash only finds the
 candidate, so a collision is a miss and the chain of hits stops there. Blocks
-the allocator hands out lose their cache entries (`PrefixCache.evict`). Group
+the allocator hands out lose their cache entries (`PrefixCache.evict`). With a
+host tier (jpaged.memory.host_tier), each block a table registers is also
+written through to host memory, and a block the device cache misses may hit
+there: the hit holds a `TierBlock`, which admission loads into a fresh device
+block before the tables take it. Group
 g's entries are keyed apart from other groups': its hash chain starts at hash g
 and its first block's parent id is -g. Group 0's chain of cache ids vouches for
 a prefix, so it keys every group's entries: block i's parent is group 0's entry
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -37,12 +42,22 @@ from jpaged.config import CacheConfig
 from jpaged.memory import allocator
 from jpaged.memory.allocator import AllocatorState
 from jpaged.memory.block_table import BlockTable
+from jpaged.memory.host_tier import HostTier
 from jpaged.memory.prefix_cache import PrefixCache, hash_block, pack_tokens
 from jpaged.sequence import Sequence, SequenceGroup, SequenceStatus
 
 _RUNNING = SequenceStatus.RUNNING  # an enum attribute lookup costs as much as the check
-Hits = tuple[list[int], list[int]]
-"""A sequence's prefix-cache hit: the cached blocks of its prefix and their cache ids."""
+
+
+class TierBlock(NamedTuple):
+    """A prefix hit in the host tier: the host block holding the copy to load."""
+
+    host_block: int
+
+
+Hits = tuple[list["int | TierBlock"], list[int]]
+"""A sequence's prefix-cache hit: the cached blocks of its prefix (device blocks, or
+host-tier copies until admission loads them) and their cache ids."""
 
 
 def cdiv(a: int, b: int) -> int:
@@ -51,15 +66,29 @@ def cdiv(a: int, b: int) -> int:
 
 @dataclass
 class SharedPool:
-    """The allocator state and prefix cache of the pool all KV cache groups draw from."""
+    """The allocator state, prefix cache and host tier of the pool all KV cache groups
+    draw from."""
 
     state: AllocatorState
     prefix_cache: PrefixCache
+    tier: HostTier
 
     @classmethod
     def create(cls, cache_config: CacheConfig) -> SharedPool:
         return cls(allocator.create(cache_config.num_blocks, cache_config.num_host_blocks),
-                   PrefixCache(cache_config.num_blocks))
+                   PrefixCache(cache_config.num_blocks), HostTier(cache_config.num_host_blocks))
+
+    def find(self, block_hash: int, parent: int, cache_salt: str | None, tokens: bytes
+             ) -> tuple[int | TierBlock, int] | None:
+        """The block holding this content key, on the device or else in the host tier,
+        and its cache id; None if neither holds it."""
+        entry = self.prefix_cache.lookup(block_hash, parent, cache_salt, tokens)
+        if entry is not None:
+            return entry[0], entry[1]
+        entry = self.tier.lookup(block_hash, parent, cache_salt, tokens)
+        if entry is not None:
+            return TierBlock(entry[0]), entry[1]
+        return None
 
 
 @dataclass
@@ -204,25 +233,27 @@ class FullAttentionTables:
             hashes.append(hash_block(parent, tokens, record.cache_salt))
             record.block_tokens.append(tokens)
 
-    def prefix_hit(self, seq: Sequence, group: SequenceGroup) -> Hits:
-        """The cached blocks holding seq's longest cached prefix on this group's own chain
-        of cache ids, left to right, never its last token (none for a request that must
-        compute every token), and their cache ids: group 0's hit."""
+    def prefix_hit(self, seq: Sequence, group: SequenceGroup, num_blocks: int | None = None
+                   ) -> Hits:
+        """The cached blocks holding seq's longest cached prefix of at most `num_blocks`
+        blocks (None: never its last token) on this group's own chain of cache ids, left
+        to right (none for a request that must compute every token), and their cache
+        ids: group 0's hit."""
         if not self.config.enable_prefix_caching or not group.use_prefix_cache:
             return [], []
         record = self._record(seq, group.cache_salt)
-        num_eligible = (len(seq) - 1) // self.block_size
+        num_eligible = (len(seq) - 1) // self.block_size if num_blocks is None else num_blocks
         self._memoise_blocks(seq, record, num_eligible)
-        blocks: list[int] = []
+        blocks: list[int | TierBlock] = []
         cache_ids: list[int] = []
-        lookup, parent, salt = self.prefix_cache.lookup, self._root_parent, record.cache_salt
+        find, parent, salt = self.pool.find, self._root_parent, record.cache_salt
         chain = zip(record.block_hashes[:num_eligible], record.block_tokens, strict=False)
         for block_hash, tokens in chain:
-            entry = lookup(block_hash, parent, salt, tokens)
-            if entry is None:
+            found = find(block_hash, parent, salt, tokens)
+            if found is None:
                 break
-            blocks.append(entry[0])
-            parent = entry[1]  # this entry's cache id, the next block's parent
+            blocks.append(found[0])
+            parent = found[1]  # this entry's cache id, the next block's parent
             cache_ids.append(parent)
         return blocks, cache_ids
 
@@ -233,25 +264,31 @@ class FullAttentionTables:
         left to right."""
         record = self._record(seq, group.cache_salt)
         self._memoise_blocks(seq, record, num_blocks)
-        blocks: list[int] = []
+        blocks: list[int | TierBlock] = []
         cache_ids: list[int] = []
         for i in range(num_blocks):
-            entry = self._lookup(record, i, chain_ids)
-            if entry is None:
+            found = self._find(record, i, chain_ids)
+            if found is None:
                 break
-            blocks.append(entry[0])
-            cache_ids.append(entry[1])
+            blocks.append(found[0])
+            cache_ids.append(found[1])
         return blocks, cache_ids
 
-    def _lookup(self, record: SeqBlocks, i: int, chain_ids: list[int]):
-        """The entry holding block i of the record's sequence, keyed by group 0's chain."""
-        parent = chain_ids[i - 1] if i else self._root_parent
-        return self.prefix_cache.lookup(record.block_hashes[i], parent, record.cache_salt,
-                                        record.block_tokens[i])
+    def _find(self, record: SeqBlocks, i: int, chain_ids: list[int]
+              ) -> tuple[int | TierBlock, int] | None:
+        """The block holding block i of the record's sequence, keyed by group 0's chain,
+        and its cache id (SharedPool.find)."""
+        return self.pool.find(record.block_hashes[i], self._parent(i, chain_ids),
+                              record.cache_salt, record.block_tokens[i])
+
+    def _parent(self, i: int, chain_ids: list[int]) -> int:
+        """The parent of block i's entry: group 0's entry of block i - 1."""
+        return chain_ids[i - 1] if i else self._root_parent
 
     def admission_cost(self, seqs: list[Sequence], hits: list[Hits]) -> int:
         """Free blocks that admitting `seqs` with these prefix hits may consume; a hit
-        before the window of the first token to compute is not taken."""
+        before the window of the first token to compute is not taken, and a hit in the
+        host tier takes a free block to load into."""
         num_blocks, taken = 0, []
         for seq, (seq_hits, _) in zip(seqs, hits, strict=True):
             num_hit_tokens = len(seq_hits) * self.block_size
@@ -262,7 +299,8 @@ class FullAttentionTables:
                                                            len(seq) - num_hit_tokens))
             taken += seq_hits[released:]
         refcounts = self.state.device.refcounts
-        free_hits = {block for block in taken if refcounts[block] == 0}
+        free_hits = {block for block in taken
+                     if isinstance(block, TierBlock) or refcounts[block] == 0}
         return num_blocks - len(taken) + len(free_hits)
 
     def check_unallocated(self, seqs: list[Sequence]) -> None:
@@ -271,14 +309,51 @@ class FullAttentionTables:
             if record is not None and record.table:
                 raise ValueError(f"sequence {seq.seq_id} already has a block table")
 
+    def held_hits(self, hit_blocks: list[int]) -> list[int]:
+        """The blocks of a prefix hit that a sequence holds: those in the window of the
+        hit's end (every one without a window)."""
+        return hit_blocks[self.window_start_block(len(hit_blocks) * self.block_size):]
+
     def take_hits(self, hits: list[Hits]) -> None:
         """Hold the hit blocks within the window. Every group's hits must be taken before
         any block is allocated: a free cached hit must not be handed out as another
         sequence's new block."""
         for seq_hits, _ in hits:
+            for block in self.held_hits(seq_hits):
+                if not isinstance(block, TierBlock):
+                    self.state = allocator.take(self.state, block)
+
+    def load_tier_hits(self, seqs: list[Sequence], hits: list[Hits],
+                       chain_ids: list[list[int]]) -> None:
+        """Load the host-tier hits within the window into fresh device blocks, each
+        copy once (a later hit on it shares the block), registered under their
+        entries' keys; `hits` then hold the device blocks. chain_ids: group 0's cache
+        ids of each sequence's hit. Every group's device hits must be taken first: a
+        load takes a block from the free queue's head.
+        """
+        loaded: dict[int, int] = {}
+        for seq, (seq_hits, cache_ids), chain in zip(seqs, hits, chain_ids, strict=True):
             released = self.window_start_block(len(seq_hits) * self.block_size)
-            for block in seq_hits[released:]:
-                self.state = allocator.take(self.state, block)
+            for i in range(released, len(seq_hits)):
+                hit = seq_hits[i]
+                if not isinstance(hit, TierBlock):
+                    continue
+                if hit.host_block in loaded:
+                    seq_hits[i] = loaded[hit.host_block]
+                    self.state = allocator.take(self.state, seq_hits[i])
+                    continue
+                seq_hits[i] = loaded[hit.host_block] = self._load(
+                    self._seqs[seq.seq_id], i, hit, chain, cache_ids[i])
+
+    def _load(self, record: SeqBlocks, i: int, hit: TierBlock, chain_ids: list[int],
+              cache_id: int) -> int:
+        """Load the tier's copy of block i of the record's sequence into a fresh device
+        block, registered in the device cache under its entry's cache id."""
+        self.state, block = self.pool.tier.load(self.state, hit.host_block)
+        self.prefix_cache.evict(np.array([block]))
+        self.prefix_cache.register(block, record.block_hashes[i], self._parent(i, chain_ids),
+                                   record.cache_salt, record.block_tokens[i], cache_id)
+        return block
 
     def new_blocks_at_admission(self, seq: Sequence, num_hit_blocks: int) -> int:
         """Blocks a new table takes beyond its hits: every other block of its tokens."""
@@ -478,14 +553,15 @@ class FullAttentionTables:
                 continue
             if i and (len(chain_ids) < i or chain_ids[i - 1] == 0):
                 return  # group 0 has not registered block i - 1
-            parent = chain_ids[i - 1] if i else self._root_parent
-            cache_id = self.prefix_cache.register(
-                record.table.block(i), record.block_hashes[i],
-                parent, record.cache_salt, record.block_tokens[i],
-            )
+            parent = self._parent(i, chain_ids)
+            block, key = record.table.block(i), (parent, record.cache_salt,
+                                                 record.block_tokens[i])
+            cache_id = self.prefix_cache.register(block, record.block_hashes[i], *key)
             if cache_id is None:
                 return
             cache_ids.append(cache_id)
+            self.state = self.pool.tier.store(self.state, block, record.block_hashes[i],
+                                              cache_id, *key)
 
     # Swapping ----------------------------------------------------------------------
 
@@ -518,6 +594,7 @@ class FullAttentionTables:
         """Move the RUNNING sequences' tables to host blocks (shared blocks move once)."""
         seqs = group.seqs_with(SequenceStatus.RUNNING)
         self.state, host_tables = allocator.swap_out(self.state, self._tables(seqs, False))
+        self.pool.tier.evict(np.fromiter({b for table in host_tables for b in table}, np.int64))
         for seq, host_table in zip(seqs, host_tables, strict=True):
             record = self._seqs[seq.seq_id]
             self.num_logical_blocks -= len(host_table)

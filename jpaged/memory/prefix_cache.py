@@ -99,9 +99,11 @@ class PrefixCache:
         return entry
 
     def register(self, block: int, block_hash: int, parent: int, cache_salt: str | None,
-                 tokens: bytes) -> int | None:
+                 tokens: bytes, cache_id: int | None = None) -> int | None:
         """Make a full, computed block findable by `block_hash` and its content key
-        (parent, cache_salt, tokens); returns its cache id.
+        (parent, cache_salt, tokens); returns its cache id: `cache_id` for a copy of an
+        entry registered before (the host tier's copies, and blocks loaded back from
+        them, keep their entry's id: the same id, the same content), else a new one.
 
         If another block holds `block_hash`, `block` stays private: the holder's cache
         id if it holds the same key (equal K/V), None if it holds other content (a
@@ -111,9 +113,10 @@ class PrefixCache:
         if entry is not None:
             return entry[1] if entry[2:] == (parent, cache_salt, tokens) else None
         if self.holds(block):
-            raise ValueError(f"device block {block} is already cached under another hash")
-        cache_id = self.next_cache_id
-        self.next_cache_id += 1
+            raise ValueError(f"block {block} is already cached under another hash")
+        if cache_id is None:
+            cache_id = self.next_cache_id
+            self.next_cache_id += 1
         self.entries[block_hash] = (block, cache_id, parent, cache_salt, tokens)
         self.block_hashes[block] = block_hash
         return cache_id
@@ -139,14 +142,16 @@ class PrefixCache:
 class PrefixCacheStats:
     """Lookup counters. A query is one sequence admitted with prefix caching on.
 
-    query_tokens: tokens of the admitted sequences.
-    hit_tokens:   of those, tokens served from the cache.
-    query_blocks: full blocks eligible for a lookup (the last token excluded).
-    hit_blocks:   of those, blocks served from the cache.
+    query_tokens:    tokens of the admitted sequences.
+    hit_tokens:      of those, tokens served from the cache (either tier).
+    tier_hit_tokens: of those, tokens loaded from the host tier.
+    query_blocks:    full blocks eligible for a lookup (the last token excluded).
+    hit_blocks:      of those, blocks served from the cache.
     """
 
     query_tokens: int = 0
     hit_tokens: int = 0
+    tier_hit_tokens: int = 0
     query_blocks: int = 0
     hit_blocks: int = 0
 

@@ -7,7 +7,7 @@ fit for each of the `max_seqs` sequences it may have, and holds them all until
 it ends: its sequences never grow, share nothing and are never preempted for
 blocks. A fork (a parallel sample, a beam) copies the parent's computed blocks
 into blocks of the reservation; a sequence that ends gives its blocks back to
-it. Orca has no prefix cache and no swap space.
+it. Orca has no prefix cache and no swap space, so it reserves no prefixes either.
 """
 
 from __future__ import annotations
@@ -20,10 +20,12 @@ from jpaged.config import CacheConfig
 from jpaged.memory import allocator
 from jpaged.memory.allocator import AllocatorState, BlockOps
 from jpaged.memory.block_table import BlockTable
+from jpaged.memory.host_tier import HostPoolCounts
 from jpaged.memory.invariants import holder_problems
 from jpaged.memory.kv_cache_manager import AllocStatus
 from jpaged.memory.prefix_cache import PrefixCacheStats
 from jpaged.memory.reservation import known_output_len, reserved_tokens
+from jpaged.memory.reserved_prefixes import ReservedPrefixes
 from jpaged.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
@@ -68,6 +70,7 @@ class ReservingBlockManager:
         self._tables: dict[int, BlockTable] = {}
         self._reservations: dict[int, _Reservation] = {}  # seq_id -> its group's
         self._logical_blocks = 0
+        self.reserved_prefixes = ReservedPrefixes()  # always empty
 
     @property
     def num_free_blocks(self) -> int:
@@ -203,9 +206,33 @@ class ReservingBlockManager:
     def reset_prefix_cache(self) -> None:
         """No prefix cache: nothing to forget."""
 
+    def host_pool_counts(self, block_bytes: int) -> HostPoolCounts:
+        """No host pool."""
+        return HostPoolCounts(block_bytes=block_bytes)
+
+    def forget_unapplied(self, ops: BlockOps) -> None:
+        """No prefix cache and no host tier: no hit can read what `ops` left undone."""
+
     def end_step(self) -> BlockOps:
         self.state, ops = allocator.commit(self.state)
         return ops
+
+    # Reserved prefixes: none (BlockManager's are held in the prefix cache).
+
+    num_reserved_blocks = 0
+
+    def check_reservable(self, token_ids: list[int], cache_salt: str | None = None) -> None:
+        raise self._no_prefix_cache()
+
+    def reserve(self, token_ids: list[int], cache_salt: str | None = None):
+        raise self._no_prefix_cache()
+
+    def release(self, prefix_id: int) -> None:
+        raise self._no_prefix_cache()
+
+    def _no_prefix_cache(self) -> ValueError:
+        return ValueError(f"allocation={self.allocation!r} keeps no prefix cache, which "
+                          "holds reserved prefixes: reserve them with allocation='paged'")
 
     def check_invariants(self, running: list[Sequence], swapped: list[Sequence]) -> None:
         """As BlockManager.check_invariants, a reservation's spare blocks counted as held."""

@@ -63,11 +63,11 @@ class SlidingWindowTables(FullAttentionTables):
         found: dict[int, tuple] = {}
         i = end - 1
         while i >= self.window_start_block(end * self.block_size):
-            entry = self._lookup(record, i, chain_ids)
-            if entry is None:
+            hit = self._find(record, i, chain_ids)
+            if hit is None:
                 end, i = i, i - 1  # no hit reaches past a missing window block
                 continue
-            found[i] = entry
+            found[i] = hit
             i -= 1
         start = self.window_start_block(end * self.block_size)
         return ([0] * start + [found[i][0] for i in range(start, end)],

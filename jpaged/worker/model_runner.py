@@ -15,9 +15,9 @@ log-probabilities. Given a mesh, the runner runs a model laid out by
 and `write_kv` under `shard_map`, every other array placed by XLA from the
 parameters' shardings; the host side (block tables, slot mappings) is one and
 the same for every device. Block operations (copies for copy-on-write, swaps to and
-from a host pool, stores to and loads from the prefix cache's host tier: the phases of
-`BLOCK_OP_PHASES`) and token sampling run as small separate jitted functions, so they
-never multiply the step's shapes.
+from the host pool, stores to and loads from the prefix cache's host tier in the same
+pool: the phases of `BLOCK_OP_PHASES`) and token sampling run as small separate jitted
+functions, so they never multiply the step's shapes.
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ from jpaged.model.sampler import SamplerOutput, SamplingTensors, logprob_outputs
 from jpaged.model.sharding import kv_cache_sharding, shard_attention, shard_write_kv
 from jpaged.model.verification import verify
 from jpaged.worker.decode_loop import LoopInput, LoopOutput, decode_loop
+from jpaged.worker.host_kv import HostKV
 
 logger = logging.getLogger("jpaged")
 # The names the attention backends have: the kernels' (kernels_pallas.IMPLEMENTATIONS).
@@ -240,7 +241,7 @@ def _read_blocks(cache: jax.Array, block_ids: jax.Array) -> jax.Array:
 
 
 # The pools a block operation's ids index.
-DEVICE, HOST, HOST_TIER = "device", "host", "host tier"
+DEVICE, HOST = "device", "host"
 
 
 @dataclass(frozen=True)
@@ -249,7 +250,7 @@ class BlockOpPhase:
 
     name:        the BlockOps field of the phase's pairs, int32 [K, 2] (source,
                  destination).
-    source:      the pool the pairs' first column indexes (DEVICE, HOST or HOST_TIER).
+    source:      the pool the pairs' first column indexes (DEVICE or HOST).
     destination: the pool their second column indexes.
     move:        the name of the runner's method that moves them, move(pairs) (K >= 1,
                  every id checked).
@@ -262,15 +263,13 @@ class BlockOpPhase:
 
 
 class ModelRunner:
-    """Owns the parameters, the paged KV cache, the host pools (swap space and the prefix
-    cache's host tier) and the compiled step.
+    """Owns the parameters, the paged KV cache, the host pool (swap space and the prefix
+    cache's host tier, jpaged.worker.host_kv) and the compiled step.
 
     mesh: run tensor-parallel on this one-axis ("model") mesh; `model` and `config`
     must then be laid out for it (`jpaged.model.sharding.shard_model`).
     groups: the KV cache groups the cache is laid out for (None: one group of all
     layers, every block kept).
-    num_host_tier_blocks: blocks of the prefix cache's host tier (BlockOps' store and
-    load phases).
     """
 
     def __init__(
@@ -281,7 +280,6 @@ class ModelRunner:
         num_blocks: int,
         block_size: int,
         num_host_blocks: int = 0,
-        num_host_tier_blocks: int = 0,
         kv_dtype=jnp.float32,
         attention_backend: AttentionBackend | None = None,
         interpret: bool = False,
@@ -317,16 +315,14 @@ class ModelRunner:
         self.kv_cache = self._new_kv_cache()
         # The pools' sizes, which every block id the device gets is checked against.
         self.num_blocks, self.num_host_blocks = num_blocks, num_host_blocks
-        self.pool_sizes = {DEVICE: num_blocks, HOST: num_host_blocks,
-                           HOST_TIER: num_host_tier_blocks}
-        # Laid out as the device cache, so their moves pair leaves (scales included).
-        self.host_kv = self._host_pages(num_host_blocks, kv_dtype)
-        self.host_tier_kv = self._host_pages(num_host_tier_blocks, kv_dtype)
+        self.pool_sizes = {DEVICE: num_blocks, HOST: num_host_blocks}
+        layout = jax.eval_shape(self._new_kv_cache)
+        self.host_kv = HostKV([(leaf.shape, leaf.dtype) for leaf in jax.tree.leaves(layout)],
+                              num_host_blocks)
         # Jitted once per model, backend, mesh and cache layout in a process: engines
         # built one after another (a sweep, a notebook) reuse each other's compiled steps.
         self.functions = step_functions(self.graphdef, params_def, self.attention_backend,
-                                         interpret, mesh, self.groups,
-                                         _leaf_layouts(jax.eval_shape(self._new_kv_cache)))
+                                         interpret, mesh, self.groups, _leaf_layouts(layout))
 
     @property
     def kv_caches(self) -> KVCache:
@@ -339,15 +335,8 @@ class ModelRunner:
         """Whether a donating call consumed the KV cache without giving it back (it raised)."""
         return any(array.is_deleted() for array in jax.tree.leaves(self.kv_cache))
 
-    def _host_pages(self, num_blocks: int, kv_dtype) -> KVCache:
-        """A zeroed host pool (numpy leaves) laid out as the device cache, with num_blocks
-        blocks."""
-        layout = jax.eval_shape(lambda: init_kv_cache(
-            self.config, num_blocks, self.block_size, kv_dtype, self.groups.layers_per_block))
-        return jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), layout)
-
     def reset_kv_cache(self) -> None:
-        """A fresh, zeroed KV cache of the same shape (the host pools are kept)."""
+        """A fresh, zeroed KV cache of the same shape (the host pool is kept)."""
         for array in jax.tree.leaves(self.kv_cache):
             if not array.is_deleted():
                 array.delete()
@@ -531,41 +520,25 @@ class ModelRunner:
         padded[: len(pairs)] = pairs
         return padded
 
-    def _swap_out(self, pairs: np.ndarray) -> None:
-        """Device blocks -> host blocks. pairs: int32 [K, 2] (device, host)."""
-        self._read_into(self.host_kv, pairs)
-
-    def _store(self, pairs: np.ndarray) -> None:
-        """Device blocks -> host-tier blocks. pairs: int32 [K, 2] (device, host tier)."""
-        self._read_into(self.host_tier_kv, pairs)
-
-    def _swap_in(self, pairs: np.ndarray) -> None:
-        """Host blocks -> device blocks. pairs: int32 [K, 2] (host, device)."""
-        self._write_from(self.host_kv, pairs)
-
-    def _load(self, pairs: np.ndarray) -> None:
-        """Host-tier blocks -> device blocks. pairs: int32 [K, 2] (host tier, device)."""
-        self._write_from(self.host_tier_kv, pairs)
-
     def _copy(self, pairs: np.ndarray) -> None:
         """Device blocks -> device blocks. pairs: int32 [K, 2] (source, destination)."""
         self.kv_cache = _copy_blocks(self.kv_cache, self._pad_pairs(pairs))
 
-    def _read_into(self, host_pages: KVCache, pairs: np.ndarray) -> None:
-        """Device blocks -> blocks of host_pages (a host pool laid out as the cache).
+    def _to_host(self, pairs: np.ndarray) -> None:
+        """Device blocks -> host blocks (a swap-out, or a store to the host tier).
         pairs: int32 [K, 2] (device, host)."""
         device_ids = self._pad_pairs(pairs)[:, 0]
-        for cache, host in zip(jax.tree.leaves(self.kv_cache), jax.tree.leaves(host_pages),
-                               strict=True):
-            host[:, :, pairs[:, 1]] = np.asarray(_read_blocks(cache, device_ids))[:, :, :len(pairs)]
+        self.host_kv.write(pairs[:, 1], [
+            np.asarray(_read_blocks(cache, device_ids))[:, :, :len(pairs)]
+            for cache in jax.tree.leaves(self.kv_cache)])
 
-    def _write_from(self, host_pages: KVCache, pairs: np.ndarray) -> None:
-        """Blocks of host_pages (a host pool laid out as the cache) -> device blocks.
+    def _from_host(self, pairs: np.ndarray) -> None:
+        """Host blocks -> device blocks (a swap-in, or a load from the host tier).
         pairs: int32 [K, 2] (host, device)."""
         padded = self._pad_pairs(pairs)
-        host_ids, device_ids = padded[:, 0], padded[:, 1]
-        pages = jax.tree.map(lambda host: host[:, :, host_ids], host_pages)
-        self.kv_cache = _write_blocks(self.kv_cache, pages, device_ids)
+        pages = jax.tree.unflatten(jax.tree.structure(self.kv_cache),
+                                   self.host_kv.read(padded[:, 0]))
+        self.kv_cache = _write_blocks(self.kv_cache, pages, padded[:, 1])
 
 
 # The phases in the order a step applies them: the blocks that leave the device
@@ -573,10 +546,10 @@ class ModelRunner:
 # copies), and the copies come last, so they may copy a block a swap-in or load just
 # filled. A new phase is an entry here, with a BlockOps field of its name and its move.
 BLOCK_OP_PHASES = (
-    BlockOpPhase("swap_out", DEVICE, HOST, "_swap_out"),
-    BlockOpPhase("store", DEVICE, HOST_TIER, "_store"),
-    BlockOpPhase("swap_in", HOST, DEVICE, "_swap_in"),
-    BlockOpPhase("load", HOST_TIER, DEVICE, "_load"),
+    BlockOpPhase("swap_out", DEVICE, HOST, "_to_host"),
+    BlockOpPhase("store", DEVICE, HOST, "_to_host"),
+    BlockOpPhase("swap_in", HOST, DEVICE, "_from_host"),
+    BlockOpPhase("load", HOST, DEVICE, "_from_host"),
     BlockOpPhase("copies", DEVICE, DEVICE, "_copy"),
 )
 

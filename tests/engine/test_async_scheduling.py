@@ -103,7 +103,7 @@ def test_preemption_keeps_greedy_outputs(loaded, prompts, expected, mode):
     sequences whose placeholder is still to be replaced."""
     engine = _engine(loaded, async_scheduling=True, block_size=2, num_blocks=40,
                      max_model_len=64, preemption_mode=mode,
-                     num_host_blocks=64 if mode == "swap" else 0)
+                     kv_offloading_size=0.01 if mode == "swap" else None)
     finals = _run(engine, {str(i): (p, GREEDY) for i, p in enumerate(prompts)})
     assert [finals[str(i)].outputs[0].token_ids for i in range(len(prompts))] == expected
     assert engine.scheduler.num_preemptions > 0

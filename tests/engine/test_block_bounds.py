@@ -27,6 +27,7 @@ from jpaged.model.loader import load_model
 from jpaged.sampling_params import SamplingParams
 from jpaged.worker import step_runner
 from tests.plugins.tiny_runner import (
+    host_pages,
     loop_input,
     run_marking_loop,
     shuffled_state,
@@ -50,7 +51,7 @@ def runner():
 
 
 def _snapshot(runner) -> list[np.ndarray]:
-    return [np.array(leaf) for leaf in jax.tree.leaves((runner.kv_cache, runner.host_kv))]
+    return [np.array(leaf) for leaf in jax.tree.leaves(runner.kv_cache)] + host_pages(runner)
 
 
 # name -> (the ops' bad pairs, the id named, whether the host pool holds it)

@@ -25,6 +25,7 @@ from jpaged.memory import allocator
 from jpaged.memory.allocator import BlockOps
 from jpaged.worker.model_runner import _copy_blocks, _read_blocks, _write_blocks
 from tests.plugins.tiny_runner import (
+    host_pages,
     loop_input,
     run_marking_loop,
     shuffled_state,
@@ -98,7 +99,7 @@ def test_swaps_move_blocks_along_as_numpy_does(runner):
     for new, old in zip(expected, before, strict=True):
         new[:, :, [2, 3, 4]] = old[:, :, [1, 2, 3]]
     _assert_leaves_equal(_leaves(runner.kv_cache), expected, first_block=1)
-    host = [leaf.copy() for leaf in jax.tree.leaves(runner.host_kv)]
+    host = host_pages(runner)
 
     # Out: 4 -> host 3; in: host 0 -> 4, host 3 -> 5; copies: 4 -> 6, 5 -> 4.
     runner.apply_block_ops(BlockOps(_pairs((4, 3)), _pairs((0, 4), (3, 5)),
@@ -110,7 +111,7 @@ def test_swaps_move_blocks_along_as_numpy_does(runner):
         new[:, :, [4, 5]] = new_host[:, :, [0, 3]]
         new[:, :, [6, 4]] = new[:, :, [4, 5]].copy()
     _assert_leaves_equal(_leaves(runner.kv_cache), device, first_block=1)
-    _assert_leaves_equal(jax.tree.leaves(runner.host_kv), host)
+    _assert_leaves_equal(host_pages(runner), host)
 
 
 # xla#49176's shapes in the cache's layout [L, Hkv, N, bs, D]: four blocks of one

@@ -199,7 +199,7 @@ def test_parallel_samples_share_blocks_as_without_sharing(loaded, prompts):
 def test_a_pool_that_runs_out_inside_the_loop_preempts_after_it(loaded, prompts, expected,
                                                                  mode):
     engine = _engine(loaded, num_decode_steps=16, block_size=2, num_blocks=40, max_model_len=64,
-                     preemption_mode=mode, num_host_blocks=64 if mode == "swap" else 0)
+                     preemption_mode=mode, kv_offloading_size=0.01 if mode == "swap" else None)
     watch = LoopWatch(engine)
     finals = _run(engine, {str(i): (p, GREEDY) for i, p in enumerate(prompts)})
     assert [finals[str(i)].outputs[0].token_ids for i in range(len(prompts))] == expected

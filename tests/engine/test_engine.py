@@ -80,7 +80,7 @@ def test_each_prompt_alone_matches_the_batch(loaded, prompts, expected):
 def test_preemption_keeps_greedy_outputs(loaded, prompts, expected, mode):
     # 12 usable blocks of 4 tokens: the 33-token prompt alone needs 12 by its end.
     llm = _llm(loaded, block_size=4, num_blocks=13, max_model_len=48, preemption_mode=mode,
-               num_host_blocks=64 if mode == "swap" else 0, enable_prefix_caching=False)
+               kv_offloading_size=0.01 if mode == "swap" else None, enable_prefix_caching=False)
     outputs = llm.generate(prompts, GREEDY)
     assert _tokens(outputs) == expected
     assert llm.engine.stats.num_preemptions > 0

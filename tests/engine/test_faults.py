@@ -113,22 +113,25 @@ def check_recovered(llm: LLM, finished, prompts, expected, fired) -> None:
             assert out.outputs[0].token_ids == expected[i], i
     manager = llm.engine.block_manager
     assert manager.num_free_blocks == manager.num_device_blocks
-    assert manager.num_free_host_blocks == manager.num_host_blocks
+    assert not manager.state.host.refcounts.any()  # free, or holding the tier's copies
     again = llm.generate(prompts, GREEDY)
     assert [o.outputs[0].token_ids for o in again] == expected
 
 
-def _has_copies(call, ops) -> bool:
-    return len(ops.copies) > 0
+def _has(phase: str):
+    """Whether a call of apply_block_ops has pairs of this phase."""
+    return lambda call, ops: len(getattr(ops, phase)) > 0
 
 
-SWAPPING = dict(preemption_mode="swap", num_blocks=8, num_host_blocks=32, max_model_len=40)
+SWAPPING = dict(preemption_mode="swap", num_blocks=8, kv_offloading_size=0.01, max_model_len=40)
+# A pool too small to keep the shared prefix: the last prompt loads it from the host tier.
+TIER = dict(num_blocks=8, kv_offloading_size=0.01, max_model_len=40)
 SCENARIOS = {
     # (engine options, runner call, when it raises)
     "mid_prefill": ({}, "execute", lambda call, *args: call == 2),
     "mid_decode": ({}, "execute", lambda call, *args: call == 7),
     "first_step_compile": ({}, "execute", lambda call, *args: call == 1),
-    "after_copy_on_write": ({}, "apply_block_ops", _has_copies),
+    "after_copy_on_write": ({}, "apply_block_ops", _has("copies")),
     "sampler": ({}, "sample_on_device", lambda call, *args: call == 4),
     "reading_tokens": ({}, "fetch", lambda call, *args: call == 5),
     "decode_loop": ({"num_decode_steps": 4}, "decode_loop", lambda call, *args: call == 2),
@@ -136,8 +139,14 @@ SCENARIOS = {
     "async_mid_decode": ({"async_scheduling": True}, "execute", lambda call, *args: call == 7),
     "async_reading_tokens": ({"async_scheduling": True}, "fetch",
                              lambda call, *args: call == 5),
-    "swap_out": (SWAPPING, "_swap_out", lambda call, *args: True),
-    "swap_in": (SWAPPING, "_swap_in", lambda call, *args: True),
+    "swap_out": (SWAPPING, "apply_block_ops", _has("swap_out")),
+    "swap_in": (SWAPPING, "apply_block_ops", _has("swap_in")),
+    # Nothing is served from a copy a failed step may have left half written.
+    "tier_store": (TIER, "apply_block_ops", _has("store")),
+    "tier_load": (TIER, "apply_block_ops", _has("load")),
+    # The store phase ran, the load phase raises (without swapping, only loads read
+    # the host).
+    "tier_load_mid_phases": (TIER, "_from_host", lambda call, *args: True),
 }
 
 

@@ -121,7 +121,7 @@ def test_preemption_without_prefix_caching_keeps_greedy_outputs(row, mode):
     block_size = row.layout.block_size
     llm = row.llm(num_blocks=2 + groups.seq_blocks(32, block_size, chunk_tokens=16),
                   max_model_len=32, preemption_mode=mode,
-                  num_host_blocks=64 * groups.num_groups if mode == "swap" else 0,
+                  kv_offloading_size=0.01 if mode == "swap" else None,
                   enable_prefix_caching=False, disable_hybrid_kv_cache_manager=keep)
     assert _tokens(llm.generate(row.prompts, GREEDY)) == row.expected
     assert llm.engine.stats.num_preemptions > 0

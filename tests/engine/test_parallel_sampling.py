@@ -60,7 +60,7 @@ def test_seeded_samples_survive_preemption(loaded, mode):
     alone = [_samples(single.generate([p], SAMPLED)[0]) for p in prompts]
     # 30 usable blocks of 4 tokens: one group needs at most 15, all five do not fit.
     llm = _llm(loaded, num_blocks=31, preemption_mode=mode,
-               num_host_blocks=64 if mode == "swap" else 0, enable_prefix_caching=False)
+               kv_offloading_size=0.01 if mode == "swap" else None, enable_prefix_caching=False)
     outputs = llm.generate(prompts, SAMPLED)
     assert llm.engine.stats.num_preemptions > 0
     assert [_samples(o) for o in outputs] == alone

@@ -26,13 +26,13 @@ def loaded(tiny_llama_dir):
     return load_model(tiny_llama_dir)
 
 
-def make_llm(loaded, enable_prefix_caching: bool) -> LLM:
-    return LLM(
-        "tiny", loaded=loaded, block_size=BLOCK_SIZE, num_blocks=64, max_num_seqs=4,
-        max_num_batched_tokens=64, max_model_len=64, enable_prefix_caching=enable_prefix_caching,
-        buckets=BucketSizes(min_num_tokens=8, min_num_seqs=4, min_blocks_per_seq=2),
-        persistent_compilation_cache=False,
-    )
+def make_llm(loaded, enable_prefix_caching: bool, **kwargs) -> LLM:
+    config = dict(block_size=BLOCK_SIZE, num_blocks=64, max_num_seqs=4,
+                  max_num_batched_tokens=64, max_model_len=64,
+                  buckets=BucketSizes(min_num_tokens=8, min_num_seqs=4, min_blocks_per_seq=2),
+                  persistent_compilation_cache=False)
+    return LLM("tiny", loaded=loaded, enable_prefix_caching=enable_prefix_caching,
+               **(config | kwargs))
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +68,16 @@ def test_engine_with_every_hash_equal_matches_no_caching(
     lookups = sum((len(p) - 1) // BLOCK_SIZE for prompts in prompt_rounds[:2] for p in prompts)
     assert stats.query_blocks == lookups > 0
     assert stats.hit_rate == 0.0
+
+
+def test_engine_with_colliding_hashes_and_a_host_tier_matches_no_caching(
+    depth_hash, loaded, prompt_rounds, uncached_outputs
+):
+    """Blocks at one depth collide on the device and in the host tier, where a pool of
+    9 blocks sends every round's blocks: no lookup may take another prefix's copy."""
+    llm = make_llm(loaded, enable_prefix_caching=True, num_blocks=9, kv_offloading_size=0.01)
+    assert run_rounds(llm, prompt_rounds) == uncached_outputs
+    assert llm.engine.state().host_pool.stored_blocks > 0
 
 
 def test_engine_with_the_real_hash_still_hits_a_shared_prefix(

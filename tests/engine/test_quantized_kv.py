@@ -93,7 +93,7 @@ def test_forked_samples_read_their_parents_blocks_and_scales(loaded, prompts, un
 @pytest.mark.parametrize("kv_cache_dtype", KV_DTYPES)
 def test_swapped_blocks_come_back_with_their_scales(loaded, prompts, unmoved, kv_cache_dtype):
     llm = _llm(loaded, kv_cache_dtype=kv_cache_dtype, preemption_mode="swap",
-               num_host_blocks=32, **SMALL_POOL)
+               kv_offloading_size=0.01, **SMALL_POOL)
     finished = serve(llm, prompts, [greedy()] * len(prompts))
     assert llm.engine.scheduler.num_preemptions > 0
     for index, expected in enumerate(unmoved[kv_cache_dtype]):

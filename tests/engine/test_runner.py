@@ -12,6 +12,7 @@ from jpaged.memory.allocator import BlockOps
 from jpaged.model.loader import load_model
 from jpaged.worker.model_runner import ModelRunner
 from kernels_pallas import EncodedPages
+from tests.plugins.tiny_runner import host_pages
 
 NUM_BLOCKS, NUM_HOST_BLOCKS, BLOCK_SIZE = 12, 6, 4
 
@@ -44,19 +45,26 @@ def _device(runner) -> list[np.ndarray]:
 
 
 def _host(runner) -> list[np.ndarray]:
-    return jax.tree.leaves(runner.host_kv)
+    return host_pages(runner)
 
 
 def test_cache_stacks_every_layer(runner):
     config = runner.config
     pages = (config.num_layers, config.num_kv_heads)
-    for cache, num_blocks in ((runner.kv_cache, NUM_BLOCKS), (runner.host_kv, NUM_HOST_BLOCKS)):
-        for kind in cache:
-            values = kind.values if isinstance(kind, EncodedPages) else kind
-            chex.assert_shape(values, (*pages, num_blocks, BLOCK_SIZE, config.head_dim))
-            if isinstance(kind, EncodedPages):
-                chex.assert_shape(kind.scales, (*pages, num_blocks, BLOCK_SIZE))
-        assert isinstance(cache[0], EncodedPages) == (runner.kv_cache[0].dtype == jnp.int8)
+    cache = runner.kv_cache
+    for kind in cache:
+        values = kind.values if isinstance(kind, EncodedPages) else kind
+        chex.assert_shape(values, (*pages, NUM_BLOCKS, BLOCK_SIZE, config.head_dim))
+        if isinstance(kind, EncodedPages):
+            chex.assert_shape(kind.scales, (*pages, NUM_BLOCKS, BLOCK_SIZE))
+    assert isinstance(cache[0], EncodedPages) == (runner.kv_cache[0].dtype == jnp.int8)
+    # The host pool is block-major: a row per block, K and V of every layer (and their
+    # scales), whatever the pages' dtype.
+    token_bytes = jnp.dtype(runner.kv_cache[0].dtype).itemsize * config.head_dim
+    if isinstance(cache[0], EncodedPages):
+        token_bytes += 4  # one float32 scale per token and head
+    block_bytes = 2 * config.num_layers * config.num_kv_heads * BLOCK_SIZE * token_bytes
+    assert runner.host_kv.blocks.shape == (NUM_HOST_BLOCKS, block_bytes)
 
 
 def test_swap_out_swap_in_and_copies_move_whole_blocks(runner):

@@ -124,7 +124,7 @@ def test_beside_requests_that_do_not_speculate(loaded, prompts, expected):
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_keeps_greedy_outputs(loaded, prompts, expected, mode):
     engine = LLMEngine(EngineConfig(speculative_config=NGRAM, **_config(
-        num_blocks=40, preemption_mode=mode, num_host_blocks=160 if mode == "swap" else 0)),
+        num_blocks=40, preemption_mode=mode, kv_offloading_size=0.01 if mode == "swap" else None)),
         loaded=loaded)
     finals = _run(engine, {str(i): (p, GREEDY) for i, p in enumerate(prompts)})
     assert [finals[str(i)].outputs[0].token_ids for i in range(len(prompts))] == expected
@@ -276,7 +276,7 @@ def test_the_target_as_its_own_draft_accepts_everything(llama, mode):
     model_dir, loaded = llama
     prompts = _prompt_set(loaded)
     engine = LLMEngine(EngineConfig(speculative_config=_draft(model_dir), **_config(
-        num_blocks=40, preemption_mode=mode, num_host_blocks=160 if mode == "swap" else 0)),
+        num_blocks=40, preemption_mode=mode, kv_offloading_size=0.01 if mode == "swap" else None)),
         loaded=loaded)
     sampled = SamplingParams(n=2, temperature=0.9, max_tokens=MAX_TOKENS, seed=5,
                              ignore_eos=True)

@@ -15,6 +15,7 @@ import pytest
 
 from jpaged.core.scheduler_output import SchedulerStats
 from jpaged.engine.stats import LATENCY_WINDOW, CombinedStats, EngineStats, KVBlockCounts
+from jpaged.memory.host_tier import HostPoolCounts
 from jpaged.outputs import RequestMetrics
 
 NUM_BLOCKS = 100
@@ -35,9 +36,9 @@ def _record_steps(stats: EngineStats, rng: np.random.Generator, num_steps: int,
         queues = SchedulerStats(num_running=int(running[step]), num_waiting=int(waiting[step]),
                                 num_swapped=0, num_preemptions=step)
         prefix_cache = SimpleNamespace(query_tokens=int(query_tokens[step]),
-                                       hit_tokens=int(hit_tokens[step]))
+                                       hit_tokens=int(hit_tokens[step]), tier_hit_tokens=0)
         stats.record_step(SimpleNamespace(num_batched_tokens=8), queues, prefix_cache,
-                          start + step, start + step + 0.5)
+                          HostPoolCounts(), start + step, start + step + 0.5)
     return {"kv_utilization": used / num_blocks, "used": used,
             "pool": np.full(num_steps, num_blocks), "running": running, "waiting": waiting,
             "query_tokens": query_tokens, "hit_tokens": hit_tokens}

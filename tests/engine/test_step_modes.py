@@ -85,7 +85,7 @@ CONFLICTS = {
         dict(allocation="orca-pow2", disable_hybrid_kv_cache_manager=False), ALL_SLIDING,
         "allocation='orca-pow2'", "disable_hybrid_kv_cache_manager=False"),
     (Feature.ORCA, Feature.SWAP): (
-        dict(allocation="orca-oracle", preemption_mode="swap", num_host_blocks=8), (),
+        dict(allocation="orca-oracle", preemption_mode="swap", kv_offloading_size=0.01), (),
         "allocation='orca-oracle'", "preemption_mode='swap'"),
     (Feature.DRAFT_MODEL, Feature.TENSOR_PARALLEL): (
         dict(speculative_config=DRAFT, tensor_parallel_size=2), (),

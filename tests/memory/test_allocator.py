@@ -359,8 +359,8 @@ def test_the_state_is_arrays_only():
     state = allocator.create(num_blocks=7, num_host_blocks=5)
     leaves = _leaves(state)
     assert all(isinstance(leaf, np.ndarray) and leaf.dtype != object for leaf in leaves)
-    # Sized by the pools (a block or a queue link each) or by the three kinds of op.
-    assert {leaf.shape[0] for leaf in leaves if leaf.ndim} == {3, 5, 6, 7, 8}
+    # Sized by the pools (a block or a queue link each) or by the five phases of ops.
+    assert {leaf.shape[0] for leaf in leaves if leaf.ndim} == {5, 6, 7, 8}
 
 
 def test_a_freed_copy_destination_is_not_reused_by_the_same_steps_swap_in():

@@ -12,12 +12,17 @@ every scheduled token's "K/V" (the salt and the whole token prefix up to it,
 which is what real K/V depend on and what the prefix cache may share) into its
 slot. Every computed position of every live sequence must then read back its
 own prefix: that checks copy-on-write copies, fork copies, swaps, prefix hits,
-evictions and same-step block reuse at once.
+evictions and same-step block reuse at once. With a host pool and the prefix cache
+on, every registered block is also stored to the host tier and prefix hits may load
+blocks back from it: the model applies those phases too, so a loaded block that
+does not hold its prefix fails the same read-back. Reserved prefixes (a computed
+prefix's blocks held until released) count in the recount, and their blocks must
+keep holding their prefix whatever the other rules take from the pool.
 """
 
 import numpy as np
 import pytest
-from hypothesis import settings
+from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -90,6 +95,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.pending: list[tuple[Sequence, int]] = []
         self.written_now: set[int] = set()  # device blocks this step's swap-in or copies write
         self.owing: set[int] = set()  # children forked without sharing, not yet appended
+        self.finished: list[tuple[list[int], str | None]] = []  # computed tokens, salt
+        self.reserved: dict[int, tuple[list[int], str | None]] = {}  # id -> prefix, salt
 
     # Helpers ---------------------------------------------------------------------
 
@@ -244,6 +251,65 @@ class BlockManagerMachine(RuleBasedStateMachine):
         group, seq = data.draw(st.sampled_from(self.live(RUNNING)))
         self.add(seq.token_slice(0, seq.num_computed_tokens) + extra, group.cache_salt)
 
+    @precondition(lambda self: self.finished)
+    @rule(data=st.data(), extra=st.lists(st.integers(0, 2), min_size=1, max_size=4))
+    def add_next_round(self, data, extra):
+        """A prompt that continues a finished sequence's tokens, as a conversation's next
+        round: its blocks may have left the device and wait in the host tier."""
+        tokens, salt = data.draw(st.sampled_from(self.finished))
+        self.add(tokens + extra, salt)
+
+    @precondition(lambda self: self.finished or self.live(RUNNING))
+    @rule(data=st.data())
+    def reserve(self, data):
+        """Reserve a finished or running sequence's computed tokens, or a prefix of them:
+        refused (a ValueError) when a full block is no longer on the device or the
+        reservations would hold too much, and then nothing changes."""
+        computed = self.finished + [(seq.token_slice(0, seq.num_computed_tokens),
+                                     group.cache_salt) for group, seq in self.live(RUNNING)]
+        tokens, salt = data.draw(st.sampled_from(computed))
+        if not tokens:
+            return
+        tokens = tokens[: data.draw(st.integers(1, len(tokens)))]
+        refcounts = self.bm.state.device.refcounts.copy()
+        try:
+            prefix = self.bm.reserve(tokens, salt)
+        except ValueError:
+            np.testing.assert_array_equal(self.bm.state.device.refcounts, refcounts)
+            return
+        assert prefix.num_cached_tokens == len(tokens) // self.bs * self.bs
+        self.reserved[prefix.prefix_id] = (tokens, salt)
+
+    @precondition(lambda self: self.reserved)
+    @rule(data=st.data())
+    def release(self, data):
+        prefix_id = data.draw(st.sampled_from(sorted(self.reserved)))
+        self.bm.release(prefix_id)
+        del self.reserved[prefix_id]
+        with pytest.raises(ValueError, match=f"no prefix {prefix_id} is reserved"):
+            self.bm.release(prefix_id)
+
+    def reserved_blocks(self):
+        """The blocks each reservation holds, per group, as lists."""
+        return [group.tolist() for group in self.bm.reserved_prefixes.held()]
+
+    def check_reserved_contents(self):
+        """Each reservation's blocks hold its prefix: in group 0 every full block, in a
+        windowed group the full blocks in the window of the prefix's end."""
+        for reservation in self.bm.reserved_prefixes:
+            tokens, salt = self.reserved[reservation.prefix_id]
+            num_full = len(tokens) // self.bs
+            for g, blocks in enumerate(reservation.blocks):
+                window = self.windows[g]
+                first = 0 if g == 0 or window is None else (
+                    max(0, num_full * self.bs - window + 1) // self.bs)
+                assert len(blocks) == num_full - first, (g, len(blocks), num_full, first)
+                for i, block in enumerate(blocks.tolist(), start=first):
+                    for offset in range(self.bs):
+                        position = i * self.bs + offset
+                        assert self.device_kv.get(block * self.bs + offset) == (
+                            salt, tuple(tokens[: position + 1])), (g, i)
+
     def add(self, prompt, salt):
         group = SequenceGroup(str(self.next_id), [Sequence(self.next_id, prompt)], cache_salt=salt)
         self.next_id += 1
@@ -369,6 +435,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         group = data.draw(st.sampled_from(candidates))
         seq = data.draw(st.sampled_from(group.unfinished_seqs()))
         self.bm.free(seq)
+        self.finished.append((seq.token_slice(0, seq.num_computed_tokens), group.cache_salt))
         seq.status = SequenceStatus.FINISHED_STOPPED
         if group.is_finished:
             self.groups.remove(group)
@@ -381,7 +448,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         distinct = {block for seq in seqs for table in self.tables(seq) for block in table} - {0}
         fits = len(distinct) <= self.bm.num_free_host_blocks
         # The step's swap-in or copies write those blocks, after its swap-outs.
-        clash = not distinct.isdisjoint(self.written_now)
+        clash = not distinct.isdisjoint(self.written_now | self.loaded_now())
         assert self.bm.can_swap_out(group) == (fits and not clash)
         if fits and clash:
             with pytest.raises(ValueError, match="written by this step"):
@@ -423,6 +490,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def end_step(self, data):
         ops = self.bm.end_step()
         self.apply_block_ops(ops)
+        # Committed: before mark_computed stores the next step's tier copies.
+        self.check_committed_state()
         for seq, n in self.pending:
             group = next(g for g in self.groups if seq in g.seqs)
             for table in self.tables(seq):
@@ -444,24 +513,33 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.pending.clear()
         self.written_now.clear()
         self.check_kv_contents()
-        self.check_committed_state()
+        self.check_reserved_contents()
         self.bm.check_invariants([s for _, s in self.live(RUNNING)],
                                  [s for _, s in self.live(SWAPPED)])
+
+    def loaded_now(self):
+        """Device blocks this step loads from the host tier, as the open step recorded."""
+        ops = self.bm.state.ops
+        return set(ops.load[: ops.sizes[3], 1].tolist())
 
     def apply_block_ops(self, ops):
         # A phase is one scatter on the device, which leaves a repeated destination's
         # value undefined; across phases a second write would clobber the first.
-        device_writes = ops.swap_in[:, 1].tolist() + ops.copies[:, 1].tolist()
+        device_writes = (ops.swap_in[:, 1].tolist() + ops.load[:, 1].tolist()
+                         + ops.copies[:, 1].tolist())
         assert len(set(device_writes)) == len(device_writes), "a device block written twice"
-        host_writes = ops.swap_out[:, 1].tolist()
+        host_writes = ops.swap_out[:, 1].tolist() + ops.store[:, 1].tolist()
         assert len(set(host_writes)) == len(host_writes), "a host block written twice"
+        if len(ops.load):
+            event("a prefix hit loaded from the host tier")
         bs = self.bs
-        for device, host in ops.swap_out.tolist():
-            for offset in range(bs):
-                self.host_kv[host * bs + offset] = self.device_kv.get(device * bs + offset)
-        for host, device in ops.swap_in.tolist():
-            for offset in range(bs):
-                self.device_kv[device * bs + offset] = self.host_kv.get(host * bs + offset)
+        for pairs, source, dest in ((ops.swap_out, self.device_kv, self.host_kv),
+                                    (ops.store, self.device_kv, self.host_kv),
+                                    (ops.swap_in, self.host_kv, self.device_kv),
+                                    (ops.load, self.host_kv, self.device_kv)):
+            for block, other in pairs.tolist():
+                for offset in range(bs):
+                    dest[other * bs + offset] = source.get(block * bs + offset)
         sources = {
             (src, offset): self.device_kv.get(src * bs + offset)
             for src, _ in ops.copies.tolist()
@@ -489,7 +567,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     def check_committed_state(self):
         state = self.bm.state
-        used = np.bincount(sum(self.device_tables(), []), minlength=self.num_blocks)
+        used = np.bincount(sum(self.device_tables() + self.reserved_blocks(), []),
+                           minlength=self.num_blocks)
         np.testing.assert_array_equal(state.device.refcounts, used)
         free = free_queue(state.device)
         assert sorted(free) == [b for b in range(1, self.num_blocks) if used[b] == 0]
@@ -549,7 +628,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
             return
         tables = self.device_tables()
         entries = sum(tables, [])
-        counts = np.bincount(entries, minlength=self.num_blocks)
+        counts = np.bincount(entries + sum(self.reserved_blocks(), []),
+                             minlength=self.num_blocks)
         for block in range(self.num_blocks):
             assert self.bm.refcount(block) == counts[block]
         host_counts = np.bincount(sum(self.host_tables(), []), minlength=self.num_host_blocks)
@@ -567,6 +647,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for group in self.groups:
             for seq in group.seqs:
                 self.bm.free(seq)
+        for prefix_id in list(self.reserved):
+            self.bm.release(prefix_id)
         self.bm.end_step()
         assert self.bm.num_free_blocks == self.num_blocks - 1, "leaked device blocks"
         assert self.bm.num_free_host_blocks == self.num_host_blocks, "leaked host blocks"

@@ -270,6 +270,23 @@ def test_two_replicas_of_two_devices_match_one_device(two_by_two, loaded_models,
     assert all(r.block_manager.num_free_blocks == ENGINE["num_blocks"] - 1 for r in replicas)
 
 
+def test_a_reserved_prefix_is_held_by_every_replica(two_by_two, loaded_models):
+    """Each replica holds the prefix's blocks, so the prompts extending it hit them on
+    whichever replica they land; releasing releases it everywhere."""
+    llm, replicas = two_by_two, two_by_two.engine.replicas
+    prefix = prompts(loaded_models["llama"][1].vocab_size, lengths=(20,), seed=3)[0]
+    reserved = llm.reserve_prefix(prefix["prompt_token_ids"])
+    assert (reserved.num_cached_tokens, reserved.num_blocks) == (16, 2)
+    assert [r.block_manager.num_reserved_blocks for r in replicas] == [2, 2]
+    extensions = [prefix["prompt_token_ids"] + [5 + i] for i in range(4)]
+    outputs = llm.generate(extensions, GREEDY)
+    assert [o.num_cached_tokens for o in outputs] == [16] * 4
+    llm.release_prefix(reserved)
+    assert [r.block_manager.num_reserved_blocks for r in replicas] == [0, 0]
+    with pytest.raises(ValueError, match="no prefix 1 is reserved"):
+        llm.release_prefix(reserved)
+
+
 async def _collect(stream) -> SimpleNamespace:
     """A request's deltas joined into one output: token ids and log-probabilities."""
     token_ids, logprobs = [], []
@@ -425,9 +442,10 @@ def test_an_int8_cache_and_its_scales_split_by_head_match_one_device(loaded_mode
 
 @pytest.mark.parametrize("kv_dtype", [np.float32, pytest.param(jnp.int8, marks=pytest.mark.full)])
 def test_swaps_and_copies_keep_the_cache_split_by_head(kv_dtype):
-    """Swap out, swap in and copy-on-write copies on a cache over 4 devices move the
-    same blocks as numpy indexing of the whole cache (a quantized cache's scales with
-    their pages), and leave it split by KV head."""
+    """Swap out, swap in, copy-on-write copies and the host tier's store and load on a
+    cache over 4 devices move the same blocks as numpy indexing of the whole cache (a
+    quantized cache's scales with their pages), and leave it split by KV head: a host
+    block holds every device's heads."""
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
                          num_heads=4, num_kv_heads=2, head_dim=8)
     mesh = model_mesh(jax.devices()[:4])
@@ -444,8 +462,11 @@ def test_swaps_and_copies_keep_the_cache_split_by_head(kv_dtype):
     runner.apply_block_ops(BlockOps(swap_out=np.array([[3, 1]], np.int32), swap_in=none,
                                     copies=none))
     runner.apply_block_ops(BlockOps(swap_out=none, swap_in=np.array([[1, 5]], np.int32),
-                                    copies=np.array([[2, 6]], np.int32)))
+                                    copies=np.array([[2, 6]], np.int32),
+                                    store=np.array([[4, 2]], np.int32)))
+    runner.apply_block_ops(BlockOps(none, none, none, load=np.array([[2, 7]], np.int32)))
     for expected, cache in zip(before, jax.tree.leaves(runner.kv_cache), strict=True):
         expected[:, :, 5], expected[:, :, 6] = expected[:, :, 3], expected[:, :, 2]
+        expected[:, :, 7] = expected[:, :, 4]
         assert cache.sharding.spec == P(None, "model") and len(cache.sharding.device_set) == 4
         np.testing.assert_array_equal(np.asarray(cache), expected)

@@ -41,7 +41,7 @@ def random_cache(cache, seed: int = 0):
 
 
 def tiny_runner(*, num_blocks: int, block_size: int, num_host_blocks: int = 0,
-                num_host_tier_blocks: int = 0, kv_dtype=jnp.float32) -> ModelRunner:
+                kv_dtype=jnp.float32) -> ModelRunner:
     """A runner of a one-layer random Llama whose KV cache holds random values."""
     from flax import nnx
 
@@ -51,11 +51,25 @@ def tiny_runner(*, num_blocks: int, block_size: int, num_host_blocks: int = 0,
     config = LlamaConfig.from_hf_config(TINY_LLAMA)
     model = LlamaForCausalLM(config, dtype=jnp.float32, rngs=nnx.Rngs(0))
     runner = ModelRunner(model, config, num_blocks=num_blocks, block_size=block_size,
-                         num_host_blocks=num_host_blocks,
-                         num_host_tier_blocks=num_host_tier_blocks, kv_dtype=kv_dtype,
+                         num_host_blocks=num_host_blocks, kv_dtype=kv_dtype,
                          attention_backend="reference")
     runner.kv_cache = random_cache(runner.kv_cache)
     return runner
+
+
+def host_pages(runner: ModelRunner) -> list[np.ndarray]:
+    """The runner's host pool read by its documented layout (jpaged.worker.host_kv): row
+    b holds block b of each device leaf in turn, [L, Hkv, block_size, ...] in C order.
+    returns each leaf's pages laid out as the device's, [L, Hkv, N, ...]."""
+    rows, pages, start = runner.host_kv.blocks, [], 0
+    for leaf in jax.tree.leaves(runner.kv_cache):
+        block_shape = (*leaf.shape[:2], *leaf.shape[3:])
+        width = int(np.prod(block_shape)) * leaf.dtype.itemsize
+        block_major = rows[:, start:start + width].copy().view(leaf.dtype)
+        pages.append(np.moveaxis(block_major.reshape(len(rows), *block_shape), 0, 2))
+        start += width
+    assert start == rows.shape[1], "the rows hold more than the device's leaves"
+    return pages
 
 
 def marking_step(params, input_ids, kv_cache, metadata):

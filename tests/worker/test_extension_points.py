@@ -1,9 +1,10 @@
-"""Extension points of the worker that features to come fill in: the block-operation
-phases (the prefix cache's host tier stores and loads blocks as swaps do) and the
-warm-up of the sampler's masked variants (structured outputs' token masks).
+"""Extension points of the worker: the block-operation phases (the prefix cache's host
+tier stores and loads blocks in the host pool, as swaps do) and the warm-up of the
+sampler's masked variants (structured outputs' token masks).
 
 Block moves are checked against numpy copies of the pools moved by the phases'
-definitions; warm-up by counting XLA's compilations.
+definitions, the host pool read by its documented block-major layout; warm-up by
+counting XLA's compilations.
 """
 
 from __future__ import annotations
@@ -22,12 +23,12 @@ from jpaged.memory.block_ids import BlockIdOutOfRange
 from jpaged.worker import warmup
 from jpaged.worker.model_runner import BLOCK_OP_PHASES
 from jpaged.worker.sampling_rows import SamplingRow, pack_token_mask, sampling_tensors
-from tests.plugins.tiny_runner import VOCAB_SIZE, tiny_runner
+from tests.plugins.tiny_runner import VOCAB_SIZE, host_pages, tiny_runner
 
-NUM_BLOCKS, NUM_HOST_BLOCKS, NUM_TIER_BLOCKS, BLOCK_SIZE = 12, 4, 6, 4
+NUM_BLOCKS, NUM_HOST_BLOCKS, BLOCK_SIZE = 12, 6, 4
 # Each phase's pools, as the BlockOps docstring defines them.
-POOLS = {"swap_out": ("device", "host"), "store": ("device", "tier"),
-         "swap_in": ("host", "device"), "load": ("tier", "device"),
+POOLS = {"swap_out": ("device", "host"), "store": ("device", "host"),
+         "swap_in": ("host", "device"), "load": ("host", "device"),
          "copies": ("device", "device")}
 ORDER = ("swap_out", "store", "swap_in", "load", "copies")
 
@@ -39,19 +40,17 @@ def _pairs(*pairs) -> np.ndarray:
 @pytest.fixture(params=[jnp.float32, jnp.int8], ids=["float32", "int8"])
 def runner(request):
     """A runner whose device cache (pages, and the scales of an int8 cache) holds random
-    values, with a swap pool and a host tier."""
+    values, with a host pool."""
     return tiny_runner(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
-                       num_host_blocks=NUM_HOST_BLOCKS, num_host_tier_blocks=NUM_TIER_BLOCKS,
-                       kv_dtype=request.param)
+                       num_host_blocks=NUM_HOST_BLOCKS, kv_dtype=request.param)
 
 
 def _pools(runner) -> dict[str, list[np.ndarray]]:
     """Copies of every leaf of each pool: k and v [layers, kv heads, blocks, block_size,
     head_dim], each followed by its scales [layers, kv heads, blocks, block_size] if
     quantized."""
-    return {name: [np.array(leaf) for leaf in jax.tree.leaves(cache)]
-            for name, cache in (("device", runner.kv_cache), ("host", runner.host_kv),
-                                ("tier", runner.host_tier_kv))}
+    return {"device": [np.array(leaf) for leaf in jax.tree.leaves(runner.kv_cache)],
+            "host": host_pages(runner)}
 
 
 def np_apply(pools: dict[str, list[np.ndarray]], ops: BlockOps) -> dict[str, list[np.ndarray]]:
@@ -74,9 +73,8 @@ def assert_pools_equal(got, expected):
 
 def test_the_phase_table_is_the_documented_order_of_pools():
     assert tuple(phase.name for phase in BLOCK_OP_PHASES) == ORDER
-    named = {"device": "device", "host": "host", "host tier": "tier"}
     for phase in BLOCK_OP_PHASES:
-        assert (named[phase.source], named[phase.destination]) == POOLS[phase.name]
+        assert (phase.source, phase.destination) == POOLS[phase.name]
     assert all(len(getattr(BlockOps.none(), name)) == 0 for name in ORDER)
 
 
@@ -96,7 +94,7 @@ def test_a_store_then_a_load_round_trips_blocks_bit_for_bit(runner):
     for old, new in zip(stored["device"], got["device"], strict=True):
         np.testing.assert_array_equal(new[:, :, [3, 9, 11]], old[:, :, [3, 7, 10]])
         np.testing.assert_array_equal(new[:, :, 7], old[:, :, 2])  # the copy's
-    assert_pools_equal({"host": got["host"]}, {"host": stored["host"]})
+    assert_pools_equal({"host": got["host"]}, {"host": expected["host"]})
 
 
 def test_phases_apply_in_table_order(runner):
@@ -112,15 +110,15 @@ def test_phases_apply_in_table_order(runner):
         np.testing.assert_array_equal(new[:, :, [5, 6, 8, 9]], old[:, :, [4, 5, 5, 2]])
 
 
-HOST_TIER_POOL = r"for a pool of 6 host tier blocks \(0\.\.5\)"
+HOST_POOL = r"for a pool of 6 host blocks \(0\.\.5\)"
 DEVICE_POOL = r"for a pool of 12 blocks \(0\.\.11\)"
 BAD_OPS = {  # name -> (the bad phase's pairs, the message)
     "store_destination": (dict(store=_pairs((1, 0), (2, 6))),
-                          rf"^host tier block id 6 is out of range {HOST_TIER_POOL}$"),
+                          rf"^host block id 6 is out of range {HOST_POOL}$"),
     "store_source": (dict(store=_pairs((12, 0))),
                      rf"^block id 12 is out of range {DEVICE_POOL}$"),
     "load_source": (dict(load=_pairs((-1, 2))),
-                    rf"^host tier block id -1 is out of range {HOST_TIER_POOL}$"),
+                    rf"^host block id -1 is out of range {HOST_POOL}$"),
     "load_destination": (dict(load=_pairs((0, -3))),
                          rf"^block id -3 is out of range {DEVICE_POOL}$"),
 }
@@ -139,9 +137,9 @@ def test_an_id_outside_its_pool_raises_before_anything_moves(runner, name):
     assert_pools_equal(_pools(runner), before)
 
 
-def test_a_runner_without_a_host_tier_refuses_a_store():
+def test_a_runner_without_a_host_pool_refuses_a_store():
     runner = tiny_runner(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
-    with pytest.raises(BlockIdOutOfRange, match=r"pool of 0 host tier blocks \(it has none\)"):
+    with pytest.raises(BlockIdOutOfRange, match=r"pool of 0 host blocks \(it has none\)"):
         runner.apply_block_ops(dataclasses.replace(BlockOps.none(), store=_pairs((1, 0))))
 
 
