@@ -193,7 +193,8 @@ def replay(loaded, settings: ReplaySettings, vocab_size: int, progress) -> dict:
         run = serve(engine, plan.first_rounds(), f"replay {arm}", follow_up=plan.follow_up)
         summary = {key: value for key, value in run.summary().items() if key != "step_log"}
         if arm == "device+tier":
-            summary |= {name: getattr(engine.stats, name) for name in TIER_COUNTERS}
+            counters = engine.stats.summary()
+            summary |= {name: counters[name] for name in TIER_COUNTERS}
         arms[arm] = {"device_pool_tokens": pool, **summary}
         progress(f"replay {arm}: TTFT mean {summary['ttft_s_mean']:.3f} s, "
                  f"p90 {summary['ttft_s_p90']:.3f} s")

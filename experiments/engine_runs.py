@@ -294,18 +294,22 @@ def make_engine(loaded, *, allocation: str, block_size: int, num_pool_tokens: in
                 enable_prefix_caching: bool = False, kv_offloading_size: float = 0.0):
     """An engine on an already loaded model with a pool of `num_pool_tokens` token slots
     (rounded down to whole blocks; the null block comes on top), prefix caching off
-    unless asked for, and a host tier for the prefix cache of kv_offloading_size GiB
-    if that is not 0."""
+    unless asked for, and a host pool of kv_offloading_size GiB plus swap space for
+    num_host_tokens tokens (with prefix caching on, the host pool is the prefix cache's
+    tier too)."""
+    from jpaged.engine.kv_cache_sizing import bytes_per_token
     from jpaged.engine.llm_engine import EngineConfig, LLMEngine
 
-    tier = {"kv_offloading_size": kv_offloading_size} if kv_offloading_size else {}
     config = EngineConfig(
         block_size=block_size, num_blocks=num_pool_tokens // block_size + 1,
-        num_host_blocks=math.ceil(num_host_tokens / block_size),
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
-        allocation=allocation,
-        preemption_mode=preemption_mode, share_blocks=share_blocks,
-        kv_cache_dtype=kv_cache_dtype, **tier,
+        allocation=allocation, share_blocks=share_blocks, kv_cache_dtype=kv_cache_dtype,
     )
+    host_blocks = math.ceil(num_host_tokens / block_size)
+    # Half a block spare: the pool's GiB round down to whole blocks.
+    host_bytes = (host_blocks + 0.5) * block_size * bytes_per_token(loaded[1], config.kv_dtype)
+    host_gib = kv_offloading_size + (host_bytes / 2**30 if host_blocks else 0.0)
+    config = dataclasses.replace(config, preemption_mode=preemption_mode,
+                                 kv_offloading_size=host_gib or None)
     return LLMEngine(config, loaded=loaded)

@@ -39,7 +39,7 @@ QUICK_PREEMPTION_BLOCK_SIZES = (16,)
 QUICK_MAX_MODEL_LEN = 64  # below what the quick burst holds at once, so that it preempts
 # --quick shared prefixes and chatbot: smoke runs, capacities only on a few requests; the
 # replay on a few short conversations.
-QUICK_PREFIX_POOL_SCALE = 1 / 32
+QUICK_PREFIX_POOL_SCALE = 1 / 16
 QUICK_PREFIX_REQUESTS = 12
 QUICK_CHATBOT = ChatbotSettings(prompt_cut=32, num_conversations=20, num_requests=16,
                                 curves=False)

@@ -65,7 +65,7 @@ class PrefixSettings:
     pool_scale: float = 1.0
     block_size: int = 16
     max_num_batched_tokens: int = 512
-    reserve: bool = False
+    reserve: bool = True
     curves: bool = True
     num_requests: int | None = None
     rules: RateRules = field(default_factory=RateRules)

@@ -309,12 +309,15 @@ RESERVED_SEQ_ID = -1  # the scheduler numbers its sequences from 0
 
 
 def reserve_prefix(manager: BlockManager, token_ids: Sequence[int]) -> None:
-    """Hold token_ids' full blocks in `manager`'s prefix cache for good: a sequence of
-    them, computed, registered and never freed."""
+    """Reserve token_ids in `manager` (BlockManager.reserve) for the whole run: a sequence
+    of them computes and registers their blocks, as the engine's reservation does, and
+    leaves the reservation alone holding them."""
     holder = Seq(RESERVED_SEQ_ID, list(token_ids))
     manager.allocate(SequenceGroup("reserved-prefix", [holder], SamplingParams(max_tokens=1)))
     holder.num_computed_tokens = len(token_ids)
     manager.mark_computed(holder)
+    manager.reserve(list(token_ids))
+    manager.free(holder)
     manager.end_step()
     manager.prefix_cache_stats = PrefixCacheStats()  # the holder's lookup served no request
 

@@ -346,7 +346,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="the prefix study's pool and sequence cap as a share of the "
                              "paper's (1: its 15,728 token slots and 256 sequences)")
     parser.add_argument("--reserve-prefix", action=argparse.BooleanOptionalAction,
-                        default=False,
+                        default=True,
                         help="the prefix study's paged server reserves the prefix before "
                              "each run (else the prefix cache holds it while in use)")
     parser.add_argument("--chatbot-prompt-cut", type=int, default=128,
