@@ -30,6 +30,8 @@ to what a CPU serves in the sweep's time):
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -192,6 +194,7 @@ def replay(loaded, settings: ReplaySettings, vocab_size: int, progress) -> dict:
         engine, pool = arm_engine(loaded, arm, settings)
         run = serve(engine, plan.first_rounds(), f"replay {arm}", follow_up=plan.follow_up)
         summary = {key: value for key, value in run.summary().items() if key != "step_log"}
+        summary["answers_sha256"] = answers_digest(run.outputs)
         if arm == "device+tier":
             counters = engine.stats.summary()
             summary |= {name: counters[name] for name in TIER_COUNTERS}
@@ -206,6 +209,13 @@ def replay(loaded, settings: ReplaySettings, vocab_size: int, progress) -> dict:
             "conversation_tokens_mean": float(np.mean(history)),
             "same_memory": "on this CPU the device pool and the host tier are the same RAM",
             "arms": arms, "ttft_ratios": ttft_ratios(arms)}
+
+
+def answers_digest(outputs: dict) -> str:
+    """One hash of every round's answer tokens: arms that answered alike share it (a
+    cache must change no greedy token, and each next round carries the answers)."""
+    answers = {rid: output.outputs[0].token_ids for rid, output in sorted(outputs.items())}
+    return hashlib.sha256(json.dumps(answers).encode()).hexdigest()
 
 
 def ttft_ratios(arms: dict) -> dict:
