@@ -306,8 +306,10 @@ def make_engine(loaded, *, allocation: str, block_size: int, num_pool_tokens: in
         max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
         allocation=allocation, share_blocks=share_blocks, kv_cache_dtype=kv_cache_dtype,
     )
+    # The swap space in GiB needs the config's KV dtype, and swap preemption a host pool:
+    # both are set once the rest of the config is checked. Half a block spare, as the
+    # engine rounds the GiB down to whole blocks.
     host_blocks = math.ceil(num_host_tokens / block_size)
-    # Half a block spare: the pool's GiB round down to whole blocks.
     host_bytes = (host_blocks + 0.5) * block_size * bytes_per_token(loaded[1], config.kv_dtype)
     host_gib = kv_offloading_size + (host_bytes / 2**30 if host_blocks else 0.0)
     config = dataclasses.replace(config, preemption_mode=preemption_mode,
