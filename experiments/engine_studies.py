@@ -158,7 +158,8 @@ def run(selected: list[str], args: argparse.Namespace, timings: dict) -> dict:
         timings["prefix"] = time.perf_counter() - began
     if "chatbot" in selected:
         began = time.perf_counter()
-        report["figure17"] = chatbot_study.run(loaded, *chatbot_settings(args), vocab, progress)
+        report["figure17"] = chatbot_study.run(loaded, *chatbot_settings(args), vocab, progress,
+                                               tuple(args.chatbot_parts))
         timings["chatbot"] = time.perf_counter() - began
     return report
 
@@ -293,10 +294,26 @@ def figure16_tables(section: dict) -> dict:
 
 
 def figure17_tables(section: dict) -> dict:
-    """Figure 17 per policy, the replay per arm, the per-block costs."""
-    chat = section["figure17"]
-    replay = section["replay"]
-    arms = [{"arm": arm, "device_pool_tokens": run["device_pool_tokens"],
+    """Figure 17 per policy, the replay per arm, the per-block costs: those present."""
+    tables = {}
+    if "figure17" in section:
+        chat = section["figure17"]
+        tables["figure17"] = (f"Figure 17 on the engine: chatbot, prompts cut to "
+                              f"{chat['settings']['prompt_cut']} tokens, no KV kept between "
+                              "rounds", _rate_rows(chat, chat["paper_rate_ratio"]))
+    if "replay" in section:
+        tables["replay"] = ("Conversations replayed round after round: time to first token "
+                            "and throughput by where the history's KV is kept (virtual clock)",
+                            replay_rows(section["replay"]))
+    if "block_costs" in section:
+        tables["block_costs"] = ("A prompt block: recomputed against loaded from host memory",
+                                 block_cost_rows(section["block_costs"]))
+    return tables
+
+
+def replay_rows(replay: dict) -> list[dict]:
+    """One row per arm of the replay."""
+    return [{"arm": arm, "device_pool_tokens": run["device_pool_tokens"],
              "tier_gib": _f(replay["tier_gib"]) if arm == "device+tier" else "-",
              "requests": run["num_requests"],
              "ttft_mean_s": _f(run["ttft_s_mean"]), "ttft_p90_s": _f(run["ttft_s_p90"]),
@@ -306,26 +323,20 @@ def figure17_tables(section: dict) -> dict:
              if run["prefix_cache_query_tokens"] else "-",
              "tier_hit_tokens": run.get("prefix_cache_tier_hit_tokens", "-")}
             for arm, run in replay["arms"].items()]
-    costs = section["block_costs"]
-    cost_rows = [{"where": "this CPU, engine (measured)",
-                  "recompute_ms_per_block": _f(costs["engine"]["recompute_ms_per_block"], 2),
-                  "load_ms_per_block": _f(costs["engine"]["load_ms_per_block"], 2),
-                  "recompute_over_load": _f(costs["engine"]["recompute_ms_per_block"]
-                                            / costs["engine"]["load_ms_per_block"], 1)},
-                 {"where": f"{costs['gpu_projection']['model']} on an A100 over PCIe "
-                           "(step-cost model)",
-                  "recompute_ms_per_block": _f(costs["gpu_projection"]["recompute_ms_per_block"],
-                                               2),
-                  "load_ms_per_block": _f(costs["gpu_projection"]["load_ms_per_block"], 2),
-                  "recompute_over_load": _f(costs["gpu_projection"]["recompute_over_load"], 1)}]
-    return {
-        "figure17": (f"Figure 17 on the engine: chatbot, prompts cut to "
-                     f"{chat['settings']['prompt_cut']} tokens, no KV kept between rounds",
-                     _rate_rows(chat, chat["paper_rate_ratio"])),
-        "replay": ("Conversations replayed round after round: time to first token and "
-                   "throughput by where the history's KV is kept (virtual clock)", arms),
-        "block_costs": ("A prompt block: recomputed against loaded from host memory",
-                        cost_rows)}
+
+
+def block_cost_rows(costs: dict) -> list[dict]:
+    """A block recomputed against loaded, measured here and projected for a GPU."""
+    engine, gpu = costs["engine"], costs["gpu_projection"]
+    return [{"where": "this CPU, engine (measured)",
+             "recompute_ms_per_block": _f(engine["recompute_ms_per_block"], 2),
+             "load_ms_per_block": _f(engine["load_ms_per_block"], 2),
+             "recompute_over_load": _f(engine["recompute_ms_per_block"]
+                                       / engine["load_ms_per_block"], 1)},
+            {"where": f"{gpu['model']} on an A100 over PCIe (step-cost model)",
+             "recompute_ms_per_block": _f(gpu["recompute_ms_per_block"], 2),
+             "load_ms_per_block": _f(gpu["load_ms_per_block"], 2),
+             "recompute_over_load": _f(gpu["recompute_over_load"], 1)}]
 
 
 def validation_rows(sections: dict) -> list[dict]:
@@ -398,12 +409,16 @@ def chatbot_summary_rows(section: dict | None) -> list[dict]:
     """Figure 17's ratios over each Orca policy, and the replay's TTFT ratios."""
     if section is None:
         return []
-    chat = section["figure17"]
-    ratios = chat.get("rate_ratios") or chat["capacity_ratios"]
-    kind = "rate_ratio" if "rate_ratios" in chat else "capacity_ratio"
-    rows = [_ratio_row(f"figure 17 {kind}_vs_{policy.replace('-', '_')}, engine", ratios,
-                       f"{kind}_vs_{policy.replace('-', '_')}", f"{chat['paper_rate_ratio']:g}")
-            for policy in rate_study.ORCA_POLICIES]
-    rows += [{"measure": f"replay TTFT, {key}", "value": _f(value, 2), "paper": "-"}
-             for key, value in section["replay"]["ttft_ratios"].items()]
+    rows = []
+    if "figure17" in section:
+        chat = section["figure17"]
+        ratios = chat.get("rate_ratios") or chat["capacity_ratios"]
+        kind = "rate_ratio" if "rate_ratios" in chat else "capacity_ratio"
+        rows += [_ratio_row(f"figure 17 {kind}_vs_{policy.replace('-', '_')}, engine", ratios,
+                            f"{kind}_vs_{policy.replace('-', '_')}",
+                            f"{chat['paper_rate_ratio']:g}")
+                 for policy in rate_study.ORCA_POLICIES]
+    if "replay" in section:
+        rows += [{"measure": f"replay TTFT, {key}", "value": _f(value, 2), "paper": "-"}
+                 for key, value in section["replay"]["ttft_ratios"].items()]
     return rows

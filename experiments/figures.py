@@ -360,20 +360,22 @@ def shared_prefix(section: dict, out_dir: Path, smoke: bool) -> str:
 
 def chatbot(section: dict, out_dir: Path, smoke: bool) -> str:
     """Figure 17's curves (or capacities), the replay's time to first token per arm, and
-    a block recomputed against loaded."""
+    a block recomputed against loaded: those the section holds."""
     fig, (left, middle, right) = plt.subplots(1, 3, figsize=(15.0, 4.4))
-    chat = section["figure17"]
+    for ax, part in ((left, "figure17"), (middle, "replay"), (right, "block_costs")):
+        ax.set_visible(part in section)
+    chat = section.get("figure17", {})
     if "curves" in chat:
         _rate_panel(left, chat, f"Figure 17: prompts cut to {chat['settings']['prompt_cut']} "
                                 f"tokens, pool {chat['pool_tokens']} tokens")
-    else:
+    elif chat:
         policies = list(chat["capacity_requests_per_s"])
         left.bar(range(len(policies)), [chat["capacity_requests_per_s"][p] for p in policies],
                  color=[POLICY_STYLE[p][1] for p in policies])
         left.set_xticks(range(len(policies)), [SYSTEM_LABELS[p] for p in policies])
         left.set_ylabel("Capacity (req/s, virtual clock)")
         left.set_title("Figure 17: capacity, every request queued at once", fontsize=9)
-    arms = section["replay"]["arms"]
+    arms = section.get("replay", {}).get("arms", {})
     names = list(arms)
     for i, (stat, color) in enumerate((("mean", "tab:blue"), ("p90", "tab:orange"))):
         middle.bar([x + (i - 0.5) * 0.4 for x in range(len(names))],
@@ -384,8 +386,9 @@ def chatbot(section: dict, out_dir: Path, smoke: bool) -> str:
     middle.set_ylabel("Time to first token (s, virtual clock)")
     middle.set_title("Conversations replayed, KV kept between rounds", fontsize=9)
     middle.legend(fontsize=7)
-    costs = section["block_costs"]
+    costs = section.get("block_costs", {})
     wheres = (("engine", "this CPU (measured)"), ("gpu_projection", "A100 + PCIe (model)"))
+    wheres = wheres if costs else ()
     for i, (kind, color) in enumerate((("recompute", "tab:red"), ("load", "tab:green"))):
         right.bar([x + (i - 0.5) * 0.4 for x in range(len(wheres))],
                   [costs[w][f"{kind}_ms_per_block"] for w, _ in wheres], width=0.4,

@@ -351,6 +351,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "each run (else the prefix cache holds it while in use)")
     parser.add_argument("--chatbot-prompt-cut", type=int, default=128,
                         help="the chatbot's prompt cut and output cap, N (the paper's 1024)")
+    parser.add_argument("--chatbot-parts", type=lambda s: s.split(","),
+                        default=list(chatbot_study.PARTS),
+                        help=f"comma-separated, of {','.join(chatbot_study.PARTS)}")
     parser.add_argument("--replay-arms", type=lambda s: s.split(","),
                         default=list(chatbot_study.ARMS),
                         help=f"comma-separated, of {','.join(chatbot_study.ARMS)}")
