@@ -4,11 +4,11 @@ Requests translate a sentence behind a 1-shot or 5-shot prefix (experiments.tran
 real text, counted by the model's tokenizer). Two servers, the same requests, model,
 kernels and pool:
 
-- paged: prefix caching on and, with `reserve`, the prefix reserved before the run
-  (`LLMEngine.reserve_prefix`: its full blocks held on the device, as the paper's
-  Section 4.4 stores a prefix in advance), so a request's prompt step computes its own
-  sentence and the prefix's last partial block; without `reserve` the first request
-  computes the prefix and the prefix cache keeps it while it is in use;
+- paged: prefix caching on and, with `reserve` (the default), the prefix reserved
+  before the run (`LLMEngine.reserve_prefix`: its full blocks held on the device, as
+  the paper's Section 4.4 stores a prefix in advance), so a request's prompt step
+  computes its own sentence and the prefix's last partial block; without `reserve` the
+  first request computes the prefix and the prefix cache keeps it while it is in use;
 - orca-oracle: Orca reserving each request's true length, every prompt computed in
   full, nothing shared.
 
