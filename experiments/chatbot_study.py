@@ -16,7 +16,7 @@ to what a CPU serves in the sweep's time):
   power of two of the output, so they need not.
 - The replay (`replay`), past the paper: conversations whose next round arrives
   `think_s` after the answer before it, their prompts the whole history, one run per
-  arm on pools that binds: no cache; the device's prefix cache; the device cache and a
+  arm, the device pool below the conversations' history: no cache; the device's prefix cache; the device cache and a
   host tier (`kv_offloading_size`); and a control whose device pool alone has the
   tier's bytes. On this CPU the device pool and the host tier are the same memory: the
   control is what the tier's bytes would buy as device memory. Time to first token
