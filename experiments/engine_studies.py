@@ -1,9 +1,9 @@
 """The real-engine studies of `python -m experiments.sweep`: settings, tables, summary.
 
 Loads the default model once and runs the selected studies (rate with its
-simulator validation, block-size, preemption, KV cache dtypes, sharing), each with the full or
-the --quick settings; returns their JSON sections, then turns them into the
-sweep's tables and its closing summary.
+simulator validation, block-size, preemption, KV cache dtypes, sharing, shared
+prefixes, the chatbot), each with the full or the --quick settings; returns their JSON
+sections, then turns them into the sweep's tables and its closing summary.
 """
 
 from __future__ import annotations
@@ -16,14 +16,19 @@ import time
 from experiments import (
     accelerator_study,
     block_size_study,
+    chatbot_study,
     kv_dtype_study,
+    prefix_study,
     rate_study,
     sharing_study,
     validation,
 )
+from experiments.chatbot_study import ChatbotSettings, ReplaySettings
 from experiments.paper import FIGURE12_SHAREGPT_RATE_RATIO
+from experiments.prefix_study import PrefixSettings
 from experiments.report import progress
 from experiments.step_cost import ModelShape
+from experiments.translation import SHOTS
 
 # --quick: paged's run at its capacity sets the threshold, then one step up where needed.
 QUICK_RATE_FRACTIONS = (1.0, 2.0)
@@ -32,6 +37,32 @@ QUICK_LENGTH_SCALE = 0.1
 QUICK_BLOCK_SIZES = (8, 32)
 QUICK_PREEMPTION_BLOCK_SIZES = (16,)
 QUICK_MAX_MODEL_LEN = 64  # below what the quick burst holds at once, so that it preempts
+# --quick shared prefixes and chatbot: smoke runs, capacities only on a few requests; the
+# replay on a few short conversations.
+QUICK_PREFIX_POOL_SCALE = 1 / 16
+QUICK_PREFIX_REQUESTS = 12
+QUICK_CHATBOT = ChatbotSettings(prompt_cut=32, num_conversations=20, num_requests=16,
+                                curves=False)
+QUICK_REPLAY = ReplaySettings(num_conversations=4, output_cap=32, max_model_len=128,
+                              device_pool_tokens=256, tier_tokens=2048, think_s=5.0,
+                              max_num_seqs=8, max_num_batched_tokens=128)
+
+
+def prefix_settings(args: argparse.Namespace) -> list[PrefixSettings]:
+    """Figure 16's runs per prefix: the pool scale asked for, or --quick's."""
+    scale = QUICK_PREFIX_POOL_SCALE if args.quick else args.prefix_pool_scale
+    return [PrefixSettings(prefix, pool_scale=scale, reserve=args.reserve_prefix,
+                           curves=not args.quick,
+                           num_requests=QUICK_PREFIX_REQUESTS if args.quick else None,
+                           seed=args.seed) for prefix in SHOTS]
+
+
+def chatbot_settings(args: argparse.Namespace) -> tuple[ChatbotSettings, ReplaySettings]:
+    """Figure 17's runs and the replay's, full or --quick, with the arms asked for."""
+    chatbot = QUICK_CHATBOT if args.quick else ChatbotSettings(prompt_cut=args.chatbot_prompt_cut)
+    replay = QUICK_REPLAY if args.quick else ReplaySettings()
+    return (dataclasses.replace(chatbot, seed=args.seed),
+            dataclasses.replace(replay, arms=tuple(args.replay_arms), seed=args.seed))
 
 
 def rate_settings(dataset: str, args: argparse.Namespace) -> rate_study.RateSettings:
@@ -121,6 +152,15 @@ def run(selected: list[str], args: argparse.Namespace, timings: dict) -> dict:
             degrees=(2,) if args.quick else sharing_study.DEGREES)
         report["figures14_15"] = sharing_study.run(loaded, settings, vocab, progress)
         timings["sharing"] = time.perf_counter() - began
+    if "prefix" in selected:
+        began = time.perf_counter()
+        report["figure16"] = prefix_study.run(loaded, prefix_settings(args), vocab, progress)
+        timings["prefix"] = time.perf_counter() - began
+    if "chatbot" in selected:
+        began = time.perf_counter()
+        report["figure17"] = chatbot_study.run(loaded, *chatbot_settings(args), vocab, progress,
+                                               tuple(args.chatbot_parts))
+        timings["chatbot"] = time.perf_counter() - began
     return report
 
 
@@ -206,7 +246,97 @@ def tables(report: dict) -> dict:
              "tok_s_sharing": _f(r["output_tokens_per_s_sharing"], 1),
              "tok_s_no_sharing": _f(r["output_tokens_per_s_no_sharing"], 1),
              "throughput_ratio": _f(r["throughput_ratio"], 2)} for r in report["figures14_15"]])
+    if "figure16" in report:
+        out |= figure16_tables(report["figure16"])
+    if "figure17" in report:
+        out |= figure17_tables(report["figure17"])
     return out
+
+
+def _rate_rows(result: dict, paper) -> list[dict]:
+    """One row per server of a rate_search result: capacity, sustained rate and paged's
+    ratios over it, beside the paper's."""
+    rows = []
+    for server, capacity in result["capacity_requests_per_s"].items():
+        key = server.replace("-", "_")
+        sustained = result.get("sustained_rate", {}).get(server)
+        rows.append({
+            "server": server, "capacity_req_s": _f(capacity),
+            "capacity_paged_over": _f(result["capacity_ratios"].get(
+                f"capacity_ratio_vs_{key}"), 2),
+            "sustained_req_s": _f(sustained["rate"]) if sustained else "-",
+            "bound": sustained["bound"] if sustained else "-",
+            "paged_over": _f(result.get("rate_ratios", {}).get(f"rate_ratio_vs_{key}"), 2),
+            "paper_paged_over": "-" if server == "paged" else f"{paper:g}",
+            "mean_running": _f(result["all_at_once"][server]["mean_running_requests"], 1)})
+    return rows
+
+
+def figure16_tables(section: dict) -> dict:
+    """Figure 16 on the engine and in simulation, one row per prefix and server."""
+    tables = {}
+    for where, title in (("engine", "Figure 16 on the engine: translation behind a shared "
+                                    "prefix, paged (prefix {held}) vs Orca (Oracle)"),
+                         ("simulator", "Figure 16 in simulation: LLaMA-13B on an A100-40GB, "
+                                       "the paper's pool, paged (prefix reserved) vs Orca "
+                                       "(Oracle) on contiguous slabs")):
+        rows = []
+        for prefix, result in section["prefixes"].items():
+            run = result[where]
+            paper = section["paper_rate_ratio"][prefix]
+            for row in _rate_rows(run, paper):
+                rows.append({"prefix": prefix,
+                             "prefix_tokens": result["engine"]["prefix_tokens"],
+                             "pool_tokens": run["pool_tokens"], **row})
+        held = next(iter(section["prefixes"].values()))["engine"]["prefix_held"]
+        tables[f"figure16_{where}"] = (title.format(held=held), rows)
+    return tables
+
+
+def figure17_tables(section: dict) -> dict:
+    """Figure 17 per policy, the replay per arm, the per-block costs: those present."""
+    tables = {}
+    if "figure17" in section:
+        chat = section["figure17"]
+        tables["figure17"] = (f"Figure 17 on the engine: chatbot, prompts cut to "
+                              f"{chat['settings']['prompt_cut']} tokens, no KV kept between "
+                              "rounds", _rate_rows(chat, chat["paper_rate_ratio"]))
+    if "replay" in section:
+        tables["replay"] = ("Conversations replayed round after round: time to first token "
+                            "and throughput by where the history's KV is kept (virtual clock)",
+                            replay_rows(section["replay"]))
+    if "block_costs" in section:
+        tables["block_costs"] = ("A prompt block: recomputed against loaded from host memory",
+                                 block_cost_rows(section["block_costs"]))
+    return tables
+
+
+def replay_rows(replay: dict) -> list[dict]:
+    """One row per arm of the replay."""
+    return [{"arm": arm, "device_pool_tokens": run["device_pool_tokens"],
+             "tier_gib": _f(replay["tier_gib"]) if arm == "device+tier" else "-",
+             "requests": run["num_requests"],
+             "ttft_mean_s": _f(run["ttft_s_mean"]), "ttft_p90_s": _f(run["ttft_s_p90"]),
+             "output_tok_s": _f(run["output_tokens_per_virtual_s"], 1),
+             "prefix_hit_pct": _f(100 * run["prefix_cache_hit_tokens"]
+                                  / run["prefix_cache_query_tokens"], 1)
+             if run["prefix_cache_query_tokens"] else "-",
+             "tier_hit_tokens": run.get("prefix_cache_tier_hit_tokens", "-")}
+            for arm, run in replay["arms"].items()]
+
+
+def block_cost_rows(costs: dict) -> list[dict]:
+    """A block recomputed against loaded, measured here and projected for a GPU."""
+    engine, gpu = costs["engine"], costs["gpu_projection"]
+    return [{"where": "this CPU, engine (measured)",
+             "recompute_ms_per_block": _f(engine["recompute_ms_per_block"], 2),
+             "load_ms_per_block": _f(engine["load_ms_per_block"], 2),
+             "recompute_over_load": _f(engine["recompute_ms_per_block"]
+                                       / engine["load_ms_per_block"], 1)},
+            {"where": f"{gpu['model']} on an A100 over PCIe (step-cost model)",
+             "recompute_ms_per_block": _f(gpu["recompute_ms_per_block"], 2),
+             "load_ms_per_block": _f(gpu["load_ms_per_block"], 2),
+             "recompute_over_load": _f(gpu["recompute_over_load"], 1)}]
 
 
 def validation_rows(sections: dict) -> list[dict]:
@@ -243,7 +373,52 @@ def summary_rows(report: dict) -> list[dict]:
         rows.append({"measure": f"sustained rate ratio {dtype} vs float32 KV (ShareGPT-like)",
                      "value": _f(ratio, 2), "paper": "-"})
     rows += accelerator_study.summary_rows(report.get("accelerators"))
+    rows += prefix_summary_rows(report.get("figure16"))
+    rows += chatbot_summary_rows(report.get("figure17"))
     for policy, gap in report.get("sim_vs_engine_gap_pct", {}).items():
         rows.append({"measure": f"sim_vs_engine_gap_pct, mean running, {policy}",
                      "value": _f(gap, 1), "paper": "-"})
+    return rows
+
+
+def _ratio_row(measure: str, ratios: dict, key: str, paper) -> dict:
+    bound = ratios.get(key + "_bound")
+    return {"measure": measure + (f" ({bound})" if bound else ""),
+            "value": _f(ratios.get(key), 2), "paper": paper}
+
+
+def prefix_summary_rows(section: dict | None) -> list[dict]:
+    """Figure 16's paged / Orca (Oracle) ratios, engine and simulator, per prefix."""
+    if section is None:
+        return []
+    rows = []
+    for prefix, result in section["prefixes"].items():
+        paper = f"{section['paper_rate_ratio'][prefix]:g}"
+        engine = result["engine"]
+        ratios = engine.get("rate_ratios") or engine["capacity_ratios"]
+        kind = "rate_ratio" if "rate_ratios" in engine else "capacity_ratio"
+        rows.append(_ratio_row(f"figure 16 {prefix} {kind}_vs_orca_oracle, engine", ratios,
+                               f"{kind}_vs_orca_oracle", paper))
+        rows.append(_ratio_row(f"figure 16 {prefix} rate_ratio_vs_orca_oracle, simulated "
+                               "LLaMA-13B on an A100", result["simulator"]["rate_ratios"],
+                               "rate_ratio_vs_orca_oracle", paper))
+    return rows
+
+
+def chatbot_summary_rows(section: dict | None) -> list[dict]:
+    """Figure 17's ratios over each Orca policy, and the replay's TTFT ratios."""
+    if section is None:
+        return []
+    rows = []
+    if "figure17" in section:
+        chat = section["figure17"]
+        ratios = chat.get("rate_ratios") or chat["capacity_ratios"]
+        kind = "rate_ratio" if "rate_ratios" in chat else "capacity_ratio"
+        rows += [_ratio_row(f"figure 17 {kind}_vs_{policy.replace('-', '_')}, engine", ratios,
+                            f"{kind}_vs_{policy.replace('-', '_')}",
+                            f"{chat['paper_rate_ratio']:g}")
+                 for policy in rate_study.ORCA_POLICIES]
+    if "replay" in section:
+        rows += [{"measure": f"replay TTFT, {key}", "value": _f(value, 2), "paper": "-"}
+                 for key, value in section["replay"]["ttft_ratios"].items()]
     return rows

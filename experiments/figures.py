@@ -19,6 +19,15 @@ from experiments.paper import (  # noqa: E402
     FIGURE15_MEMORY_SAVED_PCT,
 )
 
+SMOKE_NOTE = ("smoke run (--quick): for the figure run python -m experiments.sweep "
+              "--studies {studies}; measured: docs/results.md")
+
+
+def _title(fig, title: str, smoke: bool, studies: str) -> None:
+    """The figure's title; a --quick run's says it is a smoke run and where the figure is."""
+    fig.suptitle(title + ("\n" + SMOKE_NOTE.format(studies=studies) if smoke else ""),
+                 fontsize=10 if smoke else None)
+
 POLICY_STYLE = {
     "paged": ("jpaged (paged)", "tab:blue", "o"),
     "orca-oracle": ("Orca (Oracle)", "tab:green", "s"),
@@ -71,7 +80,7 @@ def memory_breakdown(runs: list[dict], out_dir: Path) -> str:
     return _save(fig, out_dir, "figure2_memory_breakdown.png")
 
 
-def latency_vs_rate(figure12: dict, out_dir: Path) -> str:
+def latency_vs_rate(figure12: dict, out_dir: Path, smoke: bool = False) -> str:
     """Figure 12: mean normalized latency against request rate, one panel per dataset
     with curves, each policy's capacity marked; then every dataset's capacities."""
     with_curves = {dataset: r for dataset, r in figure12.items() if "curves" in r}
@@ -94,7 +103,7 @@ def latency_vs_rate(figure12: dict, out_dir: Path) -> str:
         ax.set_yscale("log")
         ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=3)
     capacity_bars(figure12, axes[0][-1])
-    fig.suptitle("Figure 12 on the engine: SmolLM2-135M on CPU")
+    _title(fig, "Figure 12 on the engine: SmolLM2-135M on CPU", smoke, "rate")
     return _save(fig, out_dir, "figure12_latency_vs_rate.png")
 
 
@@ -139,7 +148,7 @@ def _workload_name(run: dict) -> str:
     return run["dataset"] + (f"+{prefix}" if prefix else "")
 
 
-def block_size_engine(rows: list[dict], out_dir: Path) -> str:
+def block_size_engine(rows: list[dict], out_dir: Path, smoke: bool = False) -> str:
     """Figure 18: normalized latency and attention time per step against block size."""
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     sizes = [r["block_size"] for r in rows]
@@ -152,11 +161,11 @@ def block_size_engine(rows: list[dict], out_dir: Path) -> str:
     right.set_title("Attention op alone, same steps")
     for ax in (left, right):
         _block_size_axis(ax, sizes)
-    fig.suptitle("Figure 18 on the engine: SmolLM2-135M on CPU")
+    _title(fig, "Figure 18 on the engine: SmolLM2-135M on CPU", smoke, "block-size")
     return _save(fig, out_dir, "figure18_block_size_engine.png")
 
 
-def preemption_cost(figure19: dict, out_dir: Path) -> str:
+def preemption_cost(figure19: dict, out_dir: Path, smoke: bool = False) -> str:
     """Figure 19: (a) swapping and recomputing one sequence, (b) normalized latency
     of a burst that preempts, with each mode, against block size."""
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
@@ -193,11 +202,11 @@ def preemption_cost(figure19: dict, out_dir: Path) -> str:
     _block_size_axis(right, sizes)
     left.legend(fontsize=8)
     right.legend(fontsize=8, title="numbers: preemptions", title_fontsize=8)
-    fig.suptitle("Figure 19 on the engine: recompute vs swap")
+    _title(fig, "Figure 19 on the engine: recompute vs swap", smoke, "preemption")
     return _save(fig, out_dir, "figure19_preemption_cost.png")
 
 
-def sharing_savings(rows: list[dict], out_dir: Path) -> str:
+def sharing_savings(rows: list[dict], out_dir: Path, smoke: bool = False) -> str:
     """Figures 14 and 15: memory saved and throughput gain by block sharing."""
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     for kind, color in (("parallel", "tab:blue"), ("beam", "tab:orange")):
@@ -218,8 +227,8 @@ def sharing_savings(rows: list[dict], out_dir: Path) -> str:
         ax.set_xticks(sorted({r["degree"] for r in rows}))
         ax.set_xlabel("Number of samples / beam width")
         ax.legend(fontsize=8)
-    fig.suptitle(f"Figures 14 and 15 on the engine: {DATASET_LABELS[rows[0]['dataset']]} "
-                 "requests")
+    _title(fig, f"Figures 14 and 15 on the engine: {DATASET_LABELS[rows[0]['dataset']]} "
+                "requests", smoke, "sharing")
     return _save(fig, out_dir, "figures14_15_sharing.png")
 
 
@@ -246,7 +255,8 @@ def _curve_panel(ax, result: dict, title: str, engine: dict | None = None) -> No
     ax.legend(fontsize=7, loc="upper left")
 
 
-def accelerator_figures(section: dict, figure12: dict, out_dir: Path) -> list[str]:
+def accelerator_figures(section: dict, figure12: dict, out_dir: Path, smoke: bool = False
+                        ) -> list[str]:
     """The accelerators study: the calibration's held-out steps and the CPU check, Figure
     12 in simulation on an A100, and the projections."""
     scenarios = section["scenarios"]
@@ -273,6 +283,8 @@ def accelerator_figures(section: dict, figure12: dict, out_dir: Path) -> list[st
     _curve_panel(check_ax, scenarios["cpu-smollm2-sharegpt"],
                  "SmolLM2-135M on this CPU: simulated (solid), engine (dashed)",
                  engine=figure12["sharegpt"])
+    if smoke:  # its engine steps and curves are the quick rate study's
+        _title(fig, "Calibration and CPU check", smoke, "rate,accelerators")
     names = [_save(fig, out_dir, "accelerators_cpu_check.png")]
     for name, keys, title in (
             ("accelerators_figure12_a100.png", ("a100-opt13b-sharegpt", "a100-opt13b-alpaca"),
@@ -290,20 +302,125 @@ def accelerator_figures(section: dict, figure12: dict, out_dir: Path) -> list[st
     return names
 
 
+def _rate_panel(ax, result: dict, title: str) -> None:
+    """Normalized latency against rate per server of a rate_search result, each
+    capacity dashed, the threshold dotted."""
+    for server, points in result["curves"].items():
+        label, color, marker = POLICY_STYLE[server]
+        ax.plot([p["request_rate"] for p in points],
+                [p["normalized_latency_s_mean"] for p in points], marker=marker, color=color,
+                label=label)
+        ax.axvline(result["capacity_requests_per_s"][server], color=color, linestyle="--",
+                   alpha=0.5)
+    ax.axhline(result["threshold_normalized_latency_s"], color="black", linestyle=":",
+               label="threshold")
+    ax.set_xlabel("Request rate (req/s, virtual clock)")
+    ax.set_ylabel("Normalized latency (s/token)")
+    ax.set_yscale("log")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+
+
+def _ratio(result: dict) -> tuple[float, str]:
+    """paged / orca-oracle: the sustained-rate ratio, else the capacity ratio."""
+    if "rate_ratios" in result:
+        return result["rate_ratios"]["rate_ratio_vs_orca_oracle"], "sustained rate"
+    return result["capacity_ratios"]["capacity_ratio_vs_orca_oracle"], "capacity"
+
+
+def shared_prefix(section: dict, out_dir: Path, smoke: bool) -> str:
+    """Figure 16: each prefix's curves on the engine, and paged / Orca (Oracle) on the
+    engine and in simulation beside the paper's."""
+    prefixes = section["prefixes"]
+    with_curves = {p: r["engine"] for p, r in prefixes.items() if "curves" in r["engine"]}
+    fig, axes = plt.subplots(1, len(with_curves) + 1, figsize=(5.0 * (len(with_curves) + 1), 4.4),
+                             squeeze=False)
+    for ax, (prefix, engine) in zip(axes[0], with_curves.items(), strict=False):
+        _rate_panel(ax, engine, f"{prefix} prefix ({engine['prefix_tokens']} tokens), pool "
+                                f"{engine['pool_tokens']} tokens")
+    ax = axes[0][-1]
+    names = list(prefixes)
+    bars = (("engine", "tab:blue"), ("simulator", "tab:purple"))
+    for i, (where, color) in enumerate(bars):
+        values = [_ratio(prefixes[p][where])[0] for p in names]
+        ax.bar([x + (i - 1) * 0.27 for x in range(len(names))], values, width=0.27,
+               color=color, label=f"{where} ({_ratio(prefixes[names[0]][where])[1]})")
+    ax.bar([x + 0.27 for x in range(len(names))],
+           [section["paper_rate_ratio"][p] for p in names], width=0.27, color="gray",
+           label="paper (LLaMA-13B, A100)")
+    ax.axhline(1.0, color="black", linestyle=":")
+    ax.set_xticks(range(len(names)), names)
+    ax.set_ylabel("paged / Orca (Oracle)")
+    ax.set_title("Sustained rate (or capacity), paged over Orca (Oracle)", fontsize=9)
+    ax.legend(fontsize=7)
+    _title(fig, "Figure 16: a shared translation prefix, SmolLM2-135M on CPU and simulated",
+           smoke, "prefix")
+    return _save(fig, out_dir, "figure16_shared_prefix.png")
+
+
+def chatbot(section: dict, out_dir: Path, smoke: bool) -> str:
+    """Figure 17's curves (or capacities), the replay's time to first token per arm, and
+    a block recomputed against loaded: those the section holds."""
+    fig, (left, middle, right) = plt.subplots(1, 3, figsize=(15.0, 4.4))
+    for ax, part in ((left, "figure17"), (middle, "replay"), (right, "block_costs")):
+        ax.set_visible(part in section)
+    chat = section.get("figure17", {})
+    if "curves" in chat:
+        _rate_panel(left, chat, f"Figure 17: prompts cut to {chat['settings']['prompt_cut']} "
+                                f"tokens, pool {chat['pool_tokens']} tokens")
+    elif chat:
+        policies = list(chat["capacity_requests_per_s"])
+        left.bar(range(len(policies)), [chat["capacity_requests_per_s"][p] for p in policies],
+                 color=[POLICY_STYLE[p][1] for p in policies])
+        left.set_xticks(range(len(policies)), [SYSTEM_LABELS[p] for p in policies])
+        left.set_ylabel("Capacity (req/s, virtual clock)")
+        left.set_title("Figure 17: capacity, every request queued at once", fontsize=9)
+    arms = section.get("replay", {}).get("arms", {})
+    names = list(arms)
+    for i, (stat, color) in enumerate((("mean", "tab:blue"), ("p90", "tab:orange"))):
+        middle.bar([x + (i - 0.5) * 0.4 for x in range(len(names))],
+                   [arms[a][f"ttft_s_{stat}"] for a in names], width=0.4, color=color,
+                   label=stat)
+    middle.set_xticks(range(len(names)), [f"{a}\n{arms[a]['device_pool_tokens']} tok"
+                                          for a in names], fontsize=8)
+    middle.set_ylabel("Time to first token (s, virtual clock)")
+    middle.set_title("Conversations replayed, KV kept between rounds", fontsize=9)
+    middle.legend(fontsize=7)
+    costs = section.get("block_costs", {})
+    wheres = (("engine", "this CPU (measured)"), ("gpu_projection", "A100 + PCIe (model)"))
+    wheres = wheres if costs else ()
+    for i, (kind, color) in enumerate((("recompute", "tab:red"), ("load", "tab:green"))):
+        right.bar([x + (i - 0.5) * 0.4 for x in range(len(wheres))],
+                  [costs[w][f"{kind}_ms_per_block"] for w, _ in wheres], width=0.4,
+                  color=color, label=kind)
+    right.set_xticks(range(len(wheres)), [label for _, label in wheres])
+    right.set_yscale("log")
+    right.set_ylabel("ms per block")
+    right.set_title("A prompt block: recomputed or loaded from host memory", fontsize=9)
+    right.legend(fontsize=7)
+    _title(fig, "Figure 17 and past it: conversations, SmolLM2-135M on CPU", smoke, "chatbot")
+    return _save(fig, out_dir, "figure17_chatbot.png")
+
+
 def draw_all(report: dict, out_dir: Path) -> list[str]:
     """Every figure whose data the report holds; the PNG file names written."""
     names = []
+    smoke = report.get("args", {}).get("quick") == "True"
+    if "figure16" in report:
+        names.append(shared_prefix(report["figure16"], out_dir, smoke))
+    if "figure17" in report:
+        names.append(chatbot(report["figure17"], out_dir, smoke))
     if "runs" in report:
         names.append(memory_breakdown(report["runs"], out_dir))
         names.append(block_size_memory(report["runs"], out_dir))
     if "figure12" in report:
-        names.append(latency_vs_rate(report["figure12"], out_dir))
+        names.append(latency_vs_rate(report["figure12"], out_dir, smoke))
     if "figure18" in report:
-        names.append(block_size_engine(report["figure18"], out_dir))
+        names.append(block_size_engine(report["figure18"], out_dir, smoke))
     if "figure19" in report:
-        names.append(preemption_cost(report["figure19"], out_dir))
+        names.append(preemption_cost(report["figure19"], out_dir, smoke))
     if "figures14_15" in report:
-        names.append(sharing_savings(report["figures14_15"], out_dir))
+        names.append(sharing_savings(report["figures14_15"], out_dir, smoke))
     if "accelerators" in report:
-        names += accelerator_figures(report["accelerators"], report["figure12"], out_dir)
+        names += accelerator_figures(report["accelerators"], report["figure12"], out_dir, smoke)
     return names

@@ -62,6 +62,15 @@ by dataset, for parallel sampling and beam search with n or beam width 2 to 6, O
 FIGURE16_PREFIX_TOKENS = {"one-shot": 80, "five-shot": 341}
 """Figure 16 (Section 6.4): tokens of the shared translation prefix, one example or five."""
 
+FIGURE16_RATE_RATIO = {"one-shot": 1.67, "five-shot": 3.58}
+"""Figure 16 (Section 6.4): the request rate vLLM sustains over Orca (Oracle)'s with the
+shared translation prefix, LLaMA-13B on WMT16 English-to-German, by prefix (x)."""
+
+FIGURE17_RATE_RATIO = 2.0
+"""Figure 17 (Section 6.5): the request rate vLLM sustains over each of the three Orca
+baselines on the chatbot workload (ShareGPT conversations, prompts cut to their last
+1,024 tokens, up to 1,024 output tokens), OPT-13B (x)."""
+
 BLOCK_SIZE_TOKENS = 16
 """Section 7.2: vLLM's default KV block size, in tokens (Figure 18 finds it best)."""
 
@@ -86,5 +95,7 @@ def published() -> dict:
         "figure12_sharegpt_rate_ratio": FIGURE12_SHAREGPT_RATE_RATIO,
         "figure15_memory_saved_pct": FIGURE15_MEMORY_SAVED_PCT,
         "figure16_prefix_tokens": FIGURE16_PREFIX_TOKENS,
+        "figure16_rate_ratio": FIGURE16_RATE_RATIO,
+        "figure17_rate_ratio": FIGURE17_RATE_RATIO,
         "block_size_tokens": BLOCK_SIZE_TOKENS,
     })

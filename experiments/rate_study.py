@@ -93,6 +93,49 @@ class RateSettings:
         return self.length_scale_override or LENGTH_SCALES[self.dataset]
 
 
+@dataclass(frozen=True)
+class RateRules:
+    """The rules above for a study that brings its own workload and servers
+    (`rate_search`): the ladder, where the search starts, the unloaded run and the
+    threshold's factor."""
+
+    rate_fractions: tuple[float, ...] = RATE_FRACTIONS
+    start_fraction: float = START_FRACTION
+    base_fraction: float = BASE_FRACTION
+    threshold_factor: float = THRESHOLD_FACTOR
+
+
+def rate_search(run_at: Callable[[str, float], dict], servers: tuple[str, ...],
+                rules: RateRules, curves: bool = True) -> dict:
+    """The rules above over servers (the first, "paged", sets the threshold):
+    run_at(server, rate) serves the workload at `rate` (inf: all at once) and gives a
+    run's summary (experiments.engine_runs.RunResult.summary's "num_requests",
+    "virtual_s" and "normalized_latency_s_mean" at least). Capacities, the runs all at
+    once and paged's capacity over the others'; with curves, also the curves, the
+    sustained rates and their ratios."""
+    at_once = {name: run_at(name, math.inf) for name in servers}
+    capacity = {name: run["num_requests"] / run["virtual_s"] for name, run in at_once.items()}
+    result = {"capacity_requests_per_s": capacity,
+              "capacity_ratios": ratios_to_paged(capacity, "capacity_ratio_vs_"),
+              "all_at_once": at_once}
+    if not curves:
+        return result
+
+    def point(name: str, fraction: float) -> dict:
+        rate = fraction * capacity[name]
+        return {"request_rate": rate, "capacity_fraction": fraction, **run_at(name, rate)}
+
+    baseline = servers[0]
+    base = point(baseline, rules.base_fraction)
+    threshold = threshold_of(base, rules)
+    searched = {name: search_curve(functools.partial(point, name), rules, threshold,
+                                   {rules.base_fraction: base} if name == baseline else {})
+                for name in servers}
+    result |= curves_result(baseline, base, threshold, searched, rules)
+    result["rate_ratios"] = rate_ratios(result["sustained_rate"])
+    return result
+
+
 def workload(settings: RateSettings, vocab_size: int, request_rate: float = math.inf
              ) -> list[RequestSpec]:
     """The dataset's scaled requests; the same lengths and tokens at every rate."""
@@ -200,12 +243,13 @@ def latency_curves(servers: dict, settings: RateSettings, vocab_size: int,
     return curves_result(baseline, base, threshold, curves, settings)
 
 
-def threshold_of(base: dict, settings: RateSettings) -> float:
+def threshold_of(base: dict, settings: RateSettings | RateRules) -> float:
     """The threshold rule: threshold_factor x the unloaded run's mean normalized latency."""
     return settings.threshold_factor * base["normalized_latency_s_mean"]
 
 
-def search_curve(run_at: Callable[[float], dict], settings: RateSettings, threshold: float,
+def search_curve(run_at: Callable[[float], dict], settings: RateSettings | RateRules,
+                 threshold: float,
                  points: dict[float, dict]) -> list[dict]:
     """One server's bracketing search: run_at(fraction of its capacity) gives a run's
     point (with "request_rate" and "normalized_latency_s_mean"); points: those run
@@ -220,7 +264,7 @@ def search_curve(run_at: Callable[[float], dict], settings: RateSettings, thresh
 
 
 def curves_result(baseline: str, base: dict, threshold: float, curves: dict[str, list[dict]],
-                  settings: RateSettings) -> dict:
+                  settings: RateSettings | RateRules) -> dict:
     """The curves' section of a report: the threshold's rule and value, each server's
     points and the rate it sustains."""
     sustained = {

@@ -47,6 +47,7 @@ from jpaged.core.step_shapes import default_buckets
 from jpaged.memory.block_manager import BlockManager
 from jpaged.memory.kv_cache_groups import KVCacheGroups
 from jpaged.memory.kv_cache_manager import KVCacheManager
+from jpaged.memory.prefix_cache import PrefixCacheStats
 from jpaged.memory.reservation import ALLOCATIONS
 from jpaged.memory.reserving_block_manager import ReservingBlockManager
 from jpaged.sampling_params import BeamSearchParams, SamplingParams
@@ -85,6 +86,7 @@ class SimConfig:
     layer_windows: tuple[int | None, ...] = (None,)
     step_cost: StepCost = StepCost(DEVICES["a100-40gb"], OPT_13B)
     orca_blocks: bool = False
+    reserved_prefix: tuple[int, ...] = ()
     seed: int = 0
 
     def __post_init__(self):
@@ -97,6 +99,10 @@ class SimConfig:
         if self.allocator != "paged" and self.groups.num_groups > 1:
             raise ValueError(f"allocator {self.allocator!r} keeps every block: it cannot "
                              "run KV cache groups of sliding-window layers")
+        if self.reserved_prefix and not (self.allocator == "paged"
+                                         and self.enable_prefix_caching):
+            raise ValueError("a reserved prefix needs allocator='paged' and "
+                             "enable_prefix_caching=True (it is served as cache hits)")
         if self.num_kv_slots < self.block_size:
             raise ValueError(
                 f"num_kv_slots ({self.num_kv_slots}) must hold at least one block "
@@ -299,6 +305,23 @@ def make_manager(config: SimConfig) -> KVCacheManager:
     return ContiguousArena(config.num_kv_slots, config.allocator, config.max_model_len)
 
 
+RESERVED_SEQ_ID = -1  # the scheduler numbers its sequences from 0
+
+
+def reserve_prefix(manager: BlockManager, token_ids: Sequence[int]) -> None:
+    """Reserve token_ids in `manager` (BlockManager.reserve) for the whole run: a sequence
+    of them computes and registers their blocks, as the engine's reservation does, and
+    leaves the reservation alone holding them."""
+    holder = Seq(RESERVED_SEQ_ID, list(token_ids))
+    manager.allocate(SequenceGroup("reserved-prefix", [holder], SamplingParams(max_tokens=1)))
+    holder.num_computed_tokens = len(token_ids)
+    manager.mark_computed(holder)
+    manager.reserve(list(token_ids))
+    manager.free(holder)
+    manager.end_step()
+    manager.prefix_cache_stats = PrefixCacheStats()  # the holder's lookup served no request
+
+
 def _token(seq: Seq, draw: int) -> int:
     """A deterministic stand-in for the draw-th token drawn from seq's logits this step,
     different across sequences."""
@@ -327,6 +350,8 @@ class _Simulation:
             raise ValueError("request ids of a workload must be unique")
         self.pending = deque(sorted(requests, key=lambda r: r.arrival_time))
         self.manager = make_manager(config)
+        if config.reserved_prefix:
+            reserve_prefix(self.manager, config.reserved_prefix)
         self.scheduler = Scheduler(config.scheduler_config(), self.manager)
         # The engine's padded shapes; the block-table width does not enter a step's cost.
         self.buckets = default_buckets("xla", 1, config.max_num_seqs)

@@ -149,10 +149,13 @@ class ModelShape:
 
 
 # Hugging Face configs of the models the studies project (facebook/opt-13b,
-# meta-llama/Meta-Llama-3-8B), bfloat16/float16 weights.
+# huggyllama/llama-13b, meta-llama/Meta-Llama-3-8B), bfloat16/float16 weights.
 OPT_13B = ModelShape("OPT-13B", num_layers=40, hidden_size=5120, num_heads=40,
                      num_kv_heads=40, head_dim=128, intermediate_size=20480, vocab_size=50272,
                      gated_mlp=False)
+LLAMA_13B = ModelShape("LLaMA-13B", num_layers=40, hidden_size=5120, num_heads=40,
+                       num_kv_heads=40, head_dim=128, intermediate_size=13824,
+                       vocab_size=32000)
 LLAMA3_8B = ModelShape("Llama-3-8B", num_layers=32, hidden_size=4096, num_heads=32,
                        num_kv_heads=8, head_dim=128, intermediate_size=14336,
                        vocab_size=128256)

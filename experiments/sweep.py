@@ -1,11 +1,12 @@
 """The paper's studies: memory in simulation, serving on the real engine, with figures.
 
     python -m experiments.sweep [--studies memory,rate,block-size,preemption,kv-dtype,sharing,
-                                           accelerators]
+                                           accelerators,prefix,chatbot]
                                 [--quick] [--out-dir results]
 
-Studies (all by default; --quick runs each with small settings in a few
-minutes, to check the pipeline rather than the numbers):
+Studies (all but prefix and chatbot by default; --quick runs each with small
+settings in a few minutes, to check the pipeline rather than the numbers: its
+engine figures are titled as smoke runs):
 
 - memory: the model-free simulator (below);
 - rate: the paper's Figure 12 on the real engine (experiments.rate_study:
@@ -22,7 +23,14 @@ minutes, to check the pipeline rather than the numbers):
   (experiments.step_cost), calibrated on this CPU by the rate study's engine
   steps (selecting it selects rate), checked against the engine's rate ratios,
   then Figure 12 for OPT-13B on an A100 and projections for a Llama-3-8B-shaped
-  model on an H200 and a TPU v5e-4 (experiments.accelerator_study).
+  model on an H200 and a TPU v5e-4 (experiments.accelerator_study);
+- prefix: Figure 16, translation behind a shared 1-shot or 5-shot prefix, paged
+  against Orca (Oracle) on the engine and in simulation at LLaMA-13B / A100 shapes
+  (experiments.prefix_study);
+- chatbot: Figure 17, conversation rounds with no KV kept between them, paged
+  against Orca's three policies; then the conversations replayed round after round
+  with no cache, the device's prefix cache, a host tier, and a device pool of the
+  tier's bytes; and a block recomputed against loaded (experiments.chatbot_study).
 
 The real-engine studies run the default model (SmolLM2-135M-Instruct, float32)
 with Poisson arrivals replayed on a virtual clock of measured step times
@@ -72,7 +80,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from experiments import engine_studies, figures, paper, rate_study
+from experiments import chatbot_study, engine_studies, figures, paper, rate_study
 from experiments.paper import FIGURE2_SHAREGPT_TOKEN_STATES_PCT, FIGURE15_MEMORY_SAVED_PCT
 from experiments.report import new_report
 from experiments.simulator import SimConfig, simulate
@@ -301,14 +309,19 @@ def write_csv(path: Path, rows: list[dict]) -> None:
         writer.writerows(rows)
 
 
-STUDIES = ("memory", "rate", "block-size", "preemption", "kv-dtype", "sharing", "accelerators")
+DEFAULT_STUDIES = ("memory", "rate", "block-size", "preemption", "kv-dtype", "sharing",
+                   "accelerators")
+# Run when asked for (--studies): past the README's main job's budget.
+STUDIES = (*DEFAULT_STUDIES, "prefix", "chatbot")
 ENGINE_STUDIES = STUDIES[1:]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--studies", type=lambda s: s.split(","), default=list(STUDIES),
-                        help=f"comma-separated, of {','.join(STUDIES)}")
+    parser.add_argument("--studies", type=lambda s: s.split(","),
+                        default=list(DEFAULT_STUDIES),
+                        help=f"comma-separated, of {','.join(STUDIES)} (default "
+                             f"{','.join(DEFAULT_STUDIES)})")
     parser.add_argument("--quick", action="store_true",
                         help="every study with small settings (a few minutes)")
     parser.add_argument(
@@ -329,6 +342,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device-calibration", type=Path, default=None,
                         help="a benchmarks.accelerator report whose fitted step cost "
                              "replaces its device's assumed one in the accelerators study")
+    parser.add_argument("--prefix-pool-scale", type=float, default=0.125,
+                        help="the prefix study's pool and sequence cap as a share of the "
+                             "paper's (1: its 15,728 token slots and 256 sequences)")
+    parser.add_argument("--reserve-prefix", action=argparse.BooleanOptionalAction,
+                        default=True,
+                        help="the prefix study's paged server reserves the prefix before "
+                             "each run (else the prefix cache holds it while in use)")
+    parser.add_argument("--chatbot-prompt-cut", type=int, default=128,
+                        help="the chatbot's prompt cut and output cap, N (the paper's 1024)")
+    parser.add_argument("--chatbot-parts", type=lambda s: s.split(","),
+                        default=list(chatbot_study.PARTS),
+                        help=f"comma-separated, of {','.join(chatbot_study.PARTS)}")
+    parser.add_argument("--replay-arms", type=lambda s: s.split(","),
+                        default=list(chatbot_study.ARMS),
+                        help=f"comma-separated, of {','.join(chatbot_study.ARMS)}")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--jobs", type=int, default=2, help="simulations run in parallel")
     parser.add_argument("--out-dir", type=Path, default=Path("results"))
@@ -444,6 +472,11 @@ def main(argv: list[str] | None = None) -> None:
     (args.out_dir / "sweep.json").write_text(json.dumps(report, indent=1, default=str))
     summary = engine_studies.summary_rows(report)
     print(f"\nSummary\n{format_table(summary)}")
+    if args.quick and selected:
+        # Too few requests for the engine's figures to separate the systems: say so.
+        print("\n--quick is a smoke run of the pipeline: its engine figures are titled so. "
+              "The figures: python -m experiments.sweep [--studies ...]; measured: "
+              "docs/results.md")
     print(f"\nthe sweep took {report['wall_s']:.0f} s wall clock; results in {args.out_dir}/")
 
 

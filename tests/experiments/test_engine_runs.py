@@ -33,3 +33,31 @@ def test_each_step_is_recorded_with_its_shape(loaded):
     shapes, seconds, compiled = read_step_log(steps)
     assert [s.is_decode for s in shapes] == [False, True, True]
     assert shapes[0].block_size == 4 and seconds == steps["seconds"] and len(compiled) == 3
+
+
+def test_a_follow_up_arrives_after_its_request_with_its_answer_and_hits_its_blocks(loaded):
+    engine = make_engine(loaded, allocation="paged", block_size=4, num_pool_tokens=64,
+                         max_num_seqs=4, max_num_batched_tokens=32, max_model_len=32,
+                         enable_prefix_caching=True)
+    first = RequestSpec("a", 0.0, tuple(range(1, 10)), 3)
+    seen = []
+
+    def follow_up(spec, output, clock):
+        seen.append((spec.request_id, clock))
+        if spec.request_id != "a":
+            return []
+        answer = tuple(output.outputs[0].token_ids)
+        return [RequestSpec("b", clock + 0.5, spec.prompt_token_ids + answer + (7, 7), 2)]
+
+    run = serve(engine, [first], follow_up=follow_up)
+    assert [rid for rid, _ in seen] == ["a", "b"] and set(run.outputs) == {"a", "b"}
+    assert len(run.outputs["b"].prompt_token_ids) == 9 + 3 + 2
+    # b waited for a: the clock jumped to its arrival, half a virtual second after a ended.
+    assert run.virtual_s >= seen[0][1] + 0.5
+    # a wrote K/V for its 9 prompt tokens and its first 2 answer tokens (the last one is
+    # never computed): 2 full blocks of 4, which b's 14-token prompt starts with.
+    assert run.prefix_cache_query_tokens == 9 + 14 and run.prefix_cache_hit_tokens == 8
+    # The first token comes no later than the last (a step that compiled counts ~0 s).
+    for ttft, latency, spec in zip(run.ttfts_s, run.normalized_latencies_s, ("a", "b"),
+                                   strict=True):
+        assert 0 <= ttft <= latency * {"a": 3, "b": 2}[spec]
