@@ -16,11 +16,11 @@ to what a CPU serves in the sweep's time):
   power of two of the output, so they need not.
 - The replay (`replay`), past the paper: conversations whose next round arrives
   `think_s` after the answer before it, their prompts the whole history, one run per
-  arm, the device pool below the conversations' history: no cache; the device's prefix cache; the device cache and a
-  host tier (`kv_offloading_size`); and a control whose device pool alone has the
-  tier's bytes. On this CPU the device pool and the host tier are the same memory: the
-  control is what the tier's bytes would buy as device memory. Time to first token
-  (mean and p90) and output throughput per arm.
+  arm, the device pool below the conversations' history: no cache; the device's prefix
+  cache; the device cache and a host tier (`kv_offloading_size`); and a control whose
+  device pool alone has the tier's bytes. On this CPU the device pool and the host tier
+  are the same memory: the control is what the tier's bytes would buy as device
+  memory. Time to first token (mean and p90) and output throughput per arm.
 - What a prefix hit saves against what a tier hit costs, per block (`block_costs`):
   recomputing a prompt's blocks against copying them from host memory into the pool,
   on an idle engine; and the step-cost model's projection of both for a GPU at a stated

@@ -160,7 +160,7 @@ def simulated(prompts: TranslationPrompts, count: int, vocab_size: int,
               settings: PrefixSettings) -> dict:
     """The same trace (count requests, settings' seed) in the simulator on a LLaMA-13B /
     A100 clock at the paper's pool, paged with the prefix reserved against Orca (Oracle)
-    on contiguous slabs (the paper's Orca)."""
+    on contiguous slabs (the paper's Orca); the curves when settings' are asked for."""
     cost = StepCost(DEVICES[PAPER_DEVICE], LLAMA_13B)
     pool = paper_pool_tokens()
 
@@ -183,7 +183,7 @@ def simulated(prompts: TranslationPrompts, count: int, vocab_size: int,
     return {"device": cost.device.name, "model": cost.model.name,
             "calibration": cost.calibration.source, "pool_tokens": pool,
             "orca_memory": "contiguous slabs", **SIM_LIMITS,
-            **rate_search(run_at, SERVERS, settings.rules)}
+            **rate_search(run_at, SERVERS, settings.rules, settings.curves)}
 
 
 def run(loaded, settings: list[PrefixSettings], vocab_size: int, progress) -> dict:
@@ -199,7 +199,8 @@ def run(loaded, settings: list[PrefixSettings], vocab_size: int, progress) -> di
         paper_count = num_requests(prompts, paper_pool_tokens(), SIM_LIMITS["max_num_seqs"],
                                    vocab_size, prefix_settings.seed)
         sim = simulated(prompts, paper_count, vocab_size, prefix_settings)
-        progress(f"figure 16 {prefix} in simulation: {sim['rate_ratios']}")
+        progress(f"figure 16 {prefix} in simulation: {sim['capacity_ratios']} "
+                 f"{sim.get('rate_ratios')}")
         out["prefixes"][prefix] = {"engine": engine, "simulator": sim,
                                    "prefix_text_shots": SHOTS[prefix]}
     return out
