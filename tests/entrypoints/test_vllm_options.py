@@ -13,9 +13,8 @@ import sys
 import jinja2
 import pytest
 
-from jpaged import LLM, SamplingParams
+from jpaged import LLM, SamplingParams, launch
 from jpaged import __main__ as cli
-from jpaged import launch
 from jpaged.model.loader import load_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=3)
@@ -165,3 +164,17 @@ def test_only_process_0_logs_at_info_unless_asked(monkeypatch, jpaged_logger_res
         monkeypatch.setenv(launch.LOGGING_LEVEL, env)
     launch._set_log_level(is_first)
     assert logging.getLogger("jpaged").level == level
+
+
+@pytest.mark.full  # two SmolLM2 runs in subprocesses (about a minute)
+def test_tensor_parallel_3_on_simulated_cpu_devices_gives_one_devices_tokens():
+    """SmolLM2's 9 query and 3 KV heads split over 3 devices that --num-cpu-devices
+    simulates; greedy tokens equal those of one device."""
+    def answer(*flags: str) -> str:
+        result = subprocess.run(
+            [sys.executable, "-m", "jpaged", "generate", "The capital of France is",
+             "--max-tokens", "8", *flags], capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stderr
+        return result.stdout
+
+    assert answer("--num-cpu-devices", "3", "-tp", "3") == answer()
