@@ -221,7 +221,7 @@ def capacity(args, loaded) -> dict:
     max_len = int(lengths.sum(axis=1).max())
     for kv_cache_dtype in CAPACITY_DTYPES:
         progress(f"capacity: {kv_cache_dtype} cache...")
-        llm = engine("smollm2", loaded, kv_cache_dtype, kv_cache_memory=args.pool_mib * 2**20,
+        llm = engine("smollm2", loaded, kv_cache_dtype, kv_cache_memory_bytes=args.pool_mib * 2**20,
                      max_num_seqs=len(requests), max_model_len=max_len,
                      max_num_batched_tokens=args.max_num_batched_tokens)
         result["kv"][kv_cache_dtype] = serve(llm, requests)

@@ -21,8 +21,8 @@ same lengths, so jpaged compiles the step shapes it will meet), then times it:
 - agreement: identical greedy outputs between the two on the first
   --agreement-requests ShareGPT-like requests, and identical best beams.
 
-Shared settings: max_model_len, the KV pool (--kv-cache-mib: jpaged's kv_cache_memory,
-vLLM's kv_cache_memory_bytes), the cores both compute on (XLA's intra-op threads
+Shared settings: max_model_len, the KV pool (--kv-cache-mib: jpaged's kv_cache_memory_bytes,
+as vLLM's), the cores both compute on (XLA's intra-op threads
 span the usable cores; vLLM's OpenMP threads are bound to them by
 VLLM_CPU_OMP_THREADS_BIND, whose "auto" would leave one of two cores to its front
 end). transformers is the second peer for prefill and batch 1. Figures are medians
@@ -165,7 +165,8 @@ def jpaged_process(args, loads: dict) -> dict:
     import jpaged
     from jpaged import LLM
 
-    llm = LLM("smollm2", max_model_len=MAX_MODEL_LEN, kv_cache_memory=args.kv_cache_mib * 2**20)
+    llm = LLM("smollm2", max_model_len=MAX_MODEL_LEN,
+              kv_cache_memory_bytes=args.kv_cache_mib * 2**20)
     config = llm.engine.config
     result = run_workloads(jpaged, llm, loads, loads["timed"])
     result["settings"] = {

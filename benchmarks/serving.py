@@ -303,7 +303,8 @@ def engine_settings(args) -> dict:
     """The engine's settings, shared by the server and the offline LLM."""
     return {"block_size": args.block_size, "max_num_seqs": args.max_num_seqs,
             "max_num_batched_tokens": args.max_num_batched_tokens,
-            "max_model_len": args.max_model_len, "kv_cache_memory": int(args.kv_cache_mib * 2**20),
+            "max_model_len": args.max_model_len,
+            "kv_cache_memory_bytes": int(args.kv_cache_mib * 2**20),
             "num_decode_steps": args.num_decode_steps, "async_scheduling": args.async_scheduling}
 
 
@@ -313,7 +314,7 @@ def server_command(args, port: int) -> list[str]:
             "--max-num-seqs", str(args.max_num_seqs),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
             "--max-model-len", str(args.max_model_len),
-            "--kv-cache-memory", str(args.kv_cache_mib / 1024)] + (
+            "--kv-cache-memory-bytes", str(int(args.kv_cache_mib * 2**20))] + (
                 ["--warmup"] if args.warmup else []) + (
                 [] if args.num_decode_steps is None
                 else ["--num-decode-steps", str(args.num_decode_steps)]) + (

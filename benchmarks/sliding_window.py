@@ -66,7 +66,7 @@ def compare(name: str, loaded, requests, pool_bytes: int, max_model_len: int, ar
         llm = LLM(name, loaded=loaded, block_size=BLOCK_SIZE, max_model_len=max_model_len,
                   max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens,
-                  kv_cache_memory=pool_bytes, enable_prefix_caching=False, dtype=DTYPE,
+                  kv_cache_memory_bytes=pool_bytes, enable_prefix_caching=False, dtype=DTYPE,
                   disable_hybrid_kv_cache_manager=keep)
         runs[mode] = serve(llm, requests)
         progress(f"  {json.dumps(runs[mode])}")

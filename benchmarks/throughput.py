@@ -64,7 +64,7 @@ def run_jpaged(args) -> dict:
     workload = mixed_workload(args.num_requests, args.scale, vocab, args.seed, args.seed + 1)
     llm = LLM("smollm2", loaded=loaded, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=MAX_TOTAL_LEN,
-              kv_cache_memory=int(args.kv_cache_mib * 2**20))
+              kv_cache_memory_bytes=int(args.kv_cache_mib * 2**20))
     params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for _, o in workload]
     warmup = mixed_workload(args.num_requests, args.scale, vocab, args.seed, args.seed + 2)
     started = time.perf_counter()

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import logging
+import re
 import signal
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from jpaged.memory.reservation import ALLOCATIONS
@@ -23,23 +26,57 @@ if TYPE_CHECKING:
 USER_ERRORS = (ValueError, TypeError, OSError, ImportError, RuntimeError)
 
 
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Help that ends each option's text with its default, unless the text says it already
+    or there is none to show (None, a switch that is off)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (not action.option_strings or default is None or default is False
+                or default == [] or default == argparse.SUPPRESS or "default" in text):
+            return text
+        return f"{text} (default: %(default)s)".lstrip()
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, whose error for an unknown option names the closest known ones."""
+
+    commands: dict[str, argparse.ArgumentParser]
+
+    def parse_args(self, args=None, namespace=None) -> argparse.Namespace:
+        parsed, unknown = self.parse_known_args(args, namespace)
+        command = self.commands[parsed.command]
+        flags = [arg.split("=")[0] for arg in unknown if arg.startswith("-")]
+        if flags:
+            from jpaged.suggestions import unknown_message
+
+            command.error(unknown_message(flags[0], command._option_string_actions,
+                                          command.prog))
+        if unknown:
+            command.error(f"unrecognized arguments: {' '.join(unknown)}")
+        return parsed
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m jpaged", description=__doc__)
+    parser = _Parser(prog="python -m jpaged", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    generate = commands.add_parser("generate", help="answer one or more prompts and exit")
+    add = functools.partial(commands.add_parser, formatter_class=_DefaultsFormatter)
+    generate = add("generate", help="answer one or more prompts and exit")
     generate.add_argument("prompts", nargs="+", help="prompts, run as one batch")
     generate.add_argument("--raw", action="store_true",
-                          help="send the prompts as plain text, not through the chat template")
+                          help="send the prompts as plain text, not through the chat template "
+                          "(a model without a chat template gets them so anyway)")
     generate.add_argument("--stats", action="store_true", help="print the run's statistics as JSON")
-    chat = commands.add_parser("chat", help="talk to the model; an empty line or Ctrl-D quits")
+    chat = add("chat", help="talk to the model; an empty line or Ctrl-D quits")
     chat.add_argument("--system", default=None, help="a system message")
-    serve = commands.add_parser("serve", help="serve the OpenAI API (/v1/completions, "
-                                "/v1/chat/completions, /v1/models, /tokenize, /detokenize, "
-                                "/health, /metrics) over HTTP")
+    serve = add("serve", help="serve the OpenAI API (/v1/completions, /v1/chat/completions, "
+                "/v1/models, /tokenize, /detokenize, /health, /metrics) over HTTP")
+    parser.commands = {"generate": generate, "chat": chat, "serve": serve}
     serve.add_argument("--served-model-name", default=None,
                        help="the model name clients send (default: the --model argument)")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--host", default="127.0.0.1", help="the address to listen on")
+    serve.add_argument("--port", type=int, default=8000, help="the port to listen on")
     serve.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' on /v1 requests")
     serve.add_argument("--max-waiting", type=int, default=1024,
@@ -59,11 +96,14 @@ def _parser() -> argparse.ArgumentParser:
                        help="compile every step shape before accepting requests (slower "
                        "start-up; no compile pauses while serving)")
     for sub in (generate, chat):
-        sub.add_argument("--max-tokens", type=int, default=128)
+        sub.add_argument("--max-tokens", type=int, default=128,
+                         help="new tokens per answer at most")
         sub.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-        sub.add_argument("--top-p", type=float, default=1.0)
-        sub.add_argument("--top-k", type=int, default=0)
-        sub.add_argument("--seed", type=int, default=None)
+        sub.add_argument("--top-p", type=float, default=1.0,
+                         help="sample from the smallest set of tokens this likely")
+        sub.add_argument("--top-k", type=int, default=0,
+                         help="sample from the k likeliest tokens (0: all)")
+        sub.add_argument("--seed", type=int, default=None, help="the sampler's seed")
         sub.add_argument("--ignore-eos", action="store_true",
                          help="generate max-tokens tokens whatever the model says")
         sub.add_argument("--structured-outputs", type=_json_object, default=None,
@@ -84,7 +124,15 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("--model", default="smollm2",
                          help="'smollm2' (the default), 'gemma3', a Hugging Face model "
                          "directory or a .gguf file")
-        sub.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+        sub.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                         help="the weights' and the computation's dtype")
+        sub.add_argument("--chat-template", default=None, metavar="FILE",
+                         help="a jinja2 chat template used instead of the model's (gemma3's "
+                         "GGUF has none)")
+        sub.add_argument("--num-cpu-devices", type=int, default=None, metavar="N",
+                         help="simulate N devices on a CPU, for tensor and data parallelism "
+                         "without accelerators (JAX's JAX_NUM_CPU_DEVICES; no effect on an "
+                         "accelerator)")
         # EngineConfig's KV_CACHE_DTYPES and their vLLM aliases, spelled out (no jax for --help).
         sub.add_argument("--kv-cache-dtype", default="auto",
                          choices=["auto", "float32", "bfloat16", "float16", "int8", "fp8_e4m3",
@@ -94,17 +142,45 @@ def _parser() -> argparse.ArgumentParser:
                          "fp8 keep 1-byte values with a float32 scale per token and KV head")
         sub.add_argument("--block-size", type=int, default=None,
                          help="tokens per KV block (default 16; 32 for 1-byte pages on a TPU)")
+        sub.add_argument("--kv-cache-memory-bytes", type=_byte_size, default=None,
+                         metavar="SIZE",
+                         help="KV cache budget in bytes, or with a unit: 512MiB, 2GiB, 1GB "
+                         "(default: 0.9 of free accelerator memory; on a CPU the weights' "
+                         "size, at most 1/4 of free RAM; never more than the sequences that "
+                         "can run at once fill: generate runs its prompts, chat one "
+                         "conversation)")
         sub.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
-                         help="KV cache budget in GiB (default: 0.9 of free accelerator "
-                         "memory; on a CPU the weights' size, at most 1/4 of free RAM; never "
-                         "more than the sequences that can run at once fill: generate runs "
-                         "its prompts, chat one conversation)")
-        sub.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks")
+                         help="deprecated: the KV cache budget in GiB; use "
+                         "--kv-cache-memory-bytes")
+        sub.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
+                         help="the fraction of the device's memory the engine may use, "
+                         "weights included (vLLM's meaning); the KV pool gets the rest")
+        sub.add_argument("--kv-cache-fraction", type=float, default=None, metavar="F",
+                         help="the KV pool's fraction of the memory free once the weights "
+                         "are loaded (jpaged's own)")
+        sub.add_argument("--num-blocks", "--num-gpu-blocks-override", type=int, default=None,
+                         help="KV pool size in blocks, the null block included")
+        sub.add_argument("--swap-space", type=float, default=None, metavar="GIB",
+                         help="host memory for swapped-out KV blocks in GiB (default: 4 with "
+                         "--preemption-mode swap and no other host pool, else none)")
         sub.add_argument("--kv-offloading-size", type=float, default=None, metavar="GIB",
-                         help="host memory for KV blocks in GiB: the prefix cache's second "
-                         "tier (prefixes that left the device are loaded back, not "
-                         "recomputed) and swap space (default: none)")
-        sub.add_argument("--max-model-len", type=int, default=None)
+                         help="host memory in GiB for the prefix cache's second tier "
+                         "(prefixes that left the device are loaded back, not recomputed); "
+                         "one host pool holds it and --swap-space (default: none)")
+        sub.add_argument("--preemption-mode", choices=["recompute", "swap"],
+                         default="recompute",
+                         help="what a preempted sequence's KV blocks become: freed and "
+                         "computed again, or swapped out to host memory")
+        sub.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                         default=None,
+                         help="share the KV blocks of common prompt prefixes across requests "
+                         "(default: on, off under an Orca allocation)")
+        sub.add_argument("--enforce-eager", action="store_true",
+                         help="accepted for vLLM's command lines; changes nothing (jpaged has "
+                         "no CUDA graphs: every step is compiled by jax.jit)")
+        sub.add_argument("--max-model-len", type=int, default=None,
+                         help="tokens a sequence holds at most (default: the model's, "
+                         "at most 2048)")
         sub.add_argument("--allocation", choices=ALLOCATIONS, default="paged",
                          help="KV allocation: paged, or an Orca baseline reserving each "
                          "request's max_model_len, prompt + pow2(output) or true length "
@@ -135,8 +211,8 @@ def _parser() -> argparse.ArgumentParser:
                          "prompt_lookup_max)")
         sub.add_argument("--num-decode-steps", type=int, default=None, metavar="S",
                          help="decode steps a batch whose sequences all decode runs on the "
-                         "device before the host schedules again (default: the machine's; "
-                         "1 schedules every step)")
+                         "device before the host schedules again (default: 1, the host "
+                         "schedules every step)")
         sub.add_argument("--async-scheduling", action="store_true",
                          help="schedule each step while the device runs the one before it")
         sub.add_argument("--debug", action="store_true",
@@ -155,16 +231,78 @@ def _json_object(text: str) -> dict:
     return value
 
 
+# Byte units --kv-cache-memory-bytes takes (vLLM's kinds: decimal and binary).
+BYTE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+# GiB given to the deprecated --kv-cache-memory beyond this are bytes by mistake.
+MOST_GIB = 2**16
+
+
+def _byte_size(text: str) -> int:
+    """Bytes from "2147483648", "2GiB", "512MiB", "1.5GB" (argparse names the flag on an
+    error)."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    unit = match and match.group(2).upper()
+    if not match or unit not in BYTE_UNITS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is no size: give bytes, or a number with one of "
+            f"{', '.join(u for u in BYTE_UNITS if u)} (2GiB, 512MiB)")
+    return int(float(match.group(1)) * BYTE_UNITS[unit])
+
+
+def _kv_cache_memory_bytes(args: argparse.Namespace) -> int | None:
+    """--kv-cache-memory-bytes, or the deprecated --kv-cache-memory's GiB in bytes."""
+    if args.kv_cache_memory is None:
+        return args.kv_cache_memory_bytes
+    if args.kv_cache_memory_bytes is not None:
+        raise ValueError("give --kv-cache-memory-bytes or the deprecated --kv-cache-memory, "
+                         "not both")
+    if args.kv_cache_memory > MOST_GIB:
+        raise ValueError(f"--kv-cache-memory takes GiB, and {args.kv_cache_memory:g} GiB looks "
+                         "like bytes: give --kv-cache-memory-bytes "
+                         f"{int(args.kv_cache_memory)} instead")
+    logging.getLogger("jpaged").warning(
+        "--kv-cache-memory (GiB) is deprecated: use --kv-cache-memory-bytes (bytes, or e.g. "
+        "%gGiB)", args.kv_cache_memory)
+    return int(args.kv_cache_memory * 2**30)
+
+
+def _chat_template(args: argparse.Namespace) -> str | None:
+    """The text of --chat-template's file."""
+    if args.chat_template is None:
+        return None
+    try:
+        return Path(args.chat_template).read_text()
+    except OSError as error:
+        raise ValueError(f"--chat-template {args.chat_template}: cannot read it "
+                         f"({error.strerror})") from None
+
+
+def _simulate_cpu_devices(count: int | None) -> None:
+    """--num-cpu-devices: JAX's CPU backend with `count` devices, set before it starts."""
+    if count is None:
+        return
+    if count < 1:
+        raise ValueError(f"--num-cpu-devices must be at least 1, got {count}")
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", count)
+
+
 def _llm(args: argparse.Namespace) -> LLM:
     from jpaged.entrypoints.llm import LLM  # after parsing, so --help and bad flags need no jax
 
-    memory = None if args.kv_cache_memory is None else int(args.kv_cache_memory * 2**30)
     limits = {name: getattr(args, name) for name in ("max_num_seqs", "max_num_batched_tokens")
               if getattr(args, name) is not None}
     return LLM(args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
                block_size=args.block_size, num_blocks=args.num_blocks,
-               kv_cache_memory=memory, kv_offloading_size=args.kv_offloading_size,
-               max_model_len=args.max_model_len,
+               kv_cache_memory_bytes=_kv_cache_memory_bytes(args),
+               gpu_memory_utilization=args.gpu_memory_utilization,
+               kv_cache_fraction=args.kv_cache_fraction, swap_space=args.swap_space,
+               kv_offloading_size=args.kv_offloading_size,
+               preemption_mode=args.preemption_mode,
+               enable_prefix_caching=args.enable_prefix_caching,
+               enforce_eager=args.enforce_eager, max_model_len=args.max_model_len,
                attention_backend=args.attention_backend, allocation=args.allocation,
                disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
                tensor_parallel_size=args.tensor_parallel_size,
@@ -205,11 +343,17 @@ def _structured_outputs(fields: dict | None) -> StructuredOutputsParams | None:
 
 
 def _generate(llm: LLM, args: argparse.Namespace) -> None:
-    if args.raw:
+    template = _chat_template(args)
+    raw = args.raw or (template is None and llm.get_tokenizer().chat_template is None)
+    if raw and not args.raw:
+        logging.getLogger("jpaged").info(
+            "%s has no chat template: the prompts go as plain text, as with --raw (give "
+            "--chat-template FILE to send them as chat messages)", args.model)
+    if raw:
         outputs = llm.generate(args.prompts, _sampling_params(args))
     else:
         conversations = [[{"role": "user", "content": p}] for p in args.prompts]
-        outputs = llm.chat(conversations, _sampling_params(args))
+        outputs = llm.chat(conversations, _sampling_params(args), chat_template=template)
     if not _is_first_process(args):
         return
     for prompt, output in zip(args.prompts, outputs, strict=True):
@@ -229,6 +373,10 @@ def _is_first_process(args: argparse.Namespace) -> bool:
 
 
 def _chat(llm: LLM, args: argparse.Namespace) -> None:
+    template = _chat_template(args)
+    if template is None and llm.get_tokenizer().chat_template is None:
+        raise ValueError(f"{args.model} has no chat template: give one with --chat-template "
+                         "FILE, or send text with python -m jpaged generate --raw")
     history = [{"role": "system", "content": args.system}] if args.system else []
     params = _sampling_params(args)
     while True:
@@ -239,7 +387,7 @@ def _chat(llm: LLM, args: argparse.Namespace) -> None:
         if not line:
             break
         history.append({"role": "user", "content": line})
-        reply = llm.chat(history, params)[0].outputs[0].text.strip()
+        reply = llm.chat(history, params, chat_template=template)[0].outputs[0].text.strip()
         history.append({"role": "assistant", "content": reply})
         print(f"model> {reply}", flush=True)
 
@@ -251,9 +399,9 @@ def _serve(llm: LLM, args: argparse.Namespace) -> None:
         serve,
     )
 
-    engine = llm.engine
+    engine, template = llm.engine, _chat_template(args)
     # Every process reserves: their engines step in lockstep.
-    reserve_system_prompts(engine, args.reserved_system_prompt)
+    reserve_system_prompts(engine, args.reserved_system_prompt, template)
     if not _is_first_process(args):
         if args.warmup:
             engine.warmup()
@@ -267,7 +415,8 @@ def _serve(llm: LLM, args: argparse.Namespace) -> None:
     serve(engine, served_model_name=args.served_model_name or args.model, host=args.host,
           port=args.port, api_key=args.api_key, max_waiting=args.max_waiting,
           warmup=args.warmup, shutdown_timeout=args.shutdown_timeout,
-          enable_prompt_tokens_details=args.enable_prompt_tokens_details)
+          enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+          chat_template=template)
 
 
 COMMANDS = {"generate": _generate, "chat": _chat, "serve": _serve}
@@ -282,6 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("jpaged").addHandler(handler)
     logging.getLogger("jpaged").setLevel(logging.INFO)
     try:
+        _simulate_cpu_devices(args.num_cpu_devices)
         if args.distributed:
             from jpaged.launch import initialize
 

@@ -22,6 +22,7 @@ status (128 + N for signal N), 124 on a timeout, 0 when every process ended well
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import socket
@@ -44,14 +45,24 @@ TIMED_OUT = 124
 POLL_S = 0.1
 
 
+LOGGING_LEVEL = "JPAGED_LOGGING_LEVEL"
+
+
+class NotLaunchedError(RuntimeError):
+    """initialize() found no job to join."""
+
+
 def initialize() -> bool:
     """Join the job `python -m jpaged.launch` (or a host's own launcher) described in the
     environment: `jax.distributed.initialize` with the coordinator address
     (JAX_COORDINATOR_ADDRESS), JPAGED_NUM_PROCESSES and JPAGED_PROCESS_ID, and
     JPAGED_HEARTBEAT_TIMEOUT (seconds; JAX's default where unset). Where the first
     three are unset (a TPU pod slice, a cluster JAX detects),
-    `jax.distributed.initialize()` finds them itself. Returns whether this process
-    is process 0."""
+    `jax.distributed.initialize()` finds them itself; NotLaunchedError where it finds
+    no job either. Returns whether this process is process 0.
+
+    Processes other than process 0 log (logger "jpaged") at warning level, so one
+    process reports the job; JPAGED_LOGGING_LEVEL (e.g. INFO) sets every process's."""
     import jax
 
     kwargs = {}
@@ -64,12 +75,31 @@ def initialize() -> bool:
     # CPU devices of different processes reach each other through gloo (no effect on
     # accelerators; asking for the backend here would start it too early).
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(**kwargs)
+    try:
+        jax.distributed.initialize(**kwargs)
+    except ValueError as error:  # JAX found no coordinator: no launcher, no cluster
+        raise NotLaunchedError(
+            "no job of several processes to join: start the command with python -m "
+            "jpaged.launch (python -m jpaged.launch --num-processes 2 -- -m jpaged generate "
+            "--distributed ...), which sets JAX_COORDINATOR_ADDRESS, JPAGED_NUM_PROCESSES "
+            "and JPAGED_PROCESS_ID, or set them on every host yourself; on one process, "
+            f"leave out --distributed ({error})") from None
     if jax.default_backend() == "cpu":
         # On jax 0.12 a CPU step loaded from the compilation cache on disk never finishes
         # its cross-process collectives (a second run of a job hangs); 0.10.2 is unaffected.
         jax.config.update("jax_enable_compilation_cache", False)
-    return jax.process_index() == 0
+    is_first = jax.process_index() == 0
+    _set_log_level(is_first)
+    return is_first
+
+
+def _set_log_level(is_first: bool) -> None:
+    """Process 0 logs at info level, the others at warning, unless JPAGED_LOGGING_LEVEL says."""
+    level = os.environ.get(LOGGING_LEVEL, "INFO" if is_first else "WARNING").upper()
+    if not isinstance(logging.getLevelName(level), int):
+        raise ValueError(f"{LOGGING_LEVEL}={level!r} is no logging level: give DEBUG, INFO, "
+                         "WARNING or ERROR")
+    logging.getLogger("jpaged").setLevel(level)
 
 
 @dataclass(frozen=True)
@@ -143,8 +173,18 @@ def _report(message: str) -> None:
     print(f"jpaged.launch: {message}", file=sys.stderr, flush=True)
 
 
+def check_command(command: tuple[str, ...]) -> None:
+    """Warn when the command runs jpaged's CLI without --distributed: each process would
+    run a separate copy of the whole job instead of joining one."""
+    if command[:2] == ("-m", "jpaged") and "--distributed" not in command:
+        _report("warning: the command has no --distributed: every process runs its own "
+                "copy of it instead of joining one job (add --distributed after the "
+                "subcommand)")
+
+
 def launch(config: LaunchConfig) -> int:
     """Run the job and wait for it; its exit status (see the module docstring)."""
+    check_command(config.command)
     port = config.port or free_port()
     if config.log_dir is not None:
         Path(config.log_dir).mkdir(parents=True, exist_ok=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from dataclasses import dataclass
 from typing import Literal
@@ -19,6 +20,7 @@ from jpaged.engine.machine import MachineDefaults
 from jpaged.memory.reservation import Allocation, check_allocation
 from jpaged.model.sharding import replica_meshes
 from jpaged.speculative.config import SpeculativeConfig
+from jpaged.suggestions import check_keywords
 
 # The KV cache dtypes by name (None: the model's dtype), and vLLM's other names for them.
 KV_CACHE_DTYPES = {
@@ -27,8 +29,27 @@ KV_CACHE_DTYPES = {
 }
 KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3", "int8_per_token_head": "int8",
                           "fp8_per_token_head": "fp8_e4m3"}
+# GiB of host memory preemption_mode="swap" takes when no host pool is given (vLLM's).
+DEFAULT_SWAP_SPACE_GIB = 4.0
+# The settings that size the KV pool from a budget; at most one may be given.
+KV_BUDGETS = ("kv_cache_memory_bytes", "gpu_memory_utilization", "kv_cache_fraction")
 
 
+def _suggest_unknown_keywords(cls):
+    """cls(...) with a keyword that is no field raises a TypeError naming the closest
+    fields, instead of the dataclass's bare "unexpected keyword argument"."""
+    init, known = cls.__init__, [field.name for field in dataclasses.fields(cls)]
+
+    @functools.wraps(init)
+    def checked_init(self, *args, **kwargs):
+        check_keywords(kwargs, known, "LLM / EngineConfig")
+        init(self, *args, **kwargs)
+
+    cls.__init__ = checked_init
+    return cls
+
+
+@_suggest_unknown_keywords
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything an engine needs to start.
@@ -63,14 +84,28 @@ class EngineConfig:
     fragment nothing outside a sequence, unlike Orca's contiguous slabs: these
     policies flatter Orca.
 
-    kv_offloading_size: GiB of host memory for the host pool (vLLM's name): swap space
-    for `preemption_mode="swap"` and, with prefix caching, its second tier. Every
-    block the prefix cache registers is copied there, and a prompt whose prefix left
-    the device loads it back instead of computing it again (jpaged.memory.host_tier).
-    Swapped-out blocks are held; the tier's copies are evicted least recently used
-    first, by swapping too. A host block holds the block of every device (tensor
-    parallelism) and of a draft model. num_host_blocks: the same pool in blocks, a
-    deprecated alias.
+    The KV pool's size (jpaged.engine.kv_cache_sizing), with vLLM's names:
+    num_blocks (num_gpu_blocks_override, vLLM's name for it) counts the null block;
+    kv_cache_memory_bytes is a budget in bytes (kv_cache_memory, the same in bytes,
+    is deprecated); gpu_memory_utilization is the fraction of the device's whole
+    memory the engine may use, weights included (vLLM's meaning: the pool gets that
+    share less the weights); kv_cache_fraction, jpaged's own, is the fraction of the
+    memory free once the weights are loaded. Give at most one of the three budgets.
+
+    The host pool, one pool of `host_pool_gib`: swap_space GiB (vLLM's name) for the
+    blocks of sequences swapped out by `preemption_mode="swap"` (which takes
+    DEFAULT_SWAP_SPACE_GIB, vLLM's 4, when no host pool is given), plus
+    kv_offloading_size GiB (vLLM's name) for the prefix cache's second tier. Every
+    block the prefix cache registers is copied to a free host block, and a prompt
+    whose prefix left the device loads it back instead of computing it again
+    (jpaged.memory.host_tier). Swapped-out blocks are held; the tier's copies are
+    evicted least recently used first, by swapping too. A host block holds the block
+    of every device (tensor parallelism) and of a draft model. num_host_blocks: the
+    pool in blocks, a deprecated alias.
+
+    enforce_eager (vLLM's name) is accepted and changes nothing: vLLM's turns off CUDA
+    graph capture, and jpaged has none to turn off (every step is an XLA program
+    compiled by jax.jit, the only way JAX runs it on a device).
 
     kv_cache_dtype: what the KV cache stores. "auto" is the model's dtype;
     "float32", "bfloat16" and "float16" store K/V in that dtype; "int8",
@@ -120,8 +155,12 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     block_size: int | None = None
     num_blocks: int | None = None
+    num_gpu_blocks_override: int | None = None
+    kv_cache_memory_bytes: int | None = None
     kv_cache_memory: int | None = None
+    gpu_memory_utilization: float | None = None
     kv_cache_fraction: float | None = None
+    swap_space: float | None = None
     kv_offloading_size: float | None = None
     num_host_blocks: int = 0
     max_num_seqs: int | None = None
@@ -145,12 +184,17 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | dict | None = None
     num_decode_steps: int | None = None
     async_scheduling: bool = False
+    enforce_eager: bool = False
 
     def __post_init__(self):
         check_allocation(self.allocation)
-        if not isinstance(self.async_scheduling, bool):
-            raise TypeError(f"async_scheduling must be a bool, got "
-                            f"{type(self.async_scheduling).__name__} {self.async_scheduling!r}")
+        for name in ("async_scheduling", "enforce_eager"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got "
+                             f"{self.preemption_mode!r}")
         for name in ("enable_prefix_caching", "disable_hybrid_kv_cache_manager"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
@@ -174,45 +218,83 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be one of "
                              f"{kernels_pallas.IMPLEMENTATIONS} or None, got "
                              f"{self.attention_backend!r}")
-        self._check_host_pool()
-        minimums = {"block_size": 1, "num_blocks": 2, "kv_cache_memory": 1, "max_num_seqs": 1,
+        minimums = {"block_size": 1, "num_blocks": 2, "num_gpu_blocks_override": 2,
+                    "kv_cache_memory_bytes": 1, "kv_cache_memory": 1, "max_num_seqs": 1,
                     "max_num_batched_tokens": 1, "max_model_len": 1, "max_logprobs": 1,
                     "tensor_parallel_size": 1, "data_parallel_size": 1, "num_decode_steps": 1}
         for name, minimum in minimums.items():
             value = getattr(self, name)
             if value is None:
                 continue
+            in_bytes = name.startswith("kv_cache_memory")
             if isinstance(value, bool) or not isinstance(value, int | np.integer):
-                raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+                unit = " number of bytes (2 * 2**30 is 2 GiB)" if in_bytes else ""
+                raise TypeError(f"{name} must be an int{unit}, got {type(value).__name__} "
+                                f"{value!r}")
             if value < minimum:
-                unit = " bytes" if name == "kv_cache_memory" else ""
-                raise ValueError(f"{name} must be >= {minimum}{unit}, got {value}")
-        fraction = self.kv_cache_fraction
+                raise ValueError(f"{name} must be >= {minimum}{' bytes' if in_bytes else ''}, "
+                                 f"got {value}")
         if self.mesh is not None and not isinstance(self.mesh, Mesh):
             raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(self.mesh).__name__}")
-        if fraction is not None and (isinstance(fraction, bool)
-                                     or not isinstance(fraction, int | float)
-                                     or not 0.0 < fraction <= 1.0):
-            raise ValueError(f"kv_cache_fraction must be in (0, 1], got {fraction!r}")
+        self._take_vllm_aliases()
+        self._check_kv_budget()
+        self._check_host_pool()
         step_modes.check_conflicts(self)
 
+    def _take_vllm_aliases(self) -> None:
+        """num_gpu_blocks_override is num_blocks (the null block counted, as vLLM's pool
+        counts it); the deprecated kv_cache_memory moves to kv_cache_memory_bytes."""
+        override = self.num_gpu_blocks_override
+        if override is not None:
+            if self.num_blocks not in (None, override):
+                raise ValueError(f"num_gpu_blocks_override={override} and num_blocks="
+                                 f"{self.num_blocks} disagree: give one of them")
+            object.__setattr__(self, "num_blocks", override)
+        if self.kv_cache_memory is not None:
+            warnings.warn("kv_cache_memory is deprecated: use kv_cache_memory_bytes (bytes, "
+                          "vLLM's name)", DeprecationWarning, stacklevel=5)
+            if self.kv_cache_memory_bytes is not None:
+                raise ValueError("give kv_cache_memory_bytes or the deprecated "
+                                 "kv_cache_memory, not both")
+            object.__setattr__(self, "kv_cache_memory_bytes", self.kv_cache_memory)
+            object.__setattr__(self, "kv_cache_memory", None)
+
+    def _check_kv_budget(self) -> None:
+        for name in ("gpu_memory_utilization", "kv_cache_fraction"):
+            fraction = getattr(self, name)
+            if fraction is not None and (isinstance(fraction, bool)
+                                         or not isinstance(fraction, int | float)
+                                         or not 0.0 < fraction <= 1.0):
+                raise ValueError(f"{name} must be in (0, 1], got {fraction!r}")
+        given = [name for name in KV_BUDGETS if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise ValueError(f"{given[0]} and {given[1]} both size the KV pool: give one")
+
     def _check_host_pool(self) -> None:
+        for name in ("swap_space", "kv_offloading_size"):
+            size = getattr(self, name)
+            if size is not None and (isinstance(size, bool)
+                                     or not isinstance(size, int | float) or not size >= 0):
+                raise ValueError(f"{name} must be a number of GiB >= 0, got {size!r}")
         size = self.kv_offloading_size
-        if size is not None and (isinstance(size, bool) or not isinstance(size, int | float)
-                                 or not size >= 0):
-            raise ValueError(f"kv_offloading_size must be a number of GiB >= 0, got {size!r}")
         if isinstance(self.num_host_blocks, bool) or not isinstance(self.num_host_blocks,
                                                                     int | np.integer):
             raise TypeError(f"num_host_blocks must be an int, got "
                             f"{type(self.num_host_blocks).__name__} {self.num_host_blocks!r}")
         if self.num_host_blocks < 0:
             raise ValueError(f"num_host_blocks must be >= 0, got {self.num_host_blocks}")
-        if self.num_host_blocks and size is not None:
-            raise ValueError("give kv_offloading_size (GiB) or the deprecated num_host_blocks, "
-                             "not both")
-        if self.preemption_mode == "swap" and not (size or self.num_host_blocks):
-            raise ValueError("preemption_mode='swap' needs a host pool: give "
-                             "kv_offloading_size (GiB of host memory)")
+        if self.num_host_blocks and (size is not None or self.swap_space is not None):
+            raise ValueError("give swap_space / kv_offloading_size (GiB) or the deprecated "
+                             "num_host_blocks, not both")
+        if (self.preemption_mode == "swap" and self.swap_space is None
+                and not (size or self.num_host_blocks)):
+            object.__setattr__(self, "swap_space", DEFAULT_SWAP_SPACE_GIB)
+
+    @property
+    def host_pool_gib(self) -> float:
+        """GiB of the host pool: swap_space for swapped-out blocks plus kv_offloading_size
+        for the prefix cache's host tier (one pool holds both)."""
+        return (self.swap_space or 0) + (self.kv_offloading_size or 0)
 
     @property
     def kv_dtype(self) -> jnp.dtype:

@@ -17,6 +17,7 @@ from typing import Any
 from jpaged.engine.beam_search import BeamSearch
 from jpaged.errors import InvalidParameter, InvalidParameterType
 from jpaged.inputs import PromptType, parse_prompt
+from jpaged.model.tokenizer import NO_CHAT_TEMPLATE
 from jpaged.sampling_params import BeamSearchParams, SamplingParams
 from jpaged.structured_output.compiler import GrammarCompiler
 from jpaged.structured_output.grammar import Grammar
@@ -110,14 +111,17 @@ class InputProcessor:
                             add_generation_prompt: bool = True,
                             continue_final_message: bool = False,
                             chat_template_kwargs: dict[str, Any] | None = None,
-                            add_special_tokens: bool = False) -> list[int]:
+                            add_special_tokens: bool = False,
+                            chat_template: str | None = None) -> list[int]:
         """Chat messages through the model's chat template, as token ids.
 
         add_generation_prompt opens the assistant's turn after the messages;
         continue_final_message instead ends the prompt inside the last message, which
         must be the assistant's, for the model to continue; chat_template_kwargs are
         more template variables (not these two, nor the template itself);
-        add_special_tokens: BOS/EOS as for a text prompt, besides what the template writes.
+        add_special_tokens: BOS/EOS as for a text prompt, besides what the template writes;
+        chat_template: jinja2 source used instead of the model's (ValueError naming the
+        remedies when neither exists).
         """
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise InvalidParameterType(
@@ -130,9 +134,12 @@ class InputProcessor:
             raise InvalidParameter(
                 "chat_template_kwargs", f"chat_template_kwargs may not set {refused}: the "
                                         "request's own fields set them")
+        if chat_template is None and getattr(self.tokenizer, "chat_template", None) is None:
+            raise InvalidParameter("messages", NO_CHAT_TEMPLATE)
         text = self.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message, **kwargs)
+            continue_final_message=continue_final_message, chat_template=chat_template,
+            **kwargs)
         _check_encodable("messages", text)
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 

@@ -76,28 +76,44 @@ class MemoryFigures:
     free_bytes: int
     weight_bytes: int
     on_accelerator: bool
+    total_bytes: int = 0
 
 
 def kv_cache_budget(config: EngineConfig, memory: MemoryFigures, sequence_bytes: int) -> int:
     """Bytes the KV pool may take, the first rule that applies:
 
-    1. `kv_cache_memory` bytes, if given;
-    2. `kv_cache_fraction` of the free memory, if given;
-    3. on an accelerator, ACCELERATOR_DEFAULTS.kv_cache_fraction (0.9) of the
+    1. `kv_cache_memory_bytes` bytes, if given;
+    2. `gpu_memory_utilization` of the device's whole memory less the weights, if
+       given (vLLM's meaning: the engine's share of the device, weights included);
+    3. `kv_cache_fraction` of the free memory, if given;
+    4. on an accelerator, ACCELERATOR_DEFAULTS.kv_cache_fraction (0.9) of the
        device memory free after loading the model, as vLLM's gpu_memory_utilization;
-    4. on a CPU, as many bytes as the model's weights (at least one full-length
+    5. on a CPU, as many bytes as the model's weights (at least one full-length
        sequence, `sequence_bytes`), at most CPU_DEFAULTS.kv_cache_fraction (0.25)
        of the free host memory: the pool and the weights share the host's RAM,
        so a process holds about twice its weights, whatever the machine's size.
     """
-    if config.kv_cache_memory is not None:
-        return config.kv_cache_memory
+    if config.kv_cache_memory_bytes is not None:
+        return config.kv_cache_memory_bytes
+    if config.gpu_memory_utilization is not None:
+        return _utilization_budget(config.gpu_memory_utilization, memory)
     if config.kv_cache_fraction is not None:
         return int(config.kv_cache_fraction * memory.free_bytes)
     if memory.on_accelerator:
         return int(ACCELERATOR_DEFAULTS.kv_cache_fraction * memory.free_bytes)
     return min(max(memory.weight_bytes, sequence_bytes),
                int(CPU_DEFAULTS.kv_cache_fraction * memory.free_bytes))
+
+
+def _utilization_budget(utilization: float, memory: MemoryFigures) -> int:
+    share = int(utilization * memory.total_bytes)
+    if share <= memory.weight_bytes:
+        raise ValueError(
+            f"gpu_memory_utilization={utilization} leaves no room for the KV cache: "
+            f"{utilization} of the device's {memory.total_bytes / 2**30:.2f} GiB is "
+            f"{share / 2**30:.2f} GiB and the weights take {memory.weight_bytes / 2**30:.2f} "
+            "GiB; raise it, or give kv_cache_memory_bytes")
+    return share - memory.weight_bytes
 
 
 def kv_cache_num_blocks(
@@ -124,7 +140,7 @@ def kv_cache_num_blocks(
         raise ValueError(
             f"the KV pool holds {max(num_blocks - 1, 0)} blocks of {config.block_size} tokens "
             f"but one sequence of max_model_len={max_model_len} tokens needs {seq_blocks}; "
-            "give more num_blocks / kv_cache_memory or a smaller max_model_len"
+            "give more num_blocks / kv_cache_memory_bytes or a smaller max_model_len"
         )
     return num_blocks
 
@@ -160,7 +176,7 @@ def size_kv_cache(config: EngineConfig, model_config, model, max_model_len: int,
     memory = None if config.num_blocks is not None else MemoryFigures(
         machine.free_device_memory(device),
         weight_bytes(model) + (0 if draft is None else weight_bytes(draft[0])),
-        machine.on_accelerator())
+        machine.on_accelerator(), machine.total_device_memory(device))
     num_blocks = kv_cache_num_blocks(config, max_model_len, info.block_bytes, memory, groups)
     # Processes of one job measure their own memory; their pools must be the same.
     num_blocks = lockstep.smallest_over_processes(num_blocks)
@@ -169,11 +185,11 @@ def size_kv_cache(config: EngineConfig, model_config, model, max_model_len: int,
 
 
 def host_pool_blocks(config: EngineConfig, info: KVCacheInfo) -> int:
-    """Blocks of the host pool: `kv_offloading_size` GiB in whole host blocks (each a
-    device block of every device), or the deprecated `num_host_blocks`."""
+    """Blocks of the host pool: `host_pool_gib` (swap_space + kv_offloading_size) in whole
+    host blocks (each a device block of every device), or the deprecated `num_host_blocks`."""
     if config.num_host_blocks:
-        warnings.warn("num_host_blocks is deprecated: use kv_offloading_size, the host pool's "
-                      "GiB (vLLM's name)", DeprecationWarning, stacklevel=2)
+        warnings.warn("num_host_blocks is deprecated: use swap_space / kv_offloading_size, "
+                      "the host pool's GiB (vLLM's names)", DeprecationWarning, stacklevel=2)
         return config.num_host_blocks
-    return int((config.kv_offloading_size or 0) * 2**30) // info.host_block_bytes
+    return int(config.host_pool_gib * 2**30) // info.host_block_bytes
 

@@ -49,6 +49,15 @@ def free_device_memory(device: jax.Device | None = None) -> int:
     return available_host_memory()
 
 
+def total_device_memory(device: jax.Device | None = None) -> int:
+    """Bytes `device` has in all, by default this process's first device (the host's RAM
+    when the device is a CPU)."""
+    stats = (device or jax.local_devices()[0]).memory_stats()
+    if stats and "bytes_limit" in stats:
+        return stats["bytes_limit"]
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def available_host_memory() -> int:
     """Bytes of host RAM a new allocation can get: Linux's MemAvailable, which counts the
     page cache the kernel drops on demand (right after reading a checkpoint, most of

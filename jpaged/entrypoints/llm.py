@@ -28,10 +28,14 @@ Conversation = list[dict[str, str]]
 class LLM:
     """Loads a model and serves batches of prompts with continuous batching.
 
-    Keyword arguments are EngineConfig fields (block_size, num_blocks,
-    kv_cache_memory, max_num_seqs, enable_prefix_caching, share_blocks,
-    tensor_parallel_size, data_parallel_size, mesh, ...). With more than one
-    data-parallel replica the engine is a DataParallelEngine.
+    Keyword arguments are EngineConfig fields, vLLM's names among them (block_size,
+    kv_cache_memory_bytes, gpu_memory_utilization, num_gpu_blocks_override,
+    swap_space, max_num_seqs, enable_prefix_caching, preemption_mode,
+    tensor_parallel_size, data_parallel_size, mesh, ...); an unknown one raises a
+    TypeError naming the closest. With more than one data-parallel replica the engine
+    is a DataParallelEngine. Tensor parallelism on a CPU needs simulated devices:
+    JAX_NUM_CPU_DEVICES=N in the environment, or
+    jax.config.update("jax_num_cpu_devices", N) before JAX first runs anything.
     """
 
     def __init__(self, model: str = "smollm2", *, loaded: tuple | None = None, **kwargs: Any):
@@ -74,18 +78,20 @@ class LLM:
         use_tqdm: bool = False,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """generate() for one conversation or a list of them, through the model's chat
         template (each message a {"role": ..., "content": ...} dict).
 
         add_generation_prompt opens the assistant's turn; continue_final_message instead
-        continues the last message (the assistant's); chat_template_kwargs are more
-        variables for the template (vLLM's `LLM.chat` arguments)."""
+        continues the last message (the assistant's); chat_template: a jinja2 template
+        used instead of the model's (a model without one needs it); chat_template_kwargs
+        are more variables for the template (vLLM's `LLM.chat` arguments)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         options = dict(add_generation_prompt=add_generation_prompt,
                        continue_final_message=continue_final_message,
-                       chat_template_kwargs=chat_template_kwargs)
+                       chat_template=chat_template, chat_template_kwargs=chat_template_kwargs)
         prompts = [{"prompt_token_ids": self.engine.apply_chat_template(c, **options)}
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

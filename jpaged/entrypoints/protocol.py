@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 from jpaged.entrypoints.tool_calls import ForcedCalls, ToolCallStream, response_tool_calls
 from jpaged.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
@@ -187,9 +188,22 @@ class TextContentPart(OpenAIBaseModel):
     text: str
 
 
+def _text_parts_only(content: Any) -> Any:
+    """A content list's parts must be text: an image or audio part gets one clear message
+    (not pydantic's every union alternative)."""
+    for index, part in enumerate(content if isinstance(content, list) else []):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind is not None and kind != "text":
+            raise PydanticCustomError(
+                "unsupported_content_part",
+                f"part {index} is of type {kind!r}: jpaged serves text-only models, so a "
+                "message's content is a string or a list of parts of type 'text'")
+    return content
+
+
 class ChatMessage(OpenAIBaseModel):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextContentPart]
+    content: Annotated[str | list[TextContentPart], BeforeValidator(_text_parts_only)]
     name: str | None = None
 
     @property

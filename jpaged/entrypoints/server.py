@@ -68,27 +68,29 @@ RETRY_AFTER_S = 1
 _NEXT_TURN = {"role": "user", "content": "?"}
 
 
-def system_prompt_tokens(engine: Engine, text: str) -> list[int]:
+def system_prompt_tokens(engine: Engine, text: str, chat_template: str | None = None
+                        ) -> list[int]:
     """The token ids that every chat request opening with system message `text` starts
-    with: the chat template's rendering of a conversation holding only that message, cut
-    to what it shares with one that goes on (a template may close the message otherwise
-    when nothing follows, and tokens may merge across its end); the text as a prompt
-    where the tokenizer has no chat template."""
-    if getattr(engine.tokenizer, "chat_template", None) is None:
+    with: the chat template's rendering (`chat_template`, else the model's) of a
+    conversation holding only that message, cut to what it shares with one that goes on
+    (a template may close the message otherwise when nothing follows, and tokens may
+    merge across its end); the text as a prompt where there is no chat template."""
+    if chat_template is None and getattr(engine.tokenizer, "chat_template", None) is None:
         return engine.tokenize(text)
     system = [{"role": "system", "content": text}]
-    alone = engine.apply_chat_template(system, add_generation_prompt=False)
-    followed = engine.apply_chat_template([*system, _NEXT_TURN])
+    alone = engine.apply_chat_template(system, add_generation_prompt=False,
+                                       chat_template=chat_template)
+    followed = engine.apply_chat_template([*system, _NEXT_TURN], chat_template=chat_template)
     return alone[:len(os.path.commonprefix([alone, followed]))]
 
 
-def reserve_system_prompts(engine: Engine, system_prompts: Sequence[str]
-                           ) -> list[ReservedPrefix]:
+def reserve_system_prompts(engine: Engine, system_prompts: Sequence[str],
+                           chat_template: str | None = None) -> list[ReservedPrefix]:
     """Reserve each system prompt's KV blocks in `engine` (LLMEngine.reserve_prefix of
     `system_prompt_tokens`), logging what each holds; call it before serving."""
     reserved = []
     for text in system_prompts:
-        prefix = engine.reserve_prefix(system_prompt_tokens(engine, text))
+        prefix = engine.reserve_prefix(system_prompt_tokens(engine, text, chat_template))
         logger.info("reserved system prompt %d: %d tokens, %d of them in full blocks, held "
                     "in %d KV blocks", prefix.prefix_id, prefix.num_tokens,
                     prefix.num_cached_tokens, prefix.num_blocks)
@@ -185,10 +187,12 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | None = None,
               max_body_bytes: int = MAX_BODY_BYTES,
-              enable_prompt_tokens_details: bool = False) -> FastAPI:
+              enable_prompt_tokens_details: bool = False,
+              chat_template: str | None = None) -> FastAPI:
     """The server's FastAPI app; its lifespan's end shuts the engine down.
     enable_prompt_tokens_details: usage reports the prompt tokens the prefix cache served
-    (`usage.prompt_tokens_details.cached_tokens`, vLLM's option)."""
+    (`usage.prompt_tokens_details.cached_tokens`, vLLM's option); chat_template: the
+    jinja2 template chat requests use instead of the model's (vLLM's --chat-template)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -196,7 +200,8 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
         engine.shutdown()
 
     app = FastAPI(title="jpaged", lifespan=lifespan)
-    serving = OpenAIServing(engine, served_model_name, enable_prompt_tokens_details)
+    serving = OpenAIServing(engine, served_model_name, enable_prompt_tokens_details,
+                            chat_template)
     app.state.serving = serving
     tokenizer = TokenizerEndpoints(serving)
     json_body = [Depends(require_json)]
@@ -257,13 +262,13 @@ def serve(engine: Engine, *, served_model_name: str, host: str = "127.0.0.1",
           port: int = 8000, api_key: str | None = None, max_waiting: int = 1024,
           max_body_bytes: int = MAX_BODY_BYTES, warmup: bool = False,
           shutdown_timeout: float = SHUTDOWN_TIMEOUT_S,
-          enable_prompt_tokens_details: bool = False) -> None:
+          enable_prompt_tokens_details: bool = False, chat_template: str | None = None) -> None:
     """Serve `engine` until SIGINT/SIGTERM: then no new connection is accepted, running
     requests get shutdown_timeout seconds to finish, the rest are aborted (their streams
     end with an error event and [DONE]), and the engine thread is joined. warmup=True
     compiles every step shape first (`LLMEngine.warmup`, every replica's for a
-    DataParallelEngine), so no request waits for a compile. enable_prompt_tokens_details:
-    as build_app's.
+    DataParallelEngine), so no request waits for a compile. enable_prompt_tokens_details,
+    chat_template: as build_app's.
 
     In a job of several processes `engine` is process 0's RequestMirror (the others
     run `jpaged.engine.mirror.follow`): while idle it beats every HEARTBEAT_S
@@ -279,7 +284,7 @@ def serve(engine: Engine, *, served_model_name: str, host: str = "127.0.0.1",
                                   idle_s=HEARTBEAT_S)
     try:
         app = build_app(async_engine, served_model_name, api_key, max_body_bytes,
-                        enable_prompt_tokens_details)
+                        enable_prompt_tokens_details, chat_template)
         DrainingServer(app, async_engine, shutdown_timeout, host=host, port=port,
                        log_level="info").run()
     finally:

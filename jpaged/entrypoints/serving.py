@@ -194,13 +194,15 @@ def sse(payload: dict) -> str:
 
 
 class OpenAIServing:
-    """The endpoints' logic over one engine and one served model name."""
+    """The endpoints' logic over one engine and one served model name; chat_template:
+    the jinja2 template chat requests use instead of the model's (serve's --chat-template)."""
 
     def __init__(self, engine: AsyncLLMEngine, served_model_name: str,
-                 enable_prompt_tokens_details: bool = False):
+                 enable_prompt_tokens_details: bool = False, chat_template: str | None = None):
         self.engine = engine
         self.served_model_name = served_model_name
         self.enable_prompt_tokens_details = enable_prompt_tokens_details
+        self.chat_template = chat_template
         self.max_model_len = engine.engine.max_model_len
         self.max_logprobs = engine.engine.config.max_logprobs
         self.metrics = ServerMetrics(engine)
@@ -341,7 +343,7 @@ class OpenAIServing:
         constraint = request_constraint(body)
         params = chat_sampling_params(body, self.max_logprobs, constraint)
         messages = [message.as_template_message() for message in body.messages]
-        options = body.template_options()
+        options = body.template_options() | {"chat_template": self.chat_template}
         token_ids = await self.on_engine(
             lambda engine: engine.apply_chat_template(messages, **options), "messages")
         max_tokens, param = chat_max_tokens(body)

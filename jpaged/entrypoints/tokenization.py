@@ -64,7 +64,8 @@ class TokenizerEndpoints:
         else:
             messages = [message.as_template_message() for message in body.messages]
             options = body.template_options() | {
-                "add_special_tokens": bool(body.add_special_tokens)}
+                "add_special_tokens": bool(body.add_special_tokens),
+                "chat_template": self.serving.chat_template}
             tokens = await self.serving.on_engine(
                 lambda engine: engine.apply_chat_template(messages, **options), "messages")
         token_strs = None
@@ -91,7 +92,7 @@ class TokenizerEndpoints:
         def info(engine: Engine) -> dict:
             tokenizer = engine.tokenizer
             return {**{name: tokenizer.special_tokens.get(name) for name in SPECIAL_TOKEN_NAMES},
-                    "chat_template": tokenizer.chat_template,
+                    "chat_template": self.serving.chat_template or tokenizer.chat_template,
                     "model_max_length": self.serving.max_model_len}
 
         return await self.serving.on_engine(info, "model")

@@ -207,7 +207,10 @@ def replica_meshes(tensor_parallel_size: int, data_parallel_size: int,
     if needed > len(devices):
         raise ValueError(
             f"tensor_parallel_size ({tensor_parallel_size}) x data_parallel_size "
-            f"({data_parallel_size}) = {needed} devices exceeds the {len(devices)} available"
+            f"({data_parallel_size}) = {needed} devices exceeds the {len(devices)} available; "
+            "on a CPU, simulate devices: --num-cpu-devices N on the command line, "
+            "JAX_NUM_CPU_DEVICES=N in the environment, or "
+            "jax.config.update('jax_num_cpu_devices', N) before JAX first runs anything"
         )
     return [model_mesh(devices[i * tensor_parallel_size:(i + 1) * tensor_parallel_size])
             for i in range(data_parallel_size)]

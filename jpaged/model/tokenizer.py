@@ -60,6 +60,12 @@ GGUF_PRE_TOKENIZER_SPLITS = {
 CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 
 
+NO_CHAT_TEMPLATE = (
+    "this model's tokenizer has no chat template: give one (LLM.chat(chat_template=...), "
+    "--chat-template FILE for python -m jpaged chat / serve) or send the prompt as plain "
+    "text (LLM.generate, python -m jpaged generate --raw)")
+
+
 class TokenizerError(ValueError):
     """Tokenizer files or metadata that describe no tokenizer jpaged can build."""
 
@@ -166,21 +172,24 @@ class Tokenizer:
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *,
                             add_generation_prompt: bool = False,
                             continue_final_message: bool = False, tokenize: bool = True,
+                            chat_template: str | None = None,
                             **template_kwargs: Any) -> str | list[int]:
         """The conversation rendered by the chat template: its text, or (tokenize=True)
         that text's token ids, without adding BOS/EOS (the template writes them).
 
         continue_final_message: the text ends where the last message's content ends, so
         generation continues it (what the template writes after it, the end of its turn,
-        is cut), as in transformers. template_kwargs: more template variables (over the
-        special tokens of the same names).
+        is cut), as in transformers. chat_template: jinja2 source used instead of the
+        tokenizer's own. template_kwargs: more template variables (over the special
+        tokens of the same names).
         """
-        if self.chat_template is None:
-            raise ValueError("this tokenizer has no chat template; send the prompt as text")
+        template = chat_template or self.chat_template
+        if template is None:
+            raise ValueError(NO_CHAT_TEMPLATE)
         messages = [dict(message) for message in messages]
         if continue_final_message:
             messages[-1]["content"] += CONTINUE_TAG
-        text = _compiled_template(self.chat_template).render(
+        text = _compiled_template(template).render(
             **(self.special_tokens | template_kwargs), messages=messages,
             add_generation_prompt=add_generation_prompt)
         if continue_final_message:

@@ -25,7 +25,7 @@ from jpaged.sequence import SequenceStatus
 from tests.plugins.layouts import layout_models, layout_params
 
 TIE = 1e-5
-TINY_ENGINE = dict(num_blocks=None, kv_cache_memory=8 << 20, max_num_seqs=16,
+TINY_ENGINE = dict(num_blocks=None, kv_cache_memory_bytes=8 << 20, max_num_seqs=16,
                    max_num_batched_tokens=64, max_model_len=64,
                    persistent_compilation_cache=False)
 

@@ -163,7 +163,7 @@ def test_a_pool_of_fixed_bytes_holds_tokens_by_their_bytes(loaded):
                 "int8": config.head_dim + 4, "fp8_e5m2": config.head_dim + 4}
     for kv_cache_dtype, head_bytes in per_head.items():
         llm = _llm(loaded, kv_cache_dtype=kv_cache_dtype, num_blocks=None,
-                   kv_cache_memory=memory, max_num_seqs=64)
+                   kv_cache_memory_bytes=memory, max_num_seqs=64)
         info = llm.engine.kv_cache_info
         token_bytes = 2 * config.num_layers * config.num_kv_heads * head_bytes
         assert info.bytes_per_token == token_bytes

@@ -239,6 +239,10 @@ BAD_REQUESTS = {
     "unknown role": ("chat/completions", GOOD_CHAT | {"messages": [{"role": "robot",
                                                                    "content": "hi"}]},
                      400, "messages", "role"),
+    "image part": ("chat/completions", GOOD_CHAT | {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]},
+        400, "messages", "part 1 is of type 'image_url': jpaged serves text-only models"),
     "empty prompt": ("completions", GOOD_COMPLETION | {"prompt": []}, 400, "prompt", "empty"),
     "token id outside the vocabulary": ("completions", GOOD_COMPLETION | {"prompt": [10**6]},
                                         400, "prompt", "vocabulary"),

@@ -16,7 +16,7 @@ REFERENCE = load_reference("smollm2")
 
 def test_smollm2_matches_stored_transformers(smollm2):
     _, _, tokenizer = smollm2
-    llm = LLM("smollm2", loaded=smollm2, block_size=16, kv_cache_memory=128 << 20,
+    llm = LLM("smollm2", loaded=smollm2, block_size=16, kv_cache_memory_bytes=128 << 20,
               max_num_seqs=16, max_num_batched_tokens=512, max_model_len=128,
               buckets=BucketSizes(min_num_tokens=16, min_num_seqs=16, min_blocks_per_seq=8))
     check_tokenization(llm, REFERENCE)
