@@ -28,8 +28,8 @@ from jpaged.__main__ import _parser
 
 PAGES = (Path("docs/cli.md"), Path("docs/serving.md"))
 COMMANDS = ("generate", "chat", "serve")
-REGION = re.compile(r"(<!-- generated: (?P<name>[\w ]+) -->\n)(?P<body>.*?)(<!-- end generated -->)",
-                    re.DOTALL)
+REGION = re.compile(r"(<!-- generated: (?P<name>[\w ]+) -->\n)(?P<body>.*?)"
+                    r"(<!-- end generated -->)", re.DOTALL)
 
 
 def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
