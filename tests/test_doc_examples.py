@@ -51,9 +51,9 @@ NOT_RUN = {
     ("docs/multihost.md", "# two processes with four simulated CPU devices each"):
         "a model path to fill in, with heads that 8 divides; tests/test_multihost.py runs "
         "the launcher's jobs on a tiny model",
-    ("docs/multihost.md", "from jpaged.launch import initialize"):
-        "a script for python -m jpaged.launch, with a model path to fill in; "
-        "tests/test_multihost.py runs such scripts",
+    ("docs/multihost.md", "# tp_job.py: python -m jpaged.launch --num-processes 3"):
+        "three processes loading SmolLM2, most of a minute; tests/test_multihost.py runs "
+        "such scripts on a tiny model",
     ("docs/multihost.md", "gcloud compute tpus tpu-vm ssh my-slice"): "a TPU pod slice",
     ("docs/multihost.md", "# on host 0 (10.0.0.1) and host 1"): "two GPU hosts",
     ("docs/serving.md", "lm_eval --model local-completions --tasks hellaswag"):

@@ -79,7 +79,7 @@ def _flag_cell(action: argparse.Action) -> str:
 
 def _default_cell(action: argparse.Action) -> str:
     default = action.default
-    if action.nargs == 0:  # a switch: off unless given (None: the engine decides)
+    if action.nargs == 0 and default is False:  # a switch, off unless given
         return "off"
     if default is None or default == [] or not action.option_strings:
         return ""
