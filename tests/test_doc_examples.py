@@ -72,6 +72,9 @@ NOT_RUN = {
     ("docs/usage.md", "# Proposals from a smaller model with the same vocabulary"):
         "a draft model's path to fill in; benchmarks.speculative writes such a draft and "
         "tests/speculative runs it",
+    ("docs/usage.md", 'python -m jpaged generate "The capital of France is" --num-cpu-devices'):
+        "tests/entrypoints/test_vllm_options.py runs this command and compares its tokens "
+        "with one device's",
     ("docs/usage.md", 'llm = LLM(model="/path/to/llama", tensor_parallel_size=4)'):
         "a model path to fill in, and 8 devices; tests/multidevice runs SmolLM2 at TP 3",
 }
