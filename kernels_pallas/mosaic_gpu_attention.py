@@ -1,0 +1,346 @@
+"""Paged attention over query tiles for Hopper GPUs (Pallas' Mosaic GPU backend).
+
+One CUDA block (one warpgroup) per (query tile, KV head, key split), named
+("tile", "head", "split"). The tile's 64 query rows (tiles.py: the query heads of
+one KV head, packed head-major, times the tile's tokens) are the M = 64 of every
+warpgroup product, so decode packs a GQA group into one tile and ragged steps take
+block_q = 64 // group tokens per tile.
+
+Per chunk of `pages_per_chunk` pages (CHUNK_TOKENS keys) the kernel
+
+1. reads the chunk's page ids from the block table in global memory, bounds-checks
+   each against the pool, and starts one TMA copy per page of keys and of values
+   into shared memory; `num_stages` chunk buffers form a ring, so the copies of
+   the next chunks are in flight while this one is computed;
+2. waits on the chunk's key barrier, computes S = Q K^T with `wgmma` (both operands
+   in shared memory) into a `run_scoped` accumulator, and rescales the online softmax
+   in registers (online_softmax.py's masks: past a row's position, before its
+   window, padding rows);
+3. stages P in shared memory as the 16-bit operand and computes P V with `wgmma`,
+   after waiting on the value barrier.
+
+Why this shape:
+
+- Explicit TMA copies rather than `emit_pipeline`: a page's address comes from the
+  block table, one copy per page (pages of a sequence are scattered), and the
+  pipeline's BlockSpecs index whole blocks of one array.
+- P goes through shared memory and each product has its own scoped accumulator,
+  because Mosaic GPU's interpreter (what checks this kernel on the CPU) runs
+  neither `wgmma` with a register operand nor `pl.run_state` accumulators. On a
+  GPU this costs one 64 x CHUNK_TOKENS store and fence per chunk.
+- Values are sanitized in shared memory only on a chunk that holds keys no row of
+  the tile may see (the edges of the context or window): those slots may hold
+  anything (NaN in a poisoned pool, stale data of a freed block), and 0 * NaN
+  would reach the output through the second product even though P is 0 there.
+- Block-table entries outside [0, num_blocks) are never copied from: the copy reads
+  the null block instead and the tile's output becomes NaN, so a corrupt table
+  shows in the result. (A TMA read past the pool would not fault: it returns zeros.)
+- Key splits (flash-decoding) give long contexts more CUDA blocks than batch *
+  num_kv_heads; each split writes its raw (max, sum, acc) state in float32 and
+  online_softmax.combine_splits merges them in a small XLA step after the kernel.
+
+What a decode step reads: every visited key and value page once, 2 * context *
+head_dim * itemsize bytes per sequence and KV head, plus 64 * head_dim * itemsize
+of queries per tile; the products are tiny (M = 64 rows of which `group` are real),
+so decode is bound by that traffic against the device's HBM bandwidth (H100 SXM:
+3.35 TB/s) and benchmarks.accelerator reports the fraction reached.
+
+Limits (checked in attention.py): 16-bit pages (float16 or bfloat16, the queries in
+the same dtype); head_dim a multiple of 64 (one 128-byte swizzled row of a
+`wgmma` operand) up to 256; block_size a multiple of 8 (the shared-memory tile's
+rows) dividing CHUNK_TOKENS, or a multiple of it. 1-byte (int8, fp8) pages
+and float32 are not taken: `wgmma` reads float32 as tf32, and quantized pages
+would need a dequantizing copy into a 16-bit buffer before the products, which
+this kernel does not have yet; those caches keep the Triton or XLA paths.
+Blackwell (sm_100) runs this Hopper kernel (`wgmma` is available there through
+Mosaic GPU's compatibility lowering only on sm_90a, so on sm_100 the backend
+choice falls back to Triton): a `tcgen05` variant with tensor-memory
+accumulators is future work.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from kernels_pallas import online_softmax
+from kernels_pallas.reference import DEFAULT_MASK_VALUE
+from kernels_pallas.tiles import QueryTiles
+
+ROWS = 64  # the M of one warpgroup product
+CHUNK_TOKENS = 128  # keys per loop step: the N of S = Q K^T (at most 256)
+DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+HEAD_DIMS = (64, 128, 192, 256)
+# Shared memory one CUDA block may use on Hopper (227 KiB), less room for
+# barriers and the compiler's own.
+SMEM_BYTES = 220 * 1024
+MAX_STAGES = 4
+_SWIZZLE = 128
+_TRANSFORMS = (plgpu.TilingTransform((8, _SWIZZLE // 2)), plgpu.SwizzleTransform(_SWIZZLE))
+
+
+def layout_error(dtype, block_size: int, head_dim: int) -> str | None:
+    """Why this kernel cannot read pages of dtype, block_size and head_dim (None: it can)."""
+    if jnp.dtype(dtype) not in DTYPES:
+        return (f"the Mosaic GPU kernel reads float16 or bfloat16 pages, got "
+                f"{jnp.dtype(dtype).name}")
+    if head_dim not in HEAD_DIMS:
+        return (f"the Mosaic GPU kernel needs head_dim in {HEAD_DIMS} (128-byte swizzled "
+                f"wgmma rows), got {head_dim}")
+    if block_size % 8 or (CHUNK_TOKENS % block_size and block_size % CHUNK_TOKENS):
+        return (f"the Mosaic GPU kernel needs block_size a multiple of 8 that divides "
+                f"{CHUNK_TOKENS} or is a multiple of it, got {block_size}")
+    return None
+
+
+def pages_per_chunk(block_size: int) -> int:
+    """Pages of one loop step: CHUNK_TOKENS keys, or one page if pages are larger."""
+    return max(1, CHUNK_TOKENS // block_size)
+
+
+def num_stages(chunk: int, head_dim: int, itemsize: int) -> int:
+    """Chunk buffers in the ring: as many as shared memory holds, 2 to MAX_STAGES."""
+    fixed = (2 * ROWS * head_dim + ROWS * chunk) * itemsize + ROWS * head_dim * 4
+    per_stage = 2 * chunk * head_dim * itemsize
+    return max(2, min(MAX_STAGES, (SMEM_BYTES - fixed) // per_stage))
+
+
+def _kernel(
+    seq_ref,
+    first_pos_ref,
+    num_tokens_ref,
+    block_tables_ref,
+    layer_ref,
+    window_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    *refs,
+    group: int,
+    block_q: int,
+    pages_per_chunk: int,
+    stages: int,
+    num_splits: int,
+    scale: float,
+    soft_cap: float | None,
+):
+    """One CUDA block: query tile x KV head x key split.
+
+    seq_ref, first_pos_ref, num_tokens_ref: int32 [NT]  tile metadata (tiles.py), GMEM
+    block_tables_ref: int32 [B, max_blocks]  (GMEM)
+    layer_ref, window_ref: int32 [1]  the layer read and its sliding window
+    q_ref:            [NT, Hkv, 64, D]  (GMEM) query tiles
+    k_ref, v_ref:     [L, Hkv, num_blocks, block_size, D]  (GMEM) whole caches
+    refs: the outputs, [NT, Hkv, 64, D] in q's dtype, or with key splits f32
+          (max [S, NT, Hkv, 64], sum [S, NT, Hkv, 64], acc [S, NT, Hkv, 64, D]);
+          then the scratch: q_smem [64, D], k_smem, v_smem [stages, chunk, D],
+          p_smem [64, chunk], o_smem [64, D] (q's dtype, or f32 with splits),
+          stat_smem f32 [2, 64] (splits only), and the barriers
+          q_barrier [1], k_barriers, v_barriers [stages] (pages_per_chunk arrivals).
+    """
+    num_outs = 1 if num_splits == 1 else 3
+    out_refs, scratch = refs[:num_outs], refs[num_outs:]
+    if num_splits == 1:
+        q_smem, k_smem, v_smem, p_smem, o_smem, q_barrier, k_barriers, v_barriers = scratch
+        stat_smem = None
+    else:
+        (q_smem, k_smem, v_smem, p_smem, o_smem, stat_smem, q_barrier, k_barriers,
+         v_barriers) = scratch
+    tile, head, split = lax.axis_index("tile"), lax.axis_index("head"), lax.axis_index("split")
+    seq, first_pos, num_tokens = seq_ref[tile], first_pos_ref[tile], num_tokens_ref[tile]
+    layer, window = layer_ref[0], window_ref[0]
+    num_blocks, block_size, head_dim = k_ref.shape[2], k_ref.shape[3], k_ref.shape[4]
+    max_blocks = block_tables_ref.shape[1]
+    chunk = pages_per_chunk * block_size
+    dtype = q_smem.dtype
+
+    plgpu.copy_gmem_to_smem(q_ref.at[tile, head], q_smem, q_barrier.at[0])
+    kv_len = jnp.where(num_tokens > 0, first_pos + num_tokens, 0)
+    kv_len = jnp.clip(kv_len, 0, max_blocks * block_size)
+    kv_first = online_softmax.first_visible_key(first_pos, window)
+    first_page = lax.div(kv_first, block_size)
+    num_pages = online_softmax.ceil_div(kv_len, block_size)
+    first, last = online_softmax.split_chunk_range(kv_first, kv_len, split, num_splits, chunk)
+
+    def table_entry(page):
+        """(the page id to copy, whether the table's entry is out of range) of logical
+        page `page`; pages outside [first_page, num_pages) read the null block."""
+        entry = block_tables_ref[seq, jnp.minimum(page, max_blocks - 1)]
+        visited = (page >= first_page) & (page < num_pages)
+        out_of_range = visited & ((entry < 0) | (entry >= num_blocks))
+        return jnp.where(visited & ~out_of_range, entry, 0), out_of_range
+
+    def start_chunk(c):
+        """Start the TMA copies of chunk c's key and value pages into its ring slot."""
+        slot = lax.rem(c - first, stages)
+        for j in range(pages_per_chunk):
+            page_id, _ = table_entry(c * pages_per_chunk + j)
+            rows = pl.ds(j * block_size, block_size)
+            plgpu.copy_gmem_to_smem(k_ref.at[layer, head, page_id], k_smem.at[slot, rows],
+                                    k_barriers.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[layer, head, page_id], v_smem.at[slot, rows],
+                                    v_barriers.at[slot])
+
+    for i in range(stages - 1):
+        pl.when(first + i < last)(functools.partial(start_chunk, first + i))
+
+    any_out_of_range = lax.fori_loop(
+        first * pages_per_chunk, last * pages_per_chunk,
+        lambda page, seen: seen | table_entry(page)[1], False)
+
+    layout = plgpu.Layout.WGMMA
+    row = plgpu.broadcasted_iota(jnp.int32, (ROWS, chunk), 0, layout=layout)
+    column = plgpu.broadcasted_iota(jnp.int32, (ROWS, chunk), 1, layout=layout)
+    token = jnp.bitwise_and(row, block_q - 1)
+    row_pos = first_pos + token
+    row_valid = (row < group * block_q) & (token < num_tokens)
+    plgpu.barrier_wait(q_barrier.at[0])
+
+    def visit_chunk(c, state):
+        row_max, row_sum, acc = state
+        slot = lax.rem(c - first, stages)
+        pl.when(c + stages - 1 < last)(functools.partial(start_chunk, c + stages - 1))
+
+        plgpu.barrier_wait(k_barriers.at[slot])
+
+        def qk(acc_ref):
+            plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].T)
+            return acc_ref[...]
+
+        scores = pl.run_scoped(qk, plgpu.ACC((ROWS, chunk), jnp.float32)) * scale
+        if soft_cap is not None:
+            scores = soft_cap * jnp.tanh(scores / soft_cap)
+        key_pos = c * chunk + column
+        visible = (key_pos <= row_pos) & (key_pos > row_pos - window) & row_valid
+        scores = jnp.where(visible, scores, DEFAULT_MASK_VALUE)
+        max_next = jnp.maximum(row_max, scores.max(axis=1))
+        correction = jnp.exp(row_max - max_next)
+        probs = jnp.where(visible, jnp.exp(scores - lax.broadcast_in_dim(
+            max_next, scores.shape, [0])), 0.0)
+        row_sum = correction * row_sum + probs.sum(axis=1)
+        p_smem[...] = probs.astype(dtype)
+
+        plgpu.barrier_wait(v_barriers.at[slot])
+        chunk_start = c * chunk
+
+        @pl.when((chunk_start < kv_first) | (chunk_start + chunk > kv_len))
+        def _():
+            value_pos = chunk_start + plgpu.broadcasted_iota(
+                jnp.int32, (chunk, head_dim), 0, layout=layout)
+            values = v_smem[slot]
+            seen = (value_pos >= kv_first) & (value_pos < kv_len)
+            v_smem[slot] = jnp.where(seen, values, jnp.zeros_like(values))
+
+        plgpu.commit_smem()
+
+        def pv(acc_ref):
+            plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+            return acc_ref[...]
+
+        update = pl.run_scoped(pv, plgpu.ACC((ROWS, head_dim), jnp.float32))
+        acc = lax.broadcast_in_dim(correction, acc.shape, [0]) * acc + update
+        return max_next, row_sum, acc
+
+    initial = (
+        plgpu.layout_cast(jnp.full((ROWS,), DEFAULT_MASK_VALUE, jnp.float32), layout.reduce(1)),
+        plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), layout.reduce(1)),
+        plgpu.layout_cast(jnp.zeros((ROWS, head_dim), jnp.float32), layout),
+    )
+    row_max, row_sum, acc = lax.fori_loop(first, last, visit_chunk, initial)
+    # A table entry outside the pool poisons the tile's result rather than hiding.
+    poison = jnp.where(any_out_of_range, jnp.float32(jnp.nan), jnp.float32(1.0))
+    acc = acc * poison
+    if num_splits == 1:
+        (out_ref,) = out_refs
+        denominator = jnp.where(row_sum == 0.0, 1.0, row_sum)
+        o_smem[...] = (acc / lax.broadcast_in_dim(denominator, acc.shape, [0])).astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, out_ref.at[tile, head])
+    else:
+        max_ref, sum_ref, acc_ref = out_refs
+        o_smem[...] = acc
+        stat_smem[0] = row_max
+        stat_smem[1] = row_sum
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, acc_ref.at[split, tile, head])
+        plgpu.copy_smem_to_gmem(stat_smem.at[0], max_ref.at[split, tile, head])
+        plgpu.copy_smem_to_gmem(stat_smem.at[1], sum_ref.at[split, tile, head])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def tile_attention(
+    q_tiles: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    layer: jax.Array,
+    window: jax.Array,
+    block_tables: jax.Array,
+    tiles: QueryTiles,
+    *,
+    group: int,
+    block_q: int,
+    scale: float,
+    soft_cap: float | None,
+    pages_per_chunk: int,
+    num_splits: int,
+    interpret,
+) -> jax.Array:
+    """Attention of every query tile through its sequence's block table.
+
+    q_tiles:      [NT, Hkv, 64, D]  float16 or bfloat16 (layout: tiles.py)
+    k/v_cache:    [L, Hkv, num_blocks, block_size, D] in q_tiles' dtype (layout_error
+                  says which shapes)
+    layer:        int32 scalar, the layer read
+    window:       int32 scalar, its sliding window (online_softmax.NO_WINDOW: none)
+    block_tables: int32 [B, max_blocks], max_blocks a multiple of pages_per_chunk
+    tiles:        QueryTiles of NT tiles
+    interpret:    False, or Mosaic GPU's InterpretGPUParams to run on the CPU
+    returns       [NT, Hkv, 64, D] in q_tiles.dtype.
+    """
+    num_tiles, num_kv_heads, rows, head_dim = q_tiles.shape
+    assert rows == ROWS, rows
+    dtype = q_tiles.dtype
+    chunk = pages_per_chunk * k_cache.shape[3]
+    stages = num_stages(chunk, head_dim, dtype.itemsize)
+    kernel = functools.partial(
+        _kernel, group=group, block_q=block_q, pages_per_chunk=pages_per_chunk,
+        stages=stages, num_splits=num_splits, scale=scale, soft_cap=soft_cap,
+    )
+    if num_splits == 1:
+        out_type = jax.ShapeDtypeStruct(q_tiles.shape, dtype)
+        outputs = [plgpu.SMEM((ROWS, head_dim), dtype, transforms=_TRANSFORMS)]
+    else:
+        stat = jax.ShapeDtypeStruct((num_splits, num_tiles, num_kv_heads, ROWS), jnp.float32)
+        out_type = (stat, stat, jax.ShapeDtypeStruct((num_splits, *q_tiles.shape), jnp.float32))
+        outputs = [plgpu.SMEM((ROWS, head_dim), jnp.float32),
+                   plgpu.SMEM((2, ROWS), jnp.float32)]
+    ring = plgpu.SMEM((stages, chunk, head_dim), dtype, transforms=_TRANSFORMS)
+    scratch = [
+        plgpu.SMEM((ROWS, head_dim), dtype, transforms=_TRANSFORMS),
+        ring,
+        ring,
+        plgpu.SMEM((ROWS, chunk), dtype, transforms=_TRANSFORMS),
+        *outputs,
+        plgpu.Barrier(num_barriers=1),
+        plgpu.Barrier(num_arrivals=pages_per_chunk, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=pages_per_chunk, num_barriers=stages),
+    ]
+    out = plgpu.kernel(
+        kernel,
+        out_type=out_type,
+        scratch_types=scratch,
+        grid=(num_tiles, num_kv_heads, num_splits),
+        grid_names=("tile", "head", "split"),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=interpret or None,
+    )(tiles.seq, tiles.first_pos, tiles.num_tokens, block_tables, layer.reshape(1),
+      window.reshape(1), q_tiles, k_cache, v_cache)
+    if num_splits == 1:
+        return out
+    row_max, row_sum, acc = out
+    return online_softmax.combine_splits((row_max[..., None], row_sum[..., None], acc), dtype)
