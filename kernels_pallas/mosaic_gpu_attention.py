@@ -47,7 +47,7 @@ so decode is bound by that traffic against the device's HBM bandwidth (H100 SXM:
 
 Limits (checked in attention.py): 16-bit pages (float16 or bfloat16, the queries in
 the same dtype); head_dim a multiple of 64 (one 128-byte swizzled row of a
-`wgmma` operand) up to 256; block_size a multiple of 8 (the shared-memory tile's
+`wgmma` operand): 64 or 128; block_size a multiple of 8 (the shared-memory tile's
 rows) dividing CHUNK_TOKENS, or a multiple of it. 1-byte (int8, fp8) pages
 and float32 are not taken: `wgmma` reads float32 as tf32, and quantized pages
 would need a dequantizing copy into a 16-bit buffer before the products, which
@@ -75,7 +75,9 @@ from kernels_pallas.tiles import QueryTiles
 ROWS = 64  # the M of one warpgroup product
 CHUNK_TOKENS = 128  # keys per loop step: the N of S = Q K^T (at most 256)
 DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
-HEAD_DIMS = (64, 128, 192, 256)
+# 64-element (128-byte) swizzled rows; at 256 the query, output and two stages of
+# 128-key chunks would not fit in shared memory.
+HEAD_DIMS = (64, 128)
 # Shared memory one CUDA block may use on Hopper (227 KiB), less room for
 # barriers and the compiler's own.
 SMEM_BYTES = 220 * 1024
@@ -90,8 +92,8 @@ def layout_error(dtype, block_size: int, head_dim: int) -> str | None:
         return (f"the Mosaic GPU kernel reads float16 or bfloat16 pages, got "
                 f"{jnp.dtype(dtype).name}")
     if head_dim not in HEAD_DIMS:
-        return (f"the Mosaic GPU kernel needs head_dim in {HEAD_DIMS} (128-byte swizzled "
-                f"wgmma rows), got {head_dim}")
+        return (f"the Mosaic GPU kernel needs head_dim in {HEAD_DIMS} (whole 128-byte "
+                f"swizzled wgmma rows, and shared memory for the stages), got {head_dim}")
     if block_size % 8 or (CHUNK_TOKENS % block_size and block_size % CHUNK_TOKENS):
         return (f"the Mosaic GPU kernel needs block_size a multiple of 8 that divides "
                 f"{CHUNK_TOKENS} or is a multiple of it, got {block_size}")
