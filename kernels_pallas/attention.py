@@ -231,13 +231,6 @@ def _check_mosaic_gpu_tiling(group: int, block_q: int, chunk: int) -> None:
                          f"multiple of 64 up to {chunk_limit}, got {chunk}")
 
 
-def _check_mosaic_gpu_dtypes(q: jax.Array, k_cache) -> None:
-    """Both products take 16-bit operands of one dtype: the queries' must be the pages'."""
-    if q.dtype != k_cache.dtype:
-        raise TypeError(f"the Mosaic GPU kernel needs q in the pages' dtype "
-                        f"({jnp.dtype(k_cache.dtype).name}), got {q.dtype}")
-
-
 def _default_pages_per_chunk(implementation, dtype, block_size, head_dim, max_blocks) -> int:
     """Pages per kernel loop step, capped by the pages a table row holds."""
     if implementation == "tpu":
@@ -284,6 +277,10 @@ def _attend_tiles(
     group = q.shape[1] // num_kv_heads
     rows = _tile_rows(implementation, group, block_q)
     q_tiles = tiles.gather_query_tiles(q, query_tiles, num_kv_heads, block_q, rows)
+    if implementation == "mosaic_gpu":
+        # Both warpgroup products take 16-bit operands of one dtype: wider queries are
+        # rounded to the pages' dtype, and the output widened back.
+        q_tiles = q_tiles.astype(k_cache.dtype)
     # Whole chunks of table entries: the kernels read block_tables a chunk at a time.
     max_blocks = block_tables.shape[1]
     padding = pl.cdiv(max_blocks, pages_per_chunk) * pages_per_chunk - max_blocks
@@ -306,7 +303,8 @@ def _attend_tiles(
         pages_per_chunk=pages_per_chunk,
         **kernel_knobs,
     )
-    return tiles.scatter_output_tiles(out_tiles, query_tiles, q.shape[0], group, block_q)
+    return tiles.scatter_output_tiles(out_tiles.astype(q.dtype), query_tiles, q.shape[0], group,
+                                      block_q)
 
 
 def _as_format(pages):
@@ -419,8 +417,6 @@ def paged_decode_attention(
     )
     _check_kernel_shapes(implementation, k_cache.dtype, block_size, head_dim, pages_per_chunk, 1,
                          q.shape[1] // num_kv_heads)
-    if implementation == "mosaic_gpu":
-        _check_mosaic_gpu_dtypes(q, k_cache)
     num_kv_splits = num_kv_splits or _default_num_kv_splits(
         implementation, q.shape[0] * num_kv_heads, pl.cdiv(max_blocks, pages_per_chunk)
     )
@@ -554,8 +550,6 @@ def ragged_paged_attention(
     )
     _check_kernel_shapes(implementation, k_cache.dtype, block_size, head_dim, pages_per_chunk,
                          block_q, group)
-    if implementation == "mosaic_gpu":
-        _check_mosaic_gpu_dtypes(q, k_cache)
     return _attend_tiles(
         implementation,
         q,
