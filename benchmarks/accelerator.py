@@ -13,15 +13,19 @@ tests    the kernel and engine tests, `-m "not default_model"`, with
          mode off. Pass / fail / skip counts and the failing tests.
 kernels  paged decode attention against dense attention on contiguous K/V, and
          against JAX's own Pallas paged-attention op for this backend where the
-         installed JAX has one; bfloat16, Llama-3-8B's attention shape, batch 8 and
-         64, contexts 1k, 8k and 32k, block sizes 16 and 64. jpaged runs the kernel
+         installed JAX has one; bfloat16, Llama-3-8B's attention shape, batch 1, 32
+         and 256, contexts 1k, 8k and 32k, block size 16. "jpaged" runs the kernel
          the engine would pick here, or the XLA loop when that kernel does not
-         compile (the engine's fallback). An op's time is that of a chain of
+         compile (the engine's fallback); "jpaged_<name>" each other of jpaged's
+         GPU implementations that runs here (Mosaic GPU, Triton, the XLA loop), so
+         one run compares them on the same pools. An op's time is that of a chain of
          decodes in one executable, each output the next query, so host dispatch
          is not timed. Bandwidth is the K/V bytes a decode must read over that
          time, also as a share of the device's peak (benchmarks.kernels'
-         table; null for a device not in it). Every output's max abs error is
-         against the pure-JAX reference.
+         table; null for a device not in it) and of the copy bandwidth measured
+         in the same run (a jitted copy of a large array, read plus write); FLOP/s
+         are the two products' 4 * batch * Hq * context * head_dim over that time.
+         Every output's max abs error is against the pure-JAX reference.
 engine   a ShareGPT-like mixed workload (benchmarks.throughput.mixed_workload) on
          a randomly initialised Llama-3-8B-shaped model in bfloat16: jpaged's
          continuous batching against transformers' `generate` in static batches,
@@ -126,7 +130,7 @@ ACCELERATOR = Plan(
     test_args=("tests/kernels/test_kernels.py", "tests/engine/test_runner.py",
                "tests/engine/test_engine.py", "tests/model/test_model.py",
                "tests/engine/test_faults.py"),
-    batches=(8, 64), contexts=(1024, 8192, 32768), block_sizes=(16, 64),
+    batches=(1, 32, 256), contexts=(1024, 8192, 32768), block_sizes=(16,),
     attention_shape=(32, 8, 128), chain_length=20, repeats=5, interpret=False,
     model_shape=LLAMA3_8B, attention_backend=None,
     num_requests=128, scale=0.25, max_model_len=512, max_num_seqs=64, max_num_batched_tokens=128,
@@ -342,14 +346,56 @@ def decode_data(rng, shape: tuple[int, int, int], batch: int, context: int,
 
 
 def jpaged_implementation(plan: Plan, block_size: int) -> tuple[str, str | None]:
-    """The kernel the engine would run here, or "xla" and the reason when it cannot
-    compile (the engine falls back the same way)."""
+    """The kernel the engine would run here, or the next one and the reasons when it
+    does not compile (the engine hands over the same way: Mosaic GPU to Triton, a
+    Pallas kernel to the XLA loop)."""
+    import kernels_pallas as kp
+
+    implementation = kp.default_implementation(plan.interpret)
+    reasons = []
+    while True:
+        _, error = try_decode(plan, implementation, block_size)
+        if error is None or implementation == "xla":
+            return implementation, "; ".join(reasons) or None
+        reasons.append(error)
+        implementation = "triton" if implementation == "mosaic_gpu" else "xla"
+
+
+# jpaged's implementations a GPU can run, compared beside the engine's own choice.
+GPU_IMPLEMENTATIONS = ("mosaic_gpu", "triton", "xla")
+
+
+def other_implementations(plan: Plan, default: str) -> tuple[list[str], dict]:
+    """(the GPU_IMPLEMENTATIONS other than `default` that run here, {name: why not} for
+    the others). The TPU has one kernel and its XLA loop; a CPU runs them interpreted."""
+    import jax
+
+    import kernels_pallas as kp
+
+    if jax.default_backend() == "tpu":
+        return [], {}
+    running, absent = [], {}
+    for name in GPU_IMPLEMENTATIONS:
+        if name == default:
+            continue
+        if name == "mosaic_gpu" and not plan.interpret and (reason := kp.mosaic_gpu_support()):
+            absent[name] = reason
+            continue
+        _, error = try_decode(plan, name, min(plan.block_sizes))
+        if error is None:
+            running.append(name)
+        else:
+            absent[name] = error
+    return running, absent
+
+
+def try_decode(plan: Plan, implementation: str, block_size: int) -> tuple[str, str | None]:
+    """(implementation, None) if one tiny decode of it runs here, else (it, the error)."""
     import jax
     import jax.numpy as jnp
 
     import kernels_pallas as kp
 
-    implementation = kp.default_implementation(plan.interpret)
     num_q_heads, num_kv_heads, head_dim = plan.attention_shape
     q = jnp.zeros((1, num_q_heads, head_dim), jnp.bfloat16)
     cache = jnp.zeros((num_kv_heads, 1, block_size, head_dim), jnp.bfloat16)
@@ -358,8 +404,22 @@ def jpaged_implementation(plan: Plan, block_size: int) -> tuple[str, str | None]
             q, cache, cache, jnp.zeros((1, 1), jnp.int32), jnp.ones((1,), jnp.int32),
             implementation=implementation, interpret=plan.interpret))
     except Exception as error:
-        return "xla", f"{implementation}: {type(error).__name__}: {error}"
+        return implementation, f"{implementation}: {type(error).__name__}: {error}"[:2000]
     return implementation, None
+
+
+def measured_copy_bandwidth(plan: Plan) -> float:
+    """Bytes/s a jitted copy of a large bfloat16 array moves (read plus write): what a
+    memory-bound kernel can reach here, measured rather than taken from a datasheet."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.kernels import time_call
+
+    num_bytes = (1 << 24) if plan.interpret else (1 << 30)
+    data = jnp.ones(num_bytes // 2, jnp.bfloat16)
+    copy = jax.jit(lambda x: x * jnp.bfloat16(1))
+    return 2 * num_bytes / time_call(copy, data, repeats=plan.repeats + 2)
 
 
 def jax_paged_attention_ops(backend: str, interpret: bool) -> tuple[dict, dict]:
@@ -424,8 +484,9 @@ def _first_and_chain(decode: Callable, length: int, q, *arrays):
 
 
 def measure(decode: Callable, arrays: tuple, data: DecodeData, expected, kv_bytes: int,
-            peak: float | None, plan: Plan) -> dict:
-    """One op at one point: seconds per decode, bandwidth, max abs error vs the reference."""
+            peak: float | None, copy_bandwidth: float, plan: Plan) -> dict:
+    """One op at one point: seconds per decode, bandwidth (also against the device's peak
+    and its measured copy bandwidth), FLOP/s, max abs error vs the reference."""
     import jax
     import jax.numpy as jnp
 
@@ -436,8 +497,12 @@ def measure(decode: Callable, arrays: tuple, data: DecodeData, expected, kv_byte
     error = float(jnp.abs(first.astype(jnp.float32) - expected).max())
     seconds = time_call(chain, data.q, *arrays, repeats=plan.repeats) / plan.chain_length
     bandwidth = kv_bytes / seconds
+    batch, num_q_heads, head_dim = data.q.shape
+    flops = 4 * batch * num_q_heads * data.k.shape[2] * head_dim
     return {"seconds": seconds, "bandwidth_gb_s": bandwidth / 1e9,
             "fraction_of_peak": None if peak is None else bandwidth / peak,
+            "fraction_of_copy_bandwidth": bandwidth / copy_bandwidth,
+            "tflop_s": flops / seconds / 1e12,
             "max_abs_error": error if math.isfinite(error) else None,
             "finite": math.isfinite(error)}
 
@@ -455,7 +520,7 @@ def fits(batch: int, context: int, plan: Plan) -> bool:
 
 
 def decode_point(rng, plan: Plan, batch: int, context: int, block_size: int, ops: dict,
-                 peak: float | None) -> dict:
+                 peak: float | None, copy_bandwidth: float) -> dict:
     """Every op on the same K/V at one grid point."""
     import jax.numpy as jnp
 
@@ -468,7 +533,8 @@ def decode_point(rng, plan: Plan, batch: int, context: int, block_size: int, ops
     results = {}
     for name, (decode, arrays) in ops.items():
         try:
-            results[name] = measure(decode, arrays(data), data, expected, kv_bytes, peak, plan)
+            results[name] = measure(decode, arrays(data), data, expected, kv_bytes, peak,
+                                    copy_bandwidth, plan)
         except Exception as error:
             results[name] = {"error": f"{type(error).__name__}: {error}"[:2000]}
     point = {"batch": batch, "context": context, "block_size": block_size,
@@ -506,7 +572,9 @@ def kernels_section(plan: Plan) -> Iterator[dict]:
 
     device = jax.devices()[0]
     implementation, fallback = jpaged_implementation(plan, min(plan.block_sizes))
+    others, others_absent = other_implementations(plan, implementation)
     peers, absent = jax_paged_attention_ops(jax.default_backend(), plan.interpret)
+    copy_bandwidth = measured_copy_bandwidth(plan)
     peak, peak_source = peak_bandwidth(device.device_kind) or (None, "not in the table")
     head_dim = plan.attention_shape[2]
     paged_arrays = lambda d: (d.k_pool, d.v_pool, d.tables, d.lens)  # noqa: E731
@@ -515,11 +583,16 @@ def kernels_section(plan: Plan) -> Iterator[dict]:
                               interpret=plan.interpret), paged_arrays),
         "dense": (functools.partial(dense_decode_attention, scale=head_dim**-0.5),
                   lambda d: (d.k, d.v, d.lens)),
-    } | {name: (op, paged_arrays) for name, op in peers.items()}
+    } | {f"jpaged_{name}": (functools.partial(
+        kp.paged_decode_attention, implementation=name, interpret=plan.interpret),
+        paged_arrays) for name in others} | {name: (op, paged_arrays)
+                                             for name, op in peers.items()}
     section = {
         "dtype": "bfloat16", "attention_shape": dict(zip(
             ("num_q_heads", "num_kv_heads", "head_dim"), plan.attention_shape, strict=True)),
         "jpaged_implementation": implementation, "jpaged_fallback_reason": fallback,
+        "jpaged_others": {name: "measured" for name in others} | others_absent,
+        "copy_bandwidth_gb_s": copy_bandwidth / 1e9,
         "interpret": plan.interpret,
         "jax_ops": {name: "measured" for name in peers} | absent,
         "device_kind": device.device_kind, "peak_bandwidth_gb_s": peak and peak / 1e9,
@@ -533,7 +606,7 @@ def kernels_section(plan: Plan) -> Iterator[dict]:
         if not fits(batch, context, plan):
             section["skipped"].append({"batch": batch, "context": context, "reason": "memory"})
             continue
-        point = decode_point(rng, plan, batch, context, block_size, ops, peak)
+        point = decode_point(rng, plan, batch, context, block_size, ops, peak, copy_bandwidth)
         progress(json.dumps(point))
         section["points"].append(point)
         section["summary"] = kernels_summary(section["points"])

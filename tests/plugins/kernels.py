@@ -3,7 +3,8 @@
 The Pallas kernels run in interpret mode, so that every one of them runs on a CPU.
 `JPAGED_TEST_COMPILED=1` compiles instead the kernel of the machine's own backend
 (the Triton kernel and, on Hopper, the Mosaic GPU kernel on a GPU, the Mosaic
-kernel on a TPU) and skips the tests of a kernel that cannot compile there: the run that checks the kernels on an accelerator.
+kernel on a TPU) and skips the tests of a kernel that cannot compile there: the run
+that checks the kernels on an accelerator.
 """
 
 from __future__ import annotations
