@@ -52,10 +52,13 @@ rows) dividing CHUNK_TOKENS, or a multiple of it. 1-byte (int8, fp8) pages
 and float32 are not taken: `wgmma` reads float32 as tf32, and quantized pages
 would need a dequantizing copy into a 16-bit buffer before the products, which
 this kernel does not have yet; those caches keep the Triton or XLA paths.
-Blackwell (sm_100) runs this Hopper kernel (`wgmma` is available there through
-Mosaic GPU's compatibility lowering only on sm_90a, so on sm_100 the backend
-choice falls back to Triton): a `tcgen05` variant with tensor-memory
-accumulators is future work.
+Blackwell (sm_100) has no `wgmma`: attention.mosaic_gpu_support accepts compute
+capability 9.x only, so the default there stays Triton; a `tcgen05` variant with
+tensor-memory accumulators is future work.
+
+Checked in Mosaic GPU interpret mode on the CPU (race detector on) and by lowering
+for CUDA there; not yet compiled or run on a GPU. The interpreter does not
+race-check `wgmma`'s shared-memory operands nor order asynchronous products.
 """
 
 from __future__ import annotations
