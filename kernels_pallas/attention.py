@@ -40,7 +40,7 @@ from kernels_pallas import (
     triton_attention,
     xla_attention,
 )
-from kernels_pallas.quantization import QMAX, EncodedPages, as_format, is_quantized
+from kernels_pallas.quantization import QMAX, is_quantized
 from kernels_pallas.write_kv import check_cache_shapes
 
 Implementation = Literal["tpu", "mosaic_gpu", "triton", "xla", "reference"]
@@ -279,8 +279,8 @@ def _attend_tiles(
     q_tiles = tiles.gather_query_tiles(q, query_tiles, num_kv_heads, block_q, rows)
     if implementation == "mosaic_gpu":
         # Both warpgroup products take 16-bit operands of one dtype: wider queries are
-        # rounded to the pages' dtype, and the output widened back.
-        q_tiles = q_tiles.astype(k_cache.dtype)
+        # rounded to it, and the output widened back.
+        q_tiles = q_tiles.astype(mosaic_gpu_attention.compute_dtype(q.dtype, k_cache.dtype))
     # Whole chunks of table entries: the kernels read block_tables a chunk at a time.
     max_blocks = block_tables.shape[1]
     padding = pl.cdiv(max_blocks, pages_per_chunk) * pages_per_chunk - max_blocks
@@ -288,7 +288,6 @@ def _attend_tiles(
     module = {"tpu": tpu_attention, "mosaic_gpu": mosaic_gpu_attention,
               "triton": triton_attention, "xla": xla_attention}[implementation]
     if implementation == "mosaic_gpu":
-        k_cache, v_cache = _as_format(k_cache), _as_format(v_cache)
         kernel_knobs["interpret"] = _mosaic_gpu_interpret(kernel_knobs["interpret"])
     out_tiles = module.tile_attention(
         q_tiles,
@@ -305,14 +304,6 @@ def _attend_tiles(
     )
     return tiles.scatter_output_tiles(out_tiles.astype(q.dtype), query_tiles, q.shape[0], group,
                                       block_q)
-
-
-def _as_format(pages):
-    """Pages as an array of their format: 2-byte floats stored as bits (EncodedPages)
-    viewed as themselves, a free bitcast before a kernel that copies them as such."""
-    if isinstance(pages, EncodedPages):
-        return as_format(pages.values, pages.format)
-    return pages
 
 
 def _mosaic_gpu_interpret(interpret):

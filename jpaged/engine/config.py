@@ -84,7 +84,7 @@ class EngineConfig:
     1-byte pages (a Mosaic tile of int8 or fp8 has 32 sublanes).
 
     attention_backend: "tpu" (the Mosaic kernel), "mosaic_gpu" (the Mosaic GPU
-    kernel for Hopper: 16-bit pages, head_dim 64 or 128; on CPU it runs in Mosaic
+    kernel for Hopper: 16-bit, int8 and fp8 pages, head_dim 64 or 128; on CPU it runs in Mosaic
     GPU interpret mode with interpret=True, jax >= 0.12), "triton" (the Triton
     kernel; on CPU it runs interpreted, with interpret=True), "xla" (the same tiled
     algorithm as an XLA loop) or "reference" (the pure-JAX definition); None

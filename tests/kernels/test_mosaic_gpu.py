@@ -20,15 +20,20 @@ import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import kernels_pallas as kp
-from tests.kernels.test_kernels import RaggedBatch, make_pool, mixed_batch
+from kernels_pallas.quantization import is_quantized
+from tests.kernels.test_kernels import PagedPool, RaggedBatch, make_pool, mixed_batch
+from tests.kernels.test_quantized_kv import quantized_pool
 from tests.plugins.kernels import kernel_interpret
 
 pytestmark = pytest.mark.skipif(
     not hasattr(plgpu, "InterpretGPUParams"),
     reason=f"jax {jax.__version__} has no Mosaic GPU interpret mode (jax >= 0.12 has)")
 
-F16, BF16 = jnp.float16, jnp.bfloat16
-# Max abs error against float64: the outputs and P are rounded to the 16-bit dtype.
+F16, BF16, F32 = jnp.float16, jnp.bfloat16, jnp.float32
+INT8, E4M3, E5M2 = jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2
+# Max abs error against float64, by the dtype of the products' operands: the queries,
+# P and the outputs are rounded to it (quantized pages' values are exact in it, and
+# numpy reads the same quantized values).
 TOLERANCE = {jnp.dtype(F16): 4e-3, jnp.dtype(BF16): 2e-2}
 
 
@@ -48,8 +53,7 @@ def numpy_ragged_attention(q, pool, context_lens, query_start_loc, *, window=Non
     sequence owns)."""
     q = np.asarray(q, np.float64)
     num_tokens, num_q_heads, head_dim = q.shape
-    k_pool, v_pool = (np.asarray(jnp.asarray(x, jnp.float32), np.float64)
-                      for x in (pool.k, pool.v))
+    k_pool, v_pool = (np.asarray(jnp.asarray(x, F32), np.float64) for x in (pool.k, pool.v))
     num_kv_heads, block_size = k_pool.shape[0], k_pool.shape[2]
     group = num_q_heads // num_kv_heads
     scale = head_dim ** -0.5 if scale is None else scale
@@ -78,6 +82,25 @@ def numpy_ragged_attention(q, pool, context_lens, query_start_loc, *, window=Non
     return out
 
 
+def pool_and_caches(rng, lengths, *, num_kv_heads, head_dim, block_size, dtype):
+    """(the clean pool numpy reads, the NaN-poisoned K and V caches the kernel reads).
+
+    Quantized dtypes: the caches are EncodedPages with NaN scales (and NaN fp8 values)
+    in every slot no sequence owns, and numpy reads their owned values times their
+    scales in float64."""
+    if not is_quantized(dtype):
+        pool = make_pool(rng, lengths, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                         block_size=block_size, dtype=dtype)
+        return pool, pool.k_nan, pool.v_nan
+    pool = make_pool(rng, lengths, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                     block_size=block_size, dtype=F32)
+    clean = [np.asarray(pages.values).view(jnp.dtype(dtype)).astype(np.float64)
+             * np.asarray(pages.scales, np.float64)[..., None]
+             for pages in quantized_pool(pool, dtype, poison=False)]
+    k_nan, v_nan = quantized_pool(pool, dtype, poison=True)
+    return PagedPool(*clean, None, None, pool.block_tables, pool.context_lens), k_nan, v_nan
+
+
 def assert_close(out, expected, dtype):
     out = np.asarray(out.astype(jnp.float32))
     assert np.isfinite(out).all(), "a NaN from the poisoned pool reached the output"
@@ -86,13 +109,15 @@ def assert_close(out, expected, dtype):
 
 def run_decode(dtype, block_size, group, num_kv_heads, head_dim, lengths, *, splits=None,
                window=None, soft_cap=None, seed=0, q_dtype=None):
+    """dtype: the pages' (16-bit or quantized); q_dtype: the queries', dtype's if None."""
     rng = np.random.default_rng(seed)
-    pool = make_pool(rng, lengths, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                     block_size=block_size, dtype=dtype)
+    pool, k_cache, v_cache = pool_and_caches(rng, lengths, num_kv_heads=num_kv_heads,
+                                             head_dim=head_dim, block_size=block_size,
+                                             dtype=dtype)
     q_dtype = q_dtype or dtype
     q = jnp.asarray(rng.standard_normal((len(lengths), num_kv_heads * group, head_dim)), q_dtype)
     out = kp.paged_decode_attention(
-        q, pool.k_nan, pool.v_nan, pool.block_tables, pool.context_lens,
+        q, k_cache, v_cache, pool.block_tables, pool.context_lens,
         sliding_window=window, soft_cap=soft_cap, implementation="mosaic_gpu",
         interpret=interpret_params(), num_kv_splits=splits)
     starts = np.concatenate([[0], np.cumsum(np.asarray(lengths) > 0)])
@@ -102,25 +127,28 @@ def run_decode(dtype, block_size, group, num_kv_heads, head_dim, lengths, *, spl
     full = np.zeros(q.shape)
     full[np.asarray(lengths) > 0] = expected
     assert out.shape == q.shape and out.dtype == q_dtype
-    assert_close(out, full, dtype)
+    assert_close(out, full, kp.mosaic_gpu_attention.compute_dtype(q_dtype, dtype))
 
 
 def run_ragged(dtype, block_size, group, num_kv_heads, head_dim, batch: RaggedBatch, *,
-               block_q=None, splits=1, window=None, soft_cap=None, seed=0):
+               block_q=None, splits=1, window=None, soft_cap=None, seed=0, q_dtype=None):
+    """dtype: the pages' (16-bit or quantized); q_dtype: the queries', dtype's if None."""
     rng = np.random.default_rng(seed)
-    pool = make_pool(rng, batch.context_lens, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                     block_size=block_size, dtype=dtype)
+    pool, k_cache, v_cache = pool_and_caches(rng, batch.context_lens,
+                                             num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                             block_size=block_size, dtype=dtype)
+    q_dtype = q_dtype or dtype
     q = jnp.asarray(rng.standard_normal((batch.num_tokens, num_kv_heads * group, head_dim)),
-                    dtype)
+                    q_dtype)
     query_start_loc = jnp.asarray(batch.query_start_loc, jnp.int32)
     out = kp.ragged_paged_attention(
-        q, pool.k_nan, pool.v_nan, pool.block_tables, pool.context_lens, query_start_loc,
+        q, k_cache, v_cache, pool.block_tables, pool.context_lens, query_start_loc,
         sliding_window=window, soft_cap=soft_cap, implementation="mosaic_gpu",
         interpret=interpret_params(), block_q=block_q, num_kv_splits=splits)
     expected = numpy_ragged_attention(q, pool, pool.context_lens, batch.query_start_loc,
                                       window=window, soft_cap=soft_cap)
-    assert out.shape == q.shape and out.dtype == dtype
-    assert_close(out, expected, dtype)
+    assert out.shape == q.shape and out.dtype == q_dtype
+    assert_close(out, expected, kp.mosaic_gpu_attention.compute_dtype(q_dtype, dtype))
 
 
 def test_decode_gqa_key_splits():
@@ -137,6 +165,19 @@ def test_ragged_mixed_batch_window_soft_cap():
     run_ragged(F16, 32, 2, 2, 64, mixed_batch(32), window=45, soft_cap=20.0)
 
 
+def test_decode_int8_pages_with_float32_queries():
+    """int8 pages and their per-token scales (NaN in every slot no sequence owns), float32
+    queries taken as float16 for the products; a context over two chunks, key splits."""
+    run_decode(INT8, 16, 4, 1, 64, [0, 3, 16, 150], splits=2, q_dtype=F32, seed=1)
+
+
+def test_ragged_fp8_pages_with_bfloat16_queries():
+    """e4m3 pages (NaN values and scales where no sequence owns a slot), bfloat16
+    queries: fp8 reaches bfloat16 through float16 in the kernel."""
+    batch = RaggedBatch(prefix_and_new=((0, 21), (40, 1), (0, 0), (19, 9)), padding_tokens=2)
+    run_ragged(E4M3, 32, 2, 1, 64, batch, window=30, seed=2, q_dtype=BF16)
+
+
 # (dtype, block_size, group, num_kv_heads, head_dim, splits, window, soft_cap)
 DECODE_SWEEP = [
     (F16, 16, 1, 2, 128, 1, None, None),
@@ -145,7 +186,13 @@ DECODE_SWEEP = [
     (BF16, 128, 16, 1, 128, 2, None, None),
     (F16, 16, 64, 1, 64, 1, 20, None),
     (BF16, 8, 2, 1, 128, 1, None, None),
+    (INT8, 32, 4, 2, 128, 2, None, 10.0),
+    (E4M3, 16, 8, 1, 64, 1, 40, None),
+    (E5M2, 64, 1, 1, 128, None, None, None),
+    (INT8, 128, 2, 1, 64, 1, None, None),
 ]
+# The queries of quantized pages in the sweeps: the engine's float32.
+QUANTIZED_Q_DTYPE = F32
 
 
 @pytest.mark.full
@@ -155,7 +202,8 @@ def test_decode_sweep(dtype, block_size, group, num_kv_heads, head_dim, splits, 
                       soft_cap):
     lengths = [0, 1, block_size, 2 * block_size + 3, 3 * block_size + 150]
     run_decode(dtype, block_size, group, num_kv_heads, head_dim, lengths, splits=splits,
-               window=window, soft_cap=soft_cap, seed=block_size + group)
+               window=window, soft_cap=soft_cap, seed=block_size + group,
+               q_dtype=QUANTIZED_Q_DTYPE if is_quantized(dtype) else None)
 
 
 # (dtype, block_size, group, num_kv_heads, head_dim, block_q, splits, window)
@@ -165,6 +213,9 @@ RAGGED_SWEEP = [
     (BF16, 64, 3, 1, 64, 16, 1, 21),
     (F16, 128, 4, 2, 64, None, 1, 200),
     (BF16, 32, 1, 1, 128, 64, 2, None),
+    (INT8, 16, 2, 2, 128, None, 2, 50),
+    (E4M3, 64, 4, 1, 64, 16, 1, None),
+    (E5M2, 32, 1, 1, 64, 32, 1, 21),
 ]
 
 
@@ -177,7 +228,8 @@ def test_ragged_sweep(dtype, block_size, group, num_kv_heads, head_dim, block_q,
                                         (block_size + 3, 19), (0, 1), (130, 33)),
                         padding_tokens=5)
     run_ragged(dtype, block_size, group, num_kv_heads, head_dim, batch, block_q=block_q,
-               splits=splits, window=window, seed=block_size * 3 + group)
+               splits=splits, window=window, seed=block_size * 3 + group,
+               q_dtype=QUANTIZED_Q_DTYPE if is_quantized(dtype) else None)
 
 
 def test_out_of_range_table_entry_poisons_its_sequence():
@@ -204,22 +256,28 @@ def test_out_of_range_table_entry_poisons_its_sequence():
     assert_close(jnp.asarray(out[1:2]), expected, BF16)
 
 
-@pytest.mark.parametrize("op", ["decode", "ragged"])
-def test_lowers_to_the_mosaic_gpu_custom_call_for_cuda(op):
+@pytest.mark.parametrize("op,dtype", [("decode", BF16), ("ragged", BF16), ("decode", INT8),
+                                      ("ragged", E4M3)])
+def test_lowers_to_the_mosaic_gpu_custom_call_for_cuda(op, dtype):
     """Lowering for CUDA on the CPU runs Mosaic GPU's lowering of the whole kernel
-    (layouts, TMA descriptors, wgmma shapes); compiling for sm_90a needs a GPU."""
-    pages = jax.ShapeDtypeStruct((3, 2, 64, 16, 128), BF16)
+    (layouts, TMA descriptors, wgmma shapes, the conversions Hopper has); compiling for
+    sm_90a needs a GPU."""
+    rng = np.random.default_rng(0)
+    pool, k_cache, v_cache = pool_and_caches(rng, [5] * 4, num_kv_heads=2, head_dim=128,
+                                             block_size=16, dtype=dtype)
+    pages = jax.tree.map(lambda x: jnp.stack([x] * 3), k_cache)
     tables = jax.ShapeDtypeStruct((4, 16), jnp.int32)
     lens = jax.ShapeDtypeStruct((4,), jnp.int32)
     knobs = dict(layer=jnp.int32(1), implementation="mosaic_gpu", sliding_window=100,
                  soft_cap=30.0)
+    q_dtype = F32 if is_quantized(dtype) else dtype
     if op == "decode":
-        q = jax.ShapeDtypeStruct((4, 8, 128), BF16)
+        q = jax.ShapeDtypeStruct((4, 8, 128), q_dtype)
         fn = lambda q, k, v, t, n: kp.paged_decode_attention(  # noqa: E731
             q, k, v, t, n, num_kv_splits=2, **knobs)
         args = (q, pages, pages, tables, lens)
     else:
-        q = jax.ShapeDtypeStruct((96, 8, 128), BF16)
+        q = jax.ShapeDtypeStruct((96, 8, 128), q_dtype)
         starts = jax.ShapeDtypeStruct((5,), jnp.int32)
         fn = lambda q, k, v, t, n, s: kp.ragged_paged_attention(  # noqa: E731
             q, k, v, t, n, s, **knobs)
@@ -230,7 +288,6 @@ def test_lowers_to_the_mosaic_gpu_custom_call_for_cuda(op):
 
 @pytest.mark.parametrize("dtype,block_size,head_dim,match", [
     (jnp.float32, 16, 64, "float16 or bfloat16 pages"),
-    (jnp.int8, 32, 64, "float16 or bfloat16 pages"),
     (BF16, 16, 80, "head_dim in"),
     (BF16, 12, 64, "block_size a multiple of 8"),
     (BF16, 48, 64, "block_size a multiple of 8"),
