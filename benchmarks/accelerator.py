@@ -21,11 +21,15 @@ kernels  paged decode attention against dense attention on contiguous K/V, and
          one run compares them on the same pools. An op's time is that of a chain of
          decodes in one executable, each output the next query, so host dispatch
          is not timed. Bandwidth is the K/V bytes a decode must read over that
-         time, also as a share of the device's peak (benchmarks.kernels'
+         time, also as a share of the device's peak (benchmarks.device_peaks'
          table; null for a device not in it) and of the copy bandwidth measured
          in the same run (a jitted copy of a large array, read plus write); FLOP/s
-         are the two products' 4 * batch * Hq * context * head_dim over that time.
-         Every output's max abs error is against the pure-JAX reference.
+         are the two products' 4 * batch * Hq * context * head_dim over that time,
+         also as a share of the device's peak (benchmarks.device_peaks). Then one
+         mixed step (a 512-token prefill chunk ending at an 8k context beside 32
+         decode rows at 8k, one ragged call) for each of jpaged's implementations
+         that runs here, with the same figures. Every output's max abs error is
+         against the pure-JAX reference.
 engine   a ShareGPT-like mixed workload (benchmarks.throughput.mixed_workload) on
          a randomly initialised Llama-3-8B-shaped model in bfloat16: jpaged's
          continuous batching against transformers' `generate` in static batches,
@@ -76,6 +80,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from benchmarks.device_peaks import Peaks, peaks
 from experiments.report import REPO, new_report, progress
 
 if TYPE_CHECKING:
@@ -110,6 +115,7 @@ class Plan:
     batches: tuple[int, ...]
     contexts: tuple[int, ...]
     block_sizes: tuple[int, ...]
+    mixed_step: tuple[int, int, int]  # a prefill chunk's new tokens, decode rows, context
     attention_shape: tuple[int, int, int]  # query heads, KV heads, head_dim
     chain_length: int  # decodes per timed executable
     repeats: int
@@ -131,6 +137,7 @@ ACCELERATOR = Plan(
                "tests/engine/test_engine.py", "tests/model/test_model.py",
                "tests/engine/test_faults.py"),
     batches=(1, 32, 256), contexts=(1024, 8192, 32768), block_sizes=(16,),
+    mixed_step=(512, 32, 8192),
     attention_shape=(32, 8, 128), chain_length=20, repeats=5, interpret=False,
     model_shape=LLAMA3_8B, attention_backend=None,
     num_requests=128, scale=0.25, max_model_len=512, max_num_seqs=64, max_num_batched_tokens=128,
@@ -140,7 +147,7 @@ ACCELERATOR = Plan(
 )
 SMOKE = Plan(
     test_args=("tests/kernels/test_kernels.py", "-k", "test_scale_and_soft_cap and decode"),
-    batches=(2,), contexts=(64,), block_sizes=(16, 32),
+    batches=(2,), contexts=(64,), block_sizes=(16, 32), mixed_step=(16, 2, 64),
     attention_shape=(4, 2, 128), chain_length=2, repeats=1, interpret=True,
     model_shape=TINY_LLAMA, attention_backend="triton",
     num_requests=4, scale=0.05, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=4,
@@ -483,26 +490,28 @@ def _first_and_chain(decode: Callable, length: int, q, *arrays):
     return first, last
 
 
-def measure(decode: Callable, arrays: tuple, data: DecodeData, expected, kv_bytes: int,
-            peak: float | None, copy_bandwidth: float, plan: Plan) -> dict:
-    """One op at one point: seconds per decode, bandwidth (also against the device's peak
-    and its measured copy bandwidth), FLOP/s, max abs error vs the reference."""
+def measure(decode: Callable, q, arrays: tuple, expected, kv_bytes: int, flops: int,
+            peak: Peaks | None, copy_bandwidth: float, plan: Plan) -> dict:
+    """One op at one point: seconds per call, bandwidth (also against the device's peak
+    and its measured copy bandwidth), FLOP/s (also against the peak), max abs error vs
+    the reference. kv_bytes, flops: the K/V bytes the call must read and its products'
+    FLOPs."""
     import jax
     import jax.numpy as jnp
 
     from benchmarks.kernels import time_call
 
     chain = jax.jit(functools.partial(_first_and_chain, decode, plan.chain_length))
-    first, _ = chain(data.q, *arrays)
+    first, _ = chain(q, *arrays)
     error = float(jnp.abs(first.astype(jnp.float32) - expected).max())
-    seconds = time_call(chain, data.q, *arrays, repeats=plan.repeats) / plan.chain_length
+    seconds = time_call(chain, q, *arrays, repeats=plan.repeats) / plan.chain_length
     bandwidth = kv_bytes / seconds
-    batch, num_q_heads, head_dim = data.q.shape
-    flops = 4 * batch * num_q_heads * data.k.shape[2] * head_dim
     return {"seconds": seconds, "bandwidth_gb_s": bandwidth / 1e9,
-            "fraction_of_peak": None if peak is None else bandwidth / peak,
+            "fraction_of_peak": None if peak is None else bandwidth / peak.bandwidth,
             "fraction_of_copy_bandwidth": bandwidth / copy_bandwidth,
             "tflop_s": flops / seconds / 1e12,
+            "fraction_of_peak_flops": None if peak is None or peak.flops is None
+            else flops / seconds / peak.flops,
             "max_abs_error": error if math.isfinite(error) else None,
             "finite": math.isfinite(error)}
 
@@ -520,7 +529,7 @@ def fits(batch: int, context: int, plan: Plan) -> bool:
 
 
 def decode_point(rng, plan: Plan, batch: int, context: int, block_size: int, ops: dict,
-                 peak: float | None, copy_bandwidth: float) -> dict:
+                 peak: Peaks | None, copy_bandwidth: float) -> dict:
     """Every op on the same K/V at one grid point."""
     import jax.numpy as jnp
 
@@ -530,11 +539,13 @@ def decode_point(rng, plan: Plan, batch: int, context: int, block_size: int, ops
     paged = (data.k_pool, data.v_pool, data.tables, data.lens)
     expected = kp.paged_decode_attention_reference(data.q.astype(jnp.float32), *paged)
     kv_bytes = 2 * data.k.size * data.k.dtype.itemsize
+    num_q_heads, head_dim = data.q.shape[1:]
+    flops = 4 * batch * num_q_heads * context * head_dim
     results = {}
     for name, (decode, arrays) in ops.items():
         try:
-            results[name] = measure(decode, arrays(data), data, expected, kv_bytes, peak,
-                                    copy_bandwidth, plan)
+            results[name] = measure(decode, data.q, arrays(data), expected, kv_bytes, flops,
+                                    peak, copy_bandwidth, plan)
         except Exception as error:
             results[name] = {"error": f"{type(error).__name__}: {error}"[:2000]}
     point = {"batch": batch, "context": context, "block_size": block_size,
@@ -542,6 +553,43 @@ def decode_point(rng, plan: Plan, batch: int, context: int, block_size: int, ops
     with contextlib.suppress(KeyError):
         point["paged_over_dense_time"] = results["jpaged"]["seconds"] / results["dense"]["seconds"]
     return point
+
+
+def mixed_point(rng, plan: Plan, implementations: list[str], peak: Peaks | None,
+                copy_bandwidth: float) -> dict:
+    """One ragged step of plan.mixed_step: a prefill chunk of P new tokens ending at the
+    context, and D decode rows at the same context, each implementation on one pool.
+    kv_bytes counts every sequence's K/V once; flops the causal products' work."""
+    import jax
+    import jax.numpy as jnp
+
+    import kernels_pallas as kp
+
+    prefill, decodes, context = plan.mixed_step
+    block_size = min(plan.block_sizes)
+    data = decode_data(rng, plan.attention_shape, 1 + decodes, context, block_size)
+    num_q_heads, head_dim = data.q.shape[1:]
+    num_tokens = prefill + decodes
+    q = jax.random.normal(jax.random.key(int(rng.integers(1 << 30))),
+                          (num_tokens, num_q_heads, head_dim), jnp.bfloat16)
+    starts = jnp.asarray([0, *range(prefill, num_tokens + 1)], jnp.int32)
+    arrays = (data.k_pool, data.v_pool, data.tables, data.lens, starts)
+    expected = kp.ragged_paged_attention_reference(q.astype(jnp.float32), *arrays)
+    # The chunk's token i sees context - prefill + i + 1 keys; a decode row all of them.
+    keys_seen = prefill * (context - prefill) + prefill * (prefill + 1) // 2 + decodes * context
+    flops = 4 * num_q_heads * head_dim * keys_seen
+    kv_bytes = 2 * data.k.size * data.k.dtype.itemsize
+    results = {}
+    for name in implementations:
+        step = functools.partial(kp.ragged_paged_attention, implementation=name,
+                                 interpret=plan.interpret)
+        try:
+            results[f"jpaged_{name}"] = measure(step, q, arrays, expected, kv_bytes, flops, peak,
+                                                copy_bandwidth, plan)
+        except Exception as error:
+            results[f"jpaged_{name}"] = {"error": f"{type(error).__name__}: {error}"[:2000]}
+    return {"prefill_tokens": prefill, "decode_rows": decodes, "context": context,
+            "block_size": block_size, "kv_bytes": kv_bytes, "flops": flops, "ops": results}
 
 
 def kernels_summary(points: list[dict]) -> dict:
@@ -568,14 +616,14 @@ def kernels_section(plan: Plan) -> Iterator[dict]:
     import numpy as np
 
     import kernels_pallas as kp
-    from benchmarks.kernels import dense_decode_attention, peak_bandwidth
+    from benchmarks.kernels import dense_decode_attention
 
     device = jax.devices()[0]
     implementation, fallback = jpaged_implementation(plan, min(plan.block_sizes))
     others, others_absent = other_implementations(plan, implementation)
     peers, absent = jax_paged_attention_ops(jax.default_backend(), plan.interpret)
     copy_bandwidth = measured_copy_bandwidth(plan)
-    peak, peak_source = peak_bandwidth(device.device_kind) or (None, "not in the table")
+    peak = peaks(device.device_kind)
     head_dim = plan.attention_shape[2]
     paged_arrays = lambda d: (d.k_pool, d.v_pool, d.tables, d.lens)  # noqa: E731
     ops = {
@@ -595,11 +643,17 @@ def kernels_section(plan: Plan) -> Iterator[dict]:
         "copy_bandwidth_gb_s": copy_bandwidth / 1e9,
         "interpret": plan.interpret,
         "jax_ops": {name: "measured" for name in peers} | absent,
-        "device_kind": device.device_kind, "peak_bandwidth_gb_s": peak and peak / 1e9,
-        "peak_bandwidth_source": peak_source, "points": [], "skipped": [],
+        "device_kind": device.device_kind,
+        "peak_bandwidth_gb_s": peak and peak.bandwidth / 1e9,
+        "peak_tflop_s": peak and peak.flops and peak.flops / 1e12,
+        "peak_source": peak.source if peak else "not in benchmarks.device_peaks",
+        "points": [], "skipped": [],
     }
     yield section
     rng = np.random.default_rng(SEED)
+    section["mixed"] = mixed_point(rng, plan, [implementation, *others], peak, copy_bandwidth)
+    progress(json.dumps(section["mixed"]))
+    yield section
     # Small contexts first: a run stopped at its time limit keeps the cheap points.
     for context, batch, block_size in itertools.product(plan.contexts, plan.batches,
                                                         plan.block_sizes):

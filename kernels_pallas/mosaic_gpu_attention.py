@@ -72,7 +72,10 @@ tensor-memory accumulators is future work.
 
 Checked in Mosaic GPU interpret mode on the CPU (race detector on) and by lowering
 for CUDA there; not yet compiled or run on a GPU. The interpreter does not
-race-check `wgmma`'s shared-memory operands nor order asynchronous products.
+race-check `wgmma`'s shared-memory operands nor order asynchronous products, so a
+missing barrier wait shows only where the warpgroup itself reads the buffer: the
+quantized path's register reads of every key and value chunk, and the 16-bit path's
+value sanitizing on edge chunks.
 """
 
 from __future__ import annotations
