@@ -13,14 +13,22 @@ tests    the kernel and engine tests, `-m "not default_model"`, with
          mode off. Pass / fail / skip counts and the failing tests.
 kernels  paged decode attention against dense attention on contiguous K/V, and
          against JAX's own Pallas paged-attention op for this backend where the
-         installed JAX has one; bfloat16, Llama-3-8B's attention shape, batch 8 and
-         64, contexts 1k, 8k and 32k, block sizes 16 and 64. jpaged runs the kernel
+         installed JAX has one; bfloat16, Llama-3-8B's attention shape, batch 1, 32
+         and 256, contexts 1k, 8k and 32k, block size 16. "jpaged" runs the kernel
          the engine would pick here, or the XLA loop when that kernel does not
-         compile (the engine's fallback). An op's time is that of a chain of
+         compile (the engine's fallback); "jpaged_<name>" each other of jpaged's
+         GPU implementations that runs here (Mosaic GPU, Triton, the XLA loop), so
+         one run compares them on the same pools. An op's time is that of a chain of
          decodes in one executable, each output the next query, so host dispatch
          is not timed. Bandwidth is the K/V bytes a decode must read over that
-         time, also as a share of the device's peak (benchmarks.kernels'
-         table; null for a device not in it). Every output's max abs error is
+         time, also as a share of the device's peak (benchmarks.device_peaks'
+         table; null for a device not in it) and of the copy bandwidth measured
+         in the same run (a jitted copy of a large array, read plus write); FLOP/s
+         are the two products' 4 * batch * Hq * context * head_dim over that time,
+         also as a share of the device's peak (benchmarks.device_peaks). Then one
+         mixed step (a 512-token prefill chunk ending at an 8k context beside 32
+         decode rows at 8k, one ragged call) for each of jpaged's implementations
+         that runs here, with the same figures. Every output's max abs error is
          against the pure-JAX reference.
 engine   a ShareGPT-like mixed workload (benchmarks.throughput.mixed_workload) on
          a randomly initialised Llama-3-8B-shaped model in bfloat16: jpaged's
@@ -72,6 +80,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from benchmarks.device_peaks import Peaks, peaks
 from experiments.report import REPO, new_report, progress
 
 if TYPE_CHECKING:
@@ -106,6 +115,7 @@ class Plan:
     batches: tuple[int, ...]
     contexts: tuple[int, ...]
     block_sizes: tuple[int, ...]
+    mixed_step: tuple[int, int, int]  # a prefill chunk's new tokens, decode rows, context
     attention_shape: tuple[int, int, int]  # query heads, KV heads, head_dim
     chain_length: int  # decodes per timed executable
     repeats: int
@@ -126,7 +136,8 @@ ACCELERATOR = Plan(
     test_args=("tests/kernels/test_kernels.py", "tests/engine/test_runner.py",
                "tests/engine/test_engine.py", "tests/model/test_model.py",
                "tests/engine/test_faults.py"),
-    batches=(8, 64), contexts=(1024, 8192, 32768), block_sizes=(16, 64),
+    batches=(1, 32, 256), contexts=(1024, 8192, 32768), block_sizes=(16,),
+    mixed_step=(512, 32, 8192),
     attention_shape=(32, 8, 128), chain_length=20, repeats=5, interpret=False,
     model_shape=LLAMA3_8B, attention_backend=None,
     num_requests=128, scale=0.25, max_model_len=512, max_num_seqs=64, max_num_batched_tokens=128,
@@ -136,7 +147,7 @@ ACCELERATOR = Plan(
 )
 SMOKE = Plan(
     test_args=("tests/kernels/test_kernels.py", "-k", "test_scale_and_soft_cap and decode"),
-    batches=(2,), contexts=(64,), block_sizes=(16, 32),
+    batches=(2,), contexts=(64,), block_sizes=(16, 32), mixed_step=(16, 2, 64),
     attention_shape=(4, 2, 128), chain_length=2, repeats=1, interpret=True,
     model_shape=TINY_LLAMA, attention_backend="triton",
     num_requests=4, scale=0.05, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=4,
@@ -342,14 +353,56 @@ def decode_data(rng, shape: tuple[int, int, int], batch: int, context: int,
 
 
 def jpaged_implementation(plan: Plan, block_size: int) -> tuple[str, str | None]:
-    """The kernel the engine would run here, or "xla" and the reason when it cannot
-    compile (the engine falls back the same way)."""
+    """The kernel the engine would run here, or the next one and the reasons when it
+    does not compile (the engine hands over the same way: Mosaic GPU to Triton, a
+    Pallas kernel to the XLA loop)."""
+    import kernels_pallas as kp
+
+    implementation = kp.default_implementation(plan.interpret)
+    reasons = []
+    while True:
+        _, error = try_decode(plan, implementation, block_size)
+        if error is None or implementation == "xla":
+            return implementation, "; ".join(reasons) or None
+        reasons.append(error)
+        implementation = "triton" if implementation == "mosaic_gpu" else "xla"
+
+
+# jpaged's implementations a GPU can run, compared beside the engine's own choice.
+GPU_IMPLEMENTATIONS = ("mosaic_gpu", "triton", "xla")
+
+
+def other_implementations(plan: Plan, default: str) -> tuple[list[str], dict]:
+    """(the GPU_IMPLEMENTATIONS other than `default` that run here, {name: why not} for
+    the others). The TPU has one kernel and its XLA loop; a CPU runs them interpreted."""
+    import jax
+
+    import kernels_pallas as kp
+
+    if jax.default_backend() == "tpu":
+        return [], {}
+    running, absent = [], {}
+    for name in GPU_IMPLEMENTATIONS:
+        if name == default:
+            continue
+        if name == "mosaic_gpu" and not plan.interpret and (reason := kp.mosaic_gpu_support()):
+            absent[name] = reason
+            continue
+        _, error = try_decode(plan, name, min(plan.block_sizes))
+        if error is None:
+            running.append(name)
+        else:
+            absent[name] = error
+    return running, absent
+
+
+def try_decode(plan: Plan, implementation: str, block_size: int) -> tuple[str, str | None]:
+    """(implementation, None) if one tiny decode of it runs here, else (it, the error)."""
     import jax
     import jax.numpy as jnp
 
     import kernels_pallas as kp
 
-    implementation = kp.default_implementation(plan.interpret)
     num_q_heads, num_kv_heads, head_dim = plan.attention_shape
     q = jnp.zeros((1, num_q_heads, head_dim), jnp.bfloat16)
     cache = jnp.zeros((num_kv_heads, 1, block_size, head_dim), jnp.bfloat16)
@@ -358,8 +411,22 @@ def jpaged_implementation(plan: Plan, block_size: int) -> tuple[str, str | None]
             q, cache, cache, jnp.zeros((1, 1), jnp.int32), jnp.ones((1,), jnp.int32),
             implementation=implementation, interpret=plan.interpret))
     except Exception as error:
-        return "xla", f"{implementation}: {type(error).__name__}: {error}"
+        return implementation, f"{implementation}: {type(error).__name__}: {error}"[:2000]
     return implementation, None
+
+
+def measured_copy_bandwidth(plan: Plan) -> float:
+    """Bytes/s a jitted copy of a large bfloat16 array moves (read plus write): what a
+    memory-bound kernel can reach here, measured rather than taken from a datasheet."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.kernels import time_call
+
+    num_bytes = (1 << 24) if plan.interpret else (1 << 30)
+    data = jnp.ones(num_bytes // 2, jnp.bfloat16)
+    copy = jax.jit(lambda x: x * jnp.bfloat16(1))
+    return 2 * num_bytes / time_call(copy, data, repeats=plan.repeats + 2)
 
 
 def jax_paged_attention_ops(backend: str, interpret: bool) -> tuple[dict, dict]:
@@ -423,21 +490,28 @@ def _first_and_chain(decode: Callable, length: int, q, *arrays):
     return first, last
 
 
-def measure(decode: Callable, arrays: tuple, data: DecodeData, expected, kv_bytes: int,
-            peak: float | None, plan: Plan) -> dict:
-    """One op at one point: seconds per decode, bandwidth, max abs error vs the reference."""
+def measure(decode: Callable, q, arrays: tuple, expected, kv_bytes: int, flops: int,
+            peak: Peaks | None, copy_bandwidth: float, plan: Plan) -> dict:
+    """One op at one point: seconds per call, bandwidth (also against the device's peak
+    and its measured copy bandwidth), FLOP/s (also against the peak), max abs error vs
+    the reference. kv_bytes, flops: the K/V bytes the call must read and its products'
+    FLOPs."""
     import jax
     import jax.numpy as jnp
 
     from benchmarks.kernels import time_call
 
     chain = jax.jit(functools.partial(_first_and_chain, decode, plan.chain_length))
-    first, _ = chain(data.q, *arrays)
+    first, _ = chain(q, *arrays)
     error = float(jnp.abs(first.astype(jnp.float32) - expected).max())
-    seconds = time_call(chain, data.q, *arrays, repeats=plan.repeats) / plan.chain_length
+    seconds = time_call(chain, q, *arrays, repeats=plan.repeats) / plan.chain_length
     bandwidth = kv_bytes / seconds
     return {"seconds": seconds, "bandwidth_gb_s": bandwidth / 1e9,
-            "fraction_of_peak": None if peak is None else bandwidth / peak,
+            "fraction_of_peak": None if peak is None else bandwidth / peak.bandwidth,
+            "fraction_of_copy_bandwidth": bandwidth / copy_bandwidth,
+            "tflop_s": flops / seconds / 1e12,
+            "fraction_of_peak_flops": None if peak is None or peak.flops is None
+            else flops / seconds / peak.flops,
             "max_abs_error": error if math.isfinite(error) else None,
             "finite": math.isfinite(error)}
 
@@ -455,7 +529,7 @@ def fits(batch: int, context: int, plan: Plan) -> bool:
 
 
 def decode_point(rng, plan: Plan, batch: int, context: int, block_size: int, ops: dict,
-                 peak: float | None) -> dict:
+                 peak: Peaks | None, copy_bandwidth: float) -> dict:
     """Every op on the same K/V at one grid point."""
     import jax.numpy as jnp
 
@@ -465,10 +539,13 @@ def decode_point(rng, plan: Plan, batch: int, context: int, block_size: int, ops
     paged = (data.k_pool, data.v_pool, data.tables, data.lens)
     expected = kp.paged_decode_attention_reference(data.q.astype(jnp.float32), *paged)
     kv_bytes = 2 * data.k.size * data.k.dtype.itemsize
+    num_q_heads, head_dim = data.q.shape[1:]
+    flops = 4 * batch * num_q_heads * context * head_dim
     results = {}
     for name, (decode, arrays) in ops.items():
         try:
-            results[name] = measure(decode, arrays(data), data, expected, kv_bytes, peak, plan)
+            results[name] = measure(decode, data.q, arrays(data), expected, kv_bytes, flops,
+                                    peak, copy_bandwidth, plan)
         except Exception as error:
             results[name] = {"error": f"{type(error).__name__}: {error}"[:2000]}
     point = {"batch": batch, "context": context, "block_size": block_size,
@@ -476,6 +553,43 @@ def decode_point(rng, plan: Plan, batch: int, context: int, block_size: int, ops
     with contextlib.suppress(KeyError):
         point["paged_over_dense_time"] = results["jpaged"]["seconds"] / results["dense"]["seconds"]
     return point
+
+
+def mixed_point(rng, plan: Plan, implementations: list[str], peak: Peaks | None,
+                copy_bandwidth: float) -> dict:
+    """One ragged step of plan.mixed_step: a prefill chunk of P new tokens ending at the
+    context, and D decode rows at the same context, each implementation on one pool.
+    kv_bytes counts every sequence's K/V once; flops the causal products' work."""
+    import jax
+    import jax.numpy as jnp
+
+    import kernels_pallas as kp
+
+    prefill, decodes, context = plan.mixed_step
+    block_size = min(plan.block_sizes)
+    data = decode_data(rng, plan.attention_shape, 1 + decodes, context, block_size)
+    num_q_heads, head_dim = data.q.shape[1:]
+    num_tokens = prefill + decodes
+    q = jax.random.normal(jax.random.key(int(rng.integers(1 << 30))),
+                          (num_tokens, num_q_heads, head_dim), jnp.bfloat16)
+    starts = jnp.asarray([0, *range(prefill, num_tokens + 1)], jnp.int32)
+    arrays = (data.k_pool, data.v_pool, data.tables, data.lens, starts)
+    expected = kp.ragged_paged_attention_reference(q.astype(jnp.float32), *arrays)
+    # The chunk's token i sees context - prefill + i + 1 keys; a decode row all of them.
+    keys_seen = prefill * (context - prefill) + prefill * (prefill + 1) // 2 + decodes * context
+    flops = 4 * num_q_heads * head_dim * keys_seen
+    kv_bytes = 2 * data.k.size * data.k.dtype.itemsize
+    results = {}
+    for name in implementations:
+        step = functools.partial(kp.ragged_paged_attention, implementation=name,
+                                 interpret=plan.interpret)
+        try:
+            results[f"jpaged_{name}"] = measure(step, q, arrays, expected, kv_bytes, flops, peak,
+                                                copy_bandwidth, plan)
+        except Exception as error:
+            results[f"jpaged_{name}"] = {"error": f"{type(error).__name__}: {error}"[:2000]}
+    return {"prefill_tokens": prefill, "decode_rows": decodes, "context": context,
+            "block_size": block_size, "kv_bytes": kv_bytes, "flops": flops, "ops": results}
 
 
 def kernels_summary(points: list[dict]) -> dict:
@@ -502,12 +616,14 @@ def kernels_section(plan: Plan) -> Iterator[dict]:
     import numpy as np
 
     import kernels_pallas as kp
-    from benchmarks.kernels import dense_decode_attention, peak_bandwidth
+    from benchmarks.kernels import dense_decode_attention
 
     device = jax.devices()[0]
     implementation, fallback = jpaged_implementation(plan, min(plan.block_sizes))
+    others, others_absent = other_implementations(plan, implementation)
     peers, absent = jax_paged_attention_ops(jax.default_backend(), plan.interpret)
-    peak, peak_source = peak_bandwidth(device.device_kind) or (None, "not in the table")
+    copy_bandwidth = measured_copy_bandwidth(plan)
+    peak = peaks(device.device_kind)
     head_dim = plan.attention_shape[2]
     paged_arrays = lambda d: (d.k_pool, d.v_pool, d.tables, d.lens)  # noqa: E731
     ops = {
@@ -515,25 +631,36 @@ def kernels_section(plan: Plan) -> Iterator[dict]:
                               interpret=plan.interpret), paged_arrays),
         "dense": (functools.partial(dense_decode_attention, scale=head_dim**-0.5),
                   lambda d: (d.k, d.v, d.lens)),
-    } | {name: (op, paged_arrays) for name, op in peers.items()}
+    } | {f"jpaged_{name}": (functools.partial(
+        kp.paged_decode_attention, implementation=name, interpret=plan.interpret),
+        paged_arrays) for name in others} | {name: (op, paged_arrays)
+                                             for name, op in peers.items()}
     section = {
         "dtype": "bfloat16", "attention_shape": dict(zip(
             ("num_q_heads", "num_kv_heads", "head_dim"), plan.attention_shape, strict=True)),
         "jpaged_implementation": implementation, "jpaged_fallback_reason": fallback,
+        "jpaged_others": {name: "measured" for name in others} | others_absent,
+        "copy_bandwidth_gb_s": copy_bandwidth / 1e9,
         "interpret": plan.interpret,
         "jax_ops": {name: "measured" for name in peers} | absent,
-        "device_kind": device.device_kind, "peak_bandwidth_gb_s": peak and peak / 1e9,
-        "peak_bandwidth_source": peak_source, "points": [], "skipped": [],
+        "device_kind": device.device_kind,
+        "peak_bandwidth_gb_s": peak and peak.bandwidth / 1e9,
+        "peak_tflop_s": peak and peak.flops and peak.flops / 1e12,
+        "peak_source": peak.source if peak else "not in benchmarks.device_peaks",
+        "points": [], "skipped": [],
     }
     yield section
     rng = np.random.default_rng(SEED)
+    section["mixed"] = mixed_point(rng, plan, [implementation, *others], peak, copy_bandwidth)
+    progress(json.dumps(section["mixed"]))
+    yield section
     # Small contexts first: a run stopped at its time limit keeps the cheap points.
     for context, batch, block_size in itertools.product(plan.contexts, plan.batches,
                                                         plan.block_sizes):
         if not fits(batch, context, plan):
             section["skipped"].append({"batch": batch, "context": context, "reason": "memory"})
             continue
-        point = decode_point(rng, plan, batch, context, block_size, ops, peak)
+        point = decode_point(rng, plan, batch, context, block_size, ops, peak, copy_bandwidth)
         progress(json.dumps(point))
         section["points"].append(point)
         section["summary"] = kernels_summary(section["points"])

@@ -36,6 +36,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 import kernels_pallas as kp
+from benchmarks.device_peaks import peaks
 from experiments.report import new_report, progress
 
 # Llama-3-8B attention shape: 32 query heads over 8 KV heads of 128.
@@ -43,28 +44,6 @@ NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
 TARGET_OVERHEAD = 0.10
 TARGET_BANDWIDTH_FRACTION = 0.70
 TARGET_MIN_CONTEXT = 4096
-# Peak HBM bandwidth by a substring of jax's device_kind, first match wins (so the
-# more specific names come first): (bytes/s, where the figure comes from).
-PEAK_BANDWIDTH = {
-    "H200": (4.8e12, "NVIDIA H200 datasheet: 4.8 TB/s"),
-    "H100 PCIe": (2.0e12, "NVIDIA H100 datasheet, PCIe: 2 TB/s"),
-    "H100 NVL": (3.9e12, "NVIDIA H100 datasheet, NVL: 3.9 TB/s"),
-    "H100": (3.35e12, "NVIDIA H100 datasheet, SXM: 3.35 TB/s"),
-    "A100-SXM4-80GB": (2.039e12, "NVIDIA A100 datasheet, 80GB SXM: 2,039 GB/s"),
-    "A100 80GB PCIe": (1.935e12, "NVIDIA A100 datasheet, 80GB PCIe: 1,935 GB/s"),
-    "A100": (1.555e12, "NVIDIA A100 datasheet, 40GB: 1,555 GB/s"),
-    "L40S": (0.864e12, "NVIDIA L40S datasheet: 864 GB/s"),
-    "L4": (0.3e12, "NVIDIA L4 datasheet: 300 GB/s"),
-    "A10G": (0.6e12, "NVIDIA A10G (AWS G5): 600 GB/s"),
-    "TPU v4": (1.2e12, "Google Cloud TPU v4 documentation: 1,200 GB/s"),
-    "TPU v5 lite": (0.819e12, "Google Cloud TPU v5e documentation: 819 GB/s"),
-    "TPU v5e": (0.819e12, "Google Cloud TPU v5e documentation: 819 GB/s"),
-    "TPU v5p": (2.765e12, "Google Cloud TPU v5p documentation: 2,765 GB/s"),
-    # jax names a v5p "TPU v5".
-    "TPU v5": (2.765e12, "Google Cloud TPU v5p documentation: 2,765 GB/s"),
-    "TPU v6 lite": (1.64e12, "Google Cloud TPU v6e documentation: 1,640 GB/s"),
-    "TPU v6e": (1.64e12, "Google Cloud TPU v6e documentation: 1,640 GB/s"),
-}
 INTERPRET_NOTE = (
     "CPU run: the Pallas kernels execute only in interpret mode here, and "
     "interpret-mode timings say nothing about accelerator speed; accelerator "
@@ -81,14 +60,6 @@ def time_call(fn, *args, repeats: int) -> float:
         jax.block_until_ready(fn(*args))
         samples.append(time.perf_counter() - start)
     return statistics.median(samples)
-
-
-def peak_bandwidth(device_kind: str) -> tuple[float, str] | None:
-    """(peak HBM bytes/s, its source) of a device kind; None for a device not in the table."""
-    for name, known in PEAK_BANDWIDTH.items():
-        if name in device_kind:
-            return known
-    return None
 
 
 def measured_read_bandwidth(num_bytes: int = 1 << 28) -> float:
@@ -304,7 +275,9 @@ def main(argv=None) -> dict:
     if on_cpu:
         peak, peak_source = measured_read_bandwidth(), "measured jnp.sum read"
     else:
-        peak, peak_source = peak_bandwidth(device.device_kind) or (None, "unknown device kind")
+        known = peaks(device.device_kind)
+        peak, peak_source = (known.bandwidth, known.source) if known else (
+            None, "unknown device kind")
     rng = np.random.default_rng(0)
     points, skipped = [], []
     for batch in args.batches:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from benchmarks.device_peaks import peaks
 from jpaged.core.step_shapes import BucketSizes, padded_sizes
 
 GIB = 2**30
@@ -56,32 +57,34 @@ class Device:
     interconnect_bandwidth: float = 0.0
 
 
+def _datasheet_device(name: str, device_kind: str, memory_bytes: float, memory: str, *,
+                      num_chips: int = 1, interconnect_bandwidth: float,
+                      interconnect: str) -> Device:
+    """A Device whose peaks are benchmarks.device_peaks' for device_kind."""
+    known = peaks(device_kind)
+    return Device(name, peak_flops=known.flops, peak_bandwidth=known.bandwidth,
+                  memory_bytes=memory_bytes, num_chips=num_chips,
+                  interconnect_bandwidth=interconnect_bandwidth,
+                  source=f"{known.source}; {memory}; {interconnect}")
+
+
 DEVICES = {
-    "a100-40gb": Device(
-        "NVIDIA A100-SXM4-40GB", peak_flops=312e12, peak_bandwidth=1.555e12,
-        memory_bytes=40 * GIB, interconnect_bandwidth=300e9,
-        source="NVIDIA A100 Tensor Core GPU datasheet: 312 TFLOPS BF16/FP16 dense, "
-               "1,555 GB/s HBM2, 40 GB; NVLink 600 GB/s (300 GB/s each way)"),
-    "h100": Device(
-        "NVIDIA H100-SXM5-80GB", peak_flops=989e12, peak_bandwidth=3.35e12,
-        memory_bytes=80 * GIB, interconnect_bandwidth=450e9,
-        source="NVIDIA H100 Tensor Core GPU datasheet: 989 TFLOPS BF16 dense (1,979 "
-               "with sparsity), 3.35 TB/s HBM3, 80 GB; NVLink 900 GB/s"),
-    "h200": Device(
-        "NVIDIA H200-SXM-141GB", peak_flops=989e12, peak_bandwidth=4.8e12,
-        memory_bytes=141e9, interconnect_bandwidth=450e9,
-        source="NVIDIA H200 Tensor Core GPU datasheet: 989 TFLOPS BF16 dense, "
-               "4.8 TB/s HBM3e, 141 GB; NVLink 900 GB/s"),
-    "tpu-v5e-4": Device(
-        "Google TPU v5e-4 (four chips)", peak_flops=197e12, peak_bandwidth=819e9,
-        memory_bytes=16 * GIB, num_chips=4, interconnect_bandwidth=100e9,
-        source="Google Cloud TPU v5e documentation: 197 TFLOPS BF16, 819 GB/s and "
-               "16 GiB HBM per chip; ICI 1,600 Gbps per chip (100 GB/s each way)"),
-    "tpu-v6e": Device(
-        "Google TPU v6e (one chip)", peak_flops=918e12, peak_bandwidth=1.64e12,
-        memory_bytes=32 * GIB, interconnect_bandwidth=224e9,
-        source="Google Cloud TPU v6e (Trillium) documentation: 918 TFLOPS BF16, "
-               "1,640 GB/s and 32 GiB HBM per chip; ICI 3,584 Gbps per chip"),
+    "a100-40gb": _datasheet_device(
+        "NVIDIA A100-SXM4-40GB", "A100-SXM4-40GB", 40 * GIB, "40 GB",
+        interconnect_bandwidth=300e9, interconnect="NVLink 600 GB/s (300 GB/s each way)"),
+    "h100": _datasheet_device(
+        "NVIDIA H100-SXM5-80GB", "H100", 80 * GIB, "80 GB",
+        interconnect_bandwidth=450e9, interconnect="NVLink 900 GB/s"),
+    "h200": _datasheet_device(
+        "NVIDIA H200-SXM-141GB", "H200", 141e9, "141 GB",
+        interconnect_bandwidth=450e9, interconnect="NVLink 900 GB/s"),
+    "tpu-v5e-4": _datasheet_device(
+        "Google TPU v5e-4 (four chips)", "TPU v5e", 16 * GIB, "16 GiB HBM per chip",
+        num_chips=4, interconnect_bandwidth=100e9,
+        interconnect="ICI 1,600 Gbps per chip (100 GB/s each way)"),
+    "tpu-v6e": _datasheet_device(
+        "Google TPU v6e (one chip)", "TPU v6e", 32 * GIB, "32 GiB HBM per chip",
+        interconnect_bandwidth=224e9, interconnect="ICI 3,584 Gbps per chip"),
 }
 
 

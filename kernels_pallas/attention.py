@@ -1,16 +1,23 @@
 """Public paged-attention ops: argument checks, tiling, and backend dispatch.
 
-Both ops cut the queries into tiles (tiles.py) and hand them to one of four
+Both ops cut the queries into tiles (tiles.py) and hand them to one of five
 implementations, picked by `jax.default_backend()` unless forced:
 
     "tpu"        Mosaic kernel, scalar-prefetched tables, double-buffered page DMAs
+    "mosaic_gpu" Mosaic GPU kernel for Hopper: TMA page copies, warpgroup products
     "triton"     Triton kernel for GPUs; also the kernel interpreted on CPU
     "xla"        the same tiles and online softmax as an XLA loop, used on CPU
     "reference"  the pure-JAX definition (reference.py), the tests' oracle
 
 `interpret=True` runs the chosen kernel in Pallas' interpret mode (on CPU the
 default choice becomes "triton"); a `pltpu.InterpretParams` selects the TPU
-kernel under TPU interpret mode, which also simulates DMAs and semaphores.
+kernel under TPU interpret mode, which also simulates DMAs and semaphores, and
+Mosaic GPU's `InterpretGPUParams` (jax >= 0.12) the Mosaic GPU kernel under GPU
+interpret mode (threads, barriers and TMA copies simulated; `interpret=True` with
+implementation="mosaic_gpu" takes its defaults).
+
+On a GPU the default is "mosaic_gpu" where `mosaic_gpu_support` finds a Hopper
+GPU (sm_90) and a jax with Mosaic GPU, and "triton" elsewhere.
 """
 
 from __future__ import annotations
@@ -21,9 +28,11 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas import tpu as pltpu
 
 from kernels_pallas import (
+    mosaic_gpu_attention,
     online_softmax,
     reference,
     tiles,
@@ -34,8 +43,8 @@ from kernels_pallas import (
 from kernels_pallas.quantization import QMAX, is_quantized
 from kernels_pallas.write_kv import check_cache_shapes
 
-Implementation = Literal["tpu", "triton", "xla", "reference"]
-IMPLEMENTATIONS = ("tpu", "triton", "xla", "reference")
+Implementation = Literal["tpu", "mosaic_gpu", "triton", "xla", "reference"]
+IMPLEMENTATIONS = ("tpu", "mosaic_gpu", "triton", "xla", "reference")
 # Keys per loop step of the XLA implementation: on CPU, 64 beat 32 and 128 for
 # mixed steps and came within noise of 32 for decode.
 XLA_CHUNK_TOKENS = 64
@@ -61,13 +70,38 @@ XLA_LONG_STEP_TOKENS = 256
 TRITON_TARGET_PROGRAMS = 512
 
 
-def default_implementation(interpret: bool | pltpu.InterpretParams) -> Implementation:
-    """The implementation for this process's default backend."""
+def gpu_interpret_params(interpret):
+    """interpret as Mosaic GPU's InterpretGPUParams if it is one, else None."""
+    params_type = getattr(plgpu, "InterpretGPUParams", None)
+    return interpret if params_type and isinstance(interpret, params_type) else None
+
+
+def mosaic_gpu_support() -> str | None:
+    """Why the Mosaic GPU kernel cannot run on this process's default device (None: it
+    can): it needs a Hopper GPU (compute capability 9.x, sm_90a) and a jax whose Pallas
+    has Mosaic GPU."""
+    if not hasattr(plgpu, "kernel"):
+        return f"jax {jax.__version__} has no Pallas Mosaic GPU kernels (plgpu.kernel)"
+    if jax.default_backend() != "gpu":
+        return f"the Mosaic GPU kernel needs a GPU, this process runs on {jax.default_backend()}"
+    capability = getattr(jax.devices()[0], "compute_capability", "unknown")
+    if not str(capability).startswith("9"):
+        return (f"the Mosaic GPU kernel is written for Hopper (compute capability 9.0, "
+                f"wgmma), this GPU has {capability}")
+    return None
+
+
+def default_implementation(interpret) -> Implementation:
+    """The implementation for this process's default backend (interpret: as the ops')."""
     if isinstance(interpret, pltpu.InterpretParams):
         return "tpu"
+    if gpu_interpret_params(interpret) is not None:
+        return "mosaic_gpu"
     backend = jax.default_backend()
     if backend == "tpu":
         return "tpu"
+    if backend == "gpu" and not interpret and mosaic_gpu_support() is None:
+        return "mosaic_gpu"
     if backend == "gpu" or interpret:
         return "triton"
     return "xla"
@@ -81,11 +115,14 @@ def default_block_size(implementation: Implementation, dtype) -> int:
     return 16
 
 
-def pallas_implementation(interpret: bool | pltpu.InterpretParams) -> Implementation:
+def pallas_implementation(interpret) -> Implementation:
     """The Pallas kernel for this process's default backend: "tpu" on a TPU (or under
-    TPU interpret mode), else "triton"."""
+    TPU interpret mode), "mosaic_gpu" where default_implementation picks it, else
+    "triton"."""
     if isinstance(interpret, pltpu.InterpretParams) or jax.default_backend() == "tpu":
         return "tpu"
+    if default_implementation(interpret) == "mosaic_gpu":
+        return "mosaic_gpu"
     return "triton"
 
 
@@ -146,6 +183,9 @@ def check_cache_layout(implementation: Implementation, dtype, block_size: int,
                 f"keys per step, and one page (block_size * head_dim * itemsize = "
                 f"{block_size} * {head_dim} * {jnp.dtype(dtype).itemsize}) holds {page_bytes}"
             )
+    if implementation == "mosaic_gpu" and (
+            error := mosaic_gpu_attention.layout_error(dtype, block_size, head_dim)):
+        raise ValueError(error)
     if implementation == "tpu" and block_size % tpu_attention.sublane_count(dtype):
         raise ValueError(
             f"the TPU kernel needs block_size a multiple of "
@@ -153,11 +193,14 @@ def check_cache_layout(implementation: Implementation, dtype, block_size: int,
         )
 
 
-def _check_kernel_shapes(implementation, dtype, block_size, head_dim, pages_per_chunk, block_q):
+def _check_kernel_shapes(implementation, dtype, block_size, head_dim, pages_per_chunk, block_q,
+                         group=1):
     """What each kernel's tiling needs of the static shapes (module docstrings say why)."""
     if block_q & (block_q - 1):
         raise ValueError(f"block_q must be a power of two, got {block_q}")
     check_cache_layout(implementation, dtype, block_size, head_dim)
+    if implementation == "mosaic_gpu":
+        _check_mosaic_gpu_tiling(group, block_q, pages_per_chunk * block_size)
     if implementation == "triton":
         if pages_per_chunk & (pages_per_chunk - 1):
             raise ValueError(
@@ -175,19 +218,34 @@ def _check_kernel_shapes(implementation, dtype, block_size, head_dim, pages_per_
             )
 
 
+def _check_mosaic_gpu_tiling(group: int, block_q: int, chunk: int) -> None:
+    """A tile is the M = 64 rows of one warpgroup product, and a chunk of keys the N of
+    S = Q K^T: a multiple of 64 (the rows of P's swizzled tile) up to 256."""
+    rows, chunk_limit = mosaic_gpu_attention.ROWS, 256
+    if pl.next_power_of_2(group) * block_q > rows:
+        raise ValueError(f"the Mosaic GPU kernel packs a tile's query heads and tokens into "
+                         f"{rows} rows: next_power_of_2(group) * block_q = "
+                         f"{pl.next_power_of_2(group)} * {block_q} is too many")
+    if chunk % 64 or chunk > chunk_limit:
+        raise ValueError(f"the Mosaic GPU kernel needs pages_per_chunk * block_size a "
+                         f"multiple of 64 up to {chunk_limit}, got {chunk}")
+
+
 def _default_pages_per_chunk(implementation, dtype, block_size, head_dim, max_blocks) -> int:
     """Pages per kernel loop step, capped by the pages a table row holds."""
     if implementation == "tpu":
         return max(1, min(tpu_attention.DEFAULT_CHUNK_TOKENS // block_size, max_blocks))
     if implementation == "xla":
         return max(1, min(XLA_CHUNK_TOKENS // block_size, max_blocks))
+    if implementation == "mosaic_gpu":
+        return mosaic_gpu_attention.pages_per_chunk(block_size)
     page_bytes = block_size * head_dim * jnp.dtype(dtype).itemsize
     return triton_attention.default_pages_per_chunk(block_size, page_bytes, max_blocks)
 
 
 def _default_num_kv_splits(implementation: str, num_programs: int, max_chunks: int) -> int:
     """Key splits for decode: only the GPU gains, when batch * heads leaves SMs idle."""
-    if implementation != "triton":
+    if implementation not in ("triton", "mosaic_gpu"):
         return 1
     splits = 1
     while num_programs * splits < TRITON_TARGET_PROGRAMS and splits * 2 <= max_chunks:
@@ -219,13 +277,18 @@ def _attend_tiles(
     group = q.shape[1] // num_kv_heads
     rows = _tile_rows(implementation, group, block_q)
     q_tiles = tiles.gather_query_tiles(q, query_tiles, num_kv_heads, block_q, rows)
+    if implementation == "mosaic_gpu":
+        # Both warpgroup products take 16-bit operands of one dtype: wider queries are
+        # rounded to it, and the output widened back.
+        q_tiles = q_tiles.astype(mosaic_gpu_attention.compute_dtype(q.dtype, k_cache.dtype))
     # Whole chunks of table entries: the kernels read block_tables a chunk at a time.
     max_blocks = block_tables.shape[1]
     padding = pl.cdiv(max_blocks, pages_per_chunk) * pages_per_chunk - max_blocks
     block_tables = jnp.pad(block_tables, ((0, 0), (0, padding)))
-    module = {"tpu": tpu_attention, "triton": triton_attention, "xla": xla_attention}[
-        implementation
-    ]
+    module = {"tpu": tpu_attention, "mosaic_gpu": mosaic_gpu_attention,
+              "triton": triton_attention, "xla": xla_attention}[implementation]
+    if implementation == "mosaic_gpu":
+        kernel_knobs["interpret"] = _mosaic_gpu_interpret(kernel_knobs["interpret"])
     out_tiles = module.tile_attention(
         q_tiles,
         k_cache,
@@ -239,7 +302,21 @@ def _attend_tiles(
         pages_per_chunk=pages_per_chunk,
         **kernel_knobs,
     )
-    return tiles.scatter_output_tiles(out_tiles, query_tiles, q.shape[0], group, block_q)
+    return tiles.scatter_output_tiles(out_tiles.astype(q.dtype), query_tiles, q.shape[0], group,
+                                      block_q)
+
+
+def _mosaic_gpu_interpret(interpret):
+    """The Mosaic GPU kernel's interpret argument: False, or InterpretGPUParams
+    (interpret=True takes their defaults)."""
+    if not interpret:
+        return False
+    if (params := gpu_interpret_params(interpret)) is not None:
+        return params
+    if not hasattr(plgpu, "InterpretGPUParams"):
+        raise ValueError(f"interpreting the Mosaic GPU kernel needs jax >= 0.12 (Mosaic GPU "
+                         f"interpret mode), this is jax {jax.__version__}")
+    return plgpu.InterpretGPUParams()
 
 
 def _window(sliding_window: jax.Array | int | None) -> jax.Array:
@@ -254,7 +331,8 @@ def _tile_rows(implementation: str, group: int, block_q: int) -> int:
     minimum; XLA loops take any count, so padding would only add work."""
     if implementation == "xla":
         return group * block_q
-    min_rows = tpu_attention.MIN_ROWS if implementation == "tpu" else triton_attention.MIN_ROWS
+    min_rows = {"tpu": tpu_attention.MIN_ROWS, "mosaic_gpu": mosaic_gpu_attention.ROWS}.get(
+        implementation, triton_attention.MIN_ROWS)
     return tiles.tile_rows(group, block_q, min_rows)
 
 
@@ -328,7 +406,8 @@ def paged_decode_attention(
     pages_per_chunk = pages_per_chunk or _default_pages_per_chunk(
         implementation, k_cache.dtype, block_size, head_dim, max_blocks
     )
-    _check_kernel_shapes(implementation, k_cache.dtype, block_size, head_dim, pages_per_chunk, 1)
+    _check_kernel_shapes(implementation, k_cache.dtype, block_size, head_dim, pages_per_chunk, 1,
+                         q.shape[1] // num_kv_heads)
     num_kv_splits = num_kv_splits or _default_num_kv_splits(
         implementation, q.shape[0] * num_kv_heads, pl.cdiv(max_blocks, pages_per_chunk)
     )
@@ -461,7 +540,7 @@ def ragged_paged_attention(
         implementation, k_cache.dtype, block_size, head_dim, block_tables.shape[1]
     )
     _check_kernel_shapes(implementation, k_cache.dtype, block_size, head_dim, pages_per_chunk,
-                         block_q)
+                         block_q, group)
     return _attend_tiles(
         implementation,
         q,

@@ -1,5 +1,6 @@
 """Which attention backend the model runner starts on: the configured one, else the
-device's own kernel, else (when that kernel cannot run here) the XLA implementation."""
+device's own kernel, else (when that kernel cannot run here) the next that can: Mosaic
+GPU hands over to Triton, both Pallas GPU/TPU kernels to the XLA implementation."""
 
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ from jpaged.model.llama import LlamaConfig, LlamaForCausalLM
 from jpaged.worker.model_runner import AttentionBackend, ModelRunner, device_attention_backend
 
 logger = logging.getLogger("jpaged")
+# Where a device's default kernel that cannot run here (a layout it does not take, a
+# compile that fails) hands over; the XLA loop runs everywhere.
+DEFAULT_FALLBACKS = {"mosaic_gpu": "triton", "tpu": "xla", "triton": "xla"}
 
 
 def start_runner(config: EngineConfig, model: LlamaForCausalLM, model_config: LlamaConfig, *,
@@ -25,34 +29,44 @@ def start_runner(config: EngineConfig, model: LlamaForCausalLM, model_config: Ll
 
     A Pallas kernel must accept the cache layout and compile on this device
     (checked here, on the smallest step shapes); if the device's own kernel
-    cannot, this warns and runs the "xla" implementation, while an explicitly
-    requested backend raises instead. config must have its machine defaults.
+    cannot, this warns and runs the next of DEFAULT_FALLBACKS (Mosaic GPU, then
+    Triton, then "xla"), while an explicitly requested backend raises instead.
+    config must have its machine defaults.
     """
     requested = config.attention_backend
-    backend = requested or device_attention_backend()
-    try:
-        return _runner_on(backend, config, model, model_config, num_blocks, num_host_blocks,
-                          max_model_len, mesh, groups)
-    except Exception as error:
-        if requested is not None:
-            if isinstance(error, ValueError):
-                raise
+    args = (config, model, model_config, num_blocks, num_host_blocks, max_model_len, mesh,
+            groups)
+    if requested is not None:
+        try:
+            return _runner_on(requested, *args)
+        except ValueError:
+            raise
+        except Exception as error:
             raise RuntimeError(
                 f"attention_backend={requested!r} cannot run on this "
                 f"{jax.default_backend()} device: {type(error).__name__}: {error}"
             ) from error
-        reason = f"{type(error).__name__}: {error}"
-    # Out of the except block, so the failed runner and its KV cache are freed first.
-    logger.warning("the default %r attention kernel cannot run on this %s device (%s); "
-                   "using the 'xla' implementation", backend, jax.default_backend(), reason)
-    return _runner_on("xla", config, model, model_config, num_blocks, num_host_blocks,
-                      max_model_len, mesh, groups)
+    backend = device_attention_backend()
+    while backend in DEFAULT_FALLBACKS:
+        try:
+            return _runner_on(backend, *args)
+        except Exception as error:
+            reason = f"{type(error).__name__}: {error}"
+        # Out of the except block, so the failed runner and its KV cache are freed first.
+        logger.warning("the default %r attention kernel cannot run on this %s device (%s); "
+                       "using the %r implementation", backend, jax.default_backend(), reason,
+                       DEFAULT_FALLBACKS[backend])
+        backend = DEFAULT_FALLBACKS[backend]
+    return _runner_on(backend, *args)
 
 
 def _runner_on(backend: AttentionBackend, config: EngineConfig, model, model_config, num_blocks,
                num_host_blocks, max_model_len, mesh, groups) -> tuple[ModelRunner, StepShapes]:
     dtype = config.kv_dtype
-    pallas = backend in ("tpu", "triton")
+    pallas = backend in ("tpu", "mosaic_gpu", "triton")
+    if backend == "mosaic_gpu" and not config.interpret and (
+            reason := kernels_pallas.mosaic_gpu_support()):
+        raise RuntimeError(reason)
     if pallas:
         kernels_pallas.check_cache_layout(backend, dtype, config.block_size,
                                           model_config.head_dim)

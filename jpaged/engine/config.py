@@ -118,10 +118,14 @@ class EngineConfig:
     block_size: tokens per KV block; None takes 16, or 32 where the TPU kernel reads
     1-byte pages (a Mosaic tile of int8 or fp8 has 32 sublanes).
 
-    attention_backend: "tpu" (the Mosaic kernel), "triton" (the Triton kernel;
-    on CPU it runs interpreted, with interpret=True), "xla" (the same tiled
+    attention_backend: "tpu" (the Mosaic kernel), "mosaic_gpu" (the Mosaic GPU
+    kernel for Hopper: 16-bit, int8 and fp8 pages, head_dim 64 or 128; on CPU it runs in Mosaic
+    GPU interpret mode with interpret=True, jax >= 0.12), "triton" (the Triton
+    kernel; on CPU it runs interpreted, with interpret=True), "xla" (the same tiled
     algorithm as an XLA loop) or "reference" (the pure-JAX definition); None
-    takes the device's own: "tpu" on a TPU, "triton" on a GPU, "xla" on a CPU.
+    takes the device's own: "tpu" on a TPU, "mosaic_gpu" on a Hopper GPU with a
+    jax that has Mosaic GPU (Triton where its layout or compile fails), "triton"
+    on other GPUs, "xla" on a CPU.
     "pallas" is a deprecated name for the device's Pallas kernel.
 
     tensor_parallel_size: run the model Megatron-style over this many devices

@@ -2,8 +2,9 @@
 
 The Pallas kernels run in interpret mode, so that every one of them runs on a CPU.
 `JPAGED_TEST_COMPILED=1` compiles instead the kernel of the machine's own backend
-(the Triton kernel on a GPU, the Mosaic kernel on a TPU) and skips the tests of
-another backend's kernel: the run that checks the kernels on an accelerator.
+(the Triton kernel and, on Hopper, the Mosaic GPU kernel on a GPU, the Mosaic
+kernel on a TPU) and skips the tests of a kernel that cannot compile there: the run
+that checks the kernels on an accelerator.
 """
 
 from __future__ import annotations
@@ -26,7 +27,10 @@ def kernel_interpret(implementation: str | None) -> bool:
 
     import kernels_pallas
 
-    native = kernels_pallas.default_implementation(False)
-    if implementation in ("triton", "tpu") and implementation != native:
-        pytest.skip(f"the {implementation} kernel does not compile on {jax.default_backend()}")
+    backend = jax.default_backend()
+    if implementation == "mosaic_gpu" and (reason := kernels_pallas.mosaic_gpu_support()):
+        pytest.skip(reason)
+    if implementation in ("triton", "tpu") and backend != {"triton": "gpu"}.get(
+            implementation, implementation):
+        pytest.skip(f"the {implementation} kernel does not compile on {backend}")
     return False
