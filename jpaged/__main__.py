@@ -201,9 +201,11 @@ def _parser() -> argparse.ArgumentParser:
                          "requests go to the least loaded")
         # kernels_pallas.IMPLEMENTATIONS, spelled out: importing it would load jax for --help.
         sub.add_argument("--attention-backend",
-                         choices=["tpu", "triton", "xla", "reference", "pallas"],
-                         default=None, help="default: the device's own (tpu on a TPU, triton "
-                         "on a GPU, xla on a CPU); 'pallas' is a deprecated name for it")
+                         choices=["tpu", "mosaic_gpu", "triton", "xla", "reference",
+                                  "pallas"],
+                         default=None, help="default: the device's own (tpu on a TPU, "
+                         "mosaic_gpu on a Hopper GPU, triton on other GPUs, xla on a CPU); "
+                         "'pallas' is a deprecated name for it")
         sub.add_argument("--speculative-config", type=_json_object, default=None,
                          metavar="JSON",
                          help="speculative decoding, as vLLM's JSON: '{\"method\": \"ngram\", "

@@ -178,3 +178,12 @@ def test_tensor_parallel_3_on_simulated_cpu_devices_gives_one_devices_tokens():
         return result.stdout
 
     assert answer("--num-cpu-devices", "3", "-tp", "3") == answer()
+
+
+@pytest.mark.parametrize("command", [["generate", "Hi"], ["chat"], ["serve"]])
+def test_attention_backend_flag_offers_every_implementation(command):
+    import kernels_pallas
+
+    for backend in kernels_pallas.IMPLEMENTATIONS:
+        args = cli._parser().parse_args([*command, "--attention-backend", backend])
+        assert args.attention_backend == backend
