@@ -82,10 +82,12 @@ def test_requested_without_a_hopper_gpu_names_why(bf16_llama_dir):
 
 def test_the_default_hands_over_to_triton_where_the_layout_does_not_fit(bf16_llama_dir,
                                                                         monkeypatch, caplog):
-    """A float32 cache (the model's dtype) is not the kernel's: Triton takes over."""
+    """A float32 cache (the model's dtype) is not the kernel's: Triton takes over, said at
+    info level (float32, the default dtype, is Triton's by design, not a failure)."""
     monkeypatch.setattr("jpaged.engine.backend_choice.device_attention_backend",
                         lambda: "mosaic_gpu")
-    with caplog.at_level(logging.WARNING, logger="jpaged"):
+    with caplog.at_level(logging.INFO, logger="jpaged"):
         llm = _llm(load_model(bf16_llama_dir), dtype="float32", interpret=True)
     assert llm.engine.runner.attention_backend == "triton"
-    assert "float16 or bfloat16 pages" in caplog.text
+    (handover,) = [r for r in caplog.records if "float16 or bfloat16 pages" in r.getMessage()]
+    assert handover.levelno == logging.INFO
