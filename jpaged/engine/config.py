@@ -110,6 +110,11 @@ class EngineConfig:
     setting left as None that conflicts gives way as the engine starts
     (`with_machine_defaults`).
 
+    enable_lora: serve LoRA adapters (vLLM's names): requests name theirs with a
+    `LoRARequest`; `max_loras` adapters run at once (the device's slots, their bytes
+    taken off the KV pool's budget), each of rank at most `max_lora_rank`; the host
+    keeps `max_cpu_loras` adapters read (None: max_loras).
+
     speculative_config: speculative decoding, as vLLM's dict
     ({"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": m,
     "prompt_lookup_max": M}) or a SpeculativeConfig; None decodes one token per step.
@@ -145,12 +150,19 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | dict | None = None
     num_decode_steps: int | None = None
     async_scheduling: bool = False
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self):
         check_allocation(self.allocation)
         if not isinstance(self.async_scheduling, bool):
             raise TypeError(f"async_scheduling must be a bool, got "
                             f"{type(self.async_scheduling).__name__} {self.async_scheduling!r}")
+        if not isinstance(self.enable_lora, bool):
+            raise TypeError(f"enable_lora must be a bool, got {type(self.enable_lora).__name__} "
+                            f"{self.enable_lora!r}")
         for name in ("enable_prefix_caching", "disable_hybrid_kv_cache_manager"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
@@ -177,7 +189,8 @@ class EngineConfig:
         self._check_host_pool()
         minimums = {"block_size": 1, "num_blocks": 2, "kv_cache_memory": 1, "max_num_seqs": 1,
                     "max_num_batched_tokens": 1, "max_model_len": 1, "max_logprobs": 1,
-                    "tensor_parallel_size": 1, "data_parallel_size": 1, "num_decode_steps": 1}
+                    "tensor_parallel_size": 1, "data_parallel_size": 1, "num_decode_steps": 1,
+                    "max_loras": 1, "max_lora_rank": 1, "max_cpu_loras": 1}
         for name, minimum in minimums.items():
             value = getattr(self, name)
             if value is None:
@@ -187,6 +200,9 @@ class EngineConfig:
             if value < minimum:
                 unit = " bytes" if name == "kv_cache_memory" else ""
                 raise ValueError(f"{name} must be >= {minimum}{unit}, got {value}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras "
+                             f"({self.max_loras})")
         fraction = self.kv_cache_fraction
         if self.mesh is not None and not isinstance(self.mesh, Mesh):
             raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(self.mesh).__name__}")
