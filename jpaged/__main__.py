@@ -139,6 +139,15 @@ def _parser() -> argparse.ArgumentParser:
                          "1 schedules every step)")
         sub.add_argument("--async-scheduling", action="store_true",
                          help="schedule each step while the device runs the one before it")
+        sub.add_argument("--enable-lora", action="store_true",
+                         help="serve LoRA adapters (requests name theirs)")
+        sub.add_argument("--max-loras", type=int, default=1,
+                         help="LoRA adapters on the device at once (their slots' bytes come "
+                         "off the KV pool's budget)")
+        sub.add_argument("--max-lora-rank", type=int, default=16,
+                         help="the largest rank of an adapter")
+        sub.add_argument("--max-cpu-loras", type=int, default=None,
+                         help="adapters kept read on the host (default: --max-loras)")
         sub.add_argument("--debug", action="store_true",
                          help="show the traceback of an error instead of one line")
     return parser
@@ -171,6 +180,8 @@ def _llm(args: argparse.Namespace) -> LLM:
                data_parallel_size=args.data_parallel_size,
                speculative_config=args.speculative_config,
                num_decode_steps=args.num_decode_steps, async_scheduling=args.async_scheduling,
+               enable_lora=args.enable_lora, max_loras=args.max_loras,
+               max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
                **(_batch_limit(args) | limits))
 
 
