@@ -93,7 +93,8 @@ def engine_cases(args) -> dict:
     requests = [LoRARequest(f"adapter{i}", i + 1, str(write_adapter(root / str(i), config,
                                                                      args.rank, i)))
                 for i in range(max(args.adapters))]
-    serve_case(llm, prompts[:8], params, [None] * 8)  # compile the step shapes once
+    # Compile the step shapes and the slot write once, outside the measured runs.
+    serve_case(llm, prompts, params, [requests[-1]] * args.requests)
     cases = {"base": serve_case(llm, prompts, params, [None] * args.requests)}
     for distinct in args.adapters:
         loras = [requests[i % distinct] for i in range(args.requests)]
