@@ -55,6 +55,15 @@ def _parser() -> argparse.ArgumentParser:
                        help="keep the KV blocks of this system prompt, as the chat template "
                        "renders it (the text itself without a template), for every chat "
                        "request that opens with it; repeatable")
+    serve.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                       help="LoRA adapters to serve (with --enable-lora): requests name one "
+                       "as their model; each NAME=PATH, or vLLM's JSON {\"name\": ..., "
+                       "\"path\": ..., \"base_model_name\": ...}")
+    serve.add_argument("--enable-runtime-lora-updating", action="store_true",
+                       help="answer POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
+                       "(off by default, as in vLLM; needs --lora-allowed-dir)")
+    serve.add_argument("--lora-allowed-dir", default=None, metavar="DIR",
+                       help="the directory adapters loaded at run time must lie in")
     serve.add_argument("--warmup", action="store_true",
                        help="compile every step shape before accepting requests (slower "
                        "start-up; no compile pauses while serving)")
@@ -257,6 +266,7 @@ def _chat(llm: LLM, args: argparse.Namespace) -> None:
 
 def _serve(llm: LLM, args: argparse.Namespace) -> None:
     from jpaged.engine.mirror import RequestMirror, follow
+    from jpaged.entrypoints.lora import parse_lora_module
     from jpaged.entrypoints.server import (  # the HTTP stack loads only for this command
         reserve_system_prompts,
         serve,
@@ -278,7 +288,10 @@ def _serve(llm: LLM, args: argparse.Namespace) -> None:
     serve(engine, served_model_name=args.served_model_name or args.model, host=args.host,
           port=args.port, api_key=args.api_key, max_waiting=args.max_waiting,
           warmup=args.warmup, shutdown_timeout=args.shutdown_timeout,
-          enable_prompt_tokens_details=args.enable_prompt_tokens_details)
+          enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+          lora_modules=[parse_lora_module(text) for text in args.lora_modules],
+          runtime_lora_updating=args.enable_runtime_lora_updating,
+          lora_allowed_dir=args.lora_allowed_dir)
 
 
 COMMANDS = {"generate": _generate, "chat": _chat, "serve": _serve}

@@ -45,7 +45,7 @@ from jpaged.engine.kv_managers import KVManager, kv_cache_groups, make_kv_manage
 from jpaged.engine.output_processor import OutputProcessor
 from jpaged.engine.prefix_requests import PrefixRequests
 from jpaged.engine.protocol import EngineState
-from jpaged.engine.stats import EngineStats, SpecDecodeCounts
+from jpaged.engine.stats import EngineStats, LoRACounts, SpecDecodeCounts
 from jpaged.inputs import PromptType
 from jpaged.lora.peft import read_adapter
 from jpaged.lora.request import LoRARequest
@@ -170,6 +170,7 @@ class LLMEngine:
                                               grammars)
         self.stats = EngineStats(kv_cache_dtype=self.kv_cache_info.dtype,
                                  kv_bytes_per_token=self.kv_cache_info.bytes_per_token,
+                                 lora_slot_bytes=self.kv_cache_info.adapter_bytes,
                                  step_mode=mode,
                                  mode_fallbacks=self.mode_fallbacks,
                                  structured_outputs=structured_outputs)
@@ -436,7 +437,10 @@ class LLMEngine:
             kv_bytes_per_token=self.kv_cache_info.bytes_per_token,
             spec_decode=SpecDecodeCounts().add(self.stats.spec_decode),
             structured_outputs=StructuredOutputCounts().add(self.stats.structured_outputs),
-            mode_fallbacks=dict(self.mode_fallbacks.counts))
+            mode_fallbacks=dict(self.mode_fallbacks.counts),
+            lora=LoRACounts() if self.adapters is None else LoRACounts.of(
+                self.adapters, self.kv_cache_info.adapter_bytes,
+                (*scheduler.running, *scheduler.swapped), scheduler.waiting))
 
 
 def _proposer(config: EngineConfig, draft, runner: ModelRunner, kv_manager: KVManager,

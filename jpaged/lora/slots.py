@@ -14,6 +14,7 @@ Host-only: the scheduler imports it.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -61,7 +62,8 @@ class AdapterSlotTable(NoAdapters):
         self._idle: OrderedDict[int, None] = OrderedDict()  # least recently used first
         self._host: OrderedDict[tuple[str, int, str], LoRAAdapter] = OrderedDict()
         self._loads: list[tuple[int, LoRAAdapter]] = []
-        self.num_loads = 0
+        self.num_loads = 0  # adapters put into a slot
+        self.num_reads, self.read_seconds = 0, 0.0  # adapters read from disk and checked
 
     # The host cache.
 
@@ -71,7 +73,10 @@ class AdapterSlotTable(NoAdapters):
         key = (request.lora_name, request.lora_int_id, request.lora_path)
         adapter = self._host.get(key)
         if adapter is None:
+            started = time.perf_counter()
             adapter = self._read(request)
+            self.num_reads += 1
+            self.read_seconds += time.perf_counter() - started
             if len(self._host) == self.max_cpu_loras:
                 self._host.popitem(last=False)
         self._host[key] = adapter
