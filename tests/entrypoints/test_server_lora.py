@@ -94,6 +94,20 @@ def test_lora_module_specs():
             parse_lora_module(bad)
 
 
+def test_modules_are_checked_before_serving(lora_offline, adapter_root):
+    """serve() checks each module's adapter first: a bad one names the module, the file
+    and the field; run-time updates need an allowed directory."""
+    from jpaged.entrypoints.lora import ServedModels
+    from jpaged.entrypoints.server import check_lora_modules
+
+    check_lora_modules(lora_offline.engine, [LoRAModule("alpha", str(adapter_root / "alpha"))])
+    with pytest.raises(ValueError, match=r"bad=.*bad_dora.*adapter_config.json.*use_dora"):
+        check_lora_modules(lora_offline.engine,
+                           [LoRAModule("bad", str(adapter_root / "bad_dora"))])
+    with pytest.raises(ValueError, match="--lora-allowed-dir"):
+        ServedModels(SERVED_MODEL, "tiny", 256, runtime_updates=True)
+
+
 def test_model_field_selects_the_adapter(client, lora_offline, adapter_root):
     """Completions and streamed chat with model=alpha answer as LLM.generate with alpha's
     LoRARequest; the base model's name answers as the base model, which differs."""
@@ -189,7 +203,7 @@ def test_load_refusals(lora_server, adapter_root, tmp_path):
     assert {card["id"] for card in models["data"]}.isdisjoint({"bad", "out", "x"})
 
 
-def test_runtime_updates_are_off_by_default(server, tiny_llama_dir):
+def test_runtime_updates_are_off_by_default(server):
     """The shared server (no flag): both endpoints answer 404."""
     base_url, _ = server
     for path, body in (("/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "/tmp"}),
