@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from jpaged.engine.llm_engine import LLMEngine
     from jpaged.entrypoints.llm import LLM
     from jpaged.inputs import TextPrompt, TokensPrompt
+    from jpaged.lora.request import LoRARequest
     from jpaged.outputs import (
         BeamSearchOutput,
         BeamSearchSequence,
@@ -37,6 +38,7 @@ _MODULE_OF = {
     "CompletionOutput": "jpaged.outputs",
     "EngineConfig": "jpaged.engine.config",
     "LLMEngine": "jpaged.engine.llm_engine",
+    "LoRARequest": "jpaged.lora.request",
     "Logprob": "jpaged.outputs",
     "RequestOutput": "jpaged.outputs",
     "RequestOutputKind": "jpaged.sampling_params",
@@ -53,6 +55,7 @@ __all__ = [
     "BeamSearchParams",
     "BeamSearchSequence",
     "CompletionOutput",
+    "LoRARequest",
     "EngineConfig",
     "LLMEngine",
     "Logprob",

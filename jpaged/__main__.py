@@ -92,6 +92,15 @@ def _parser() -> argparse.ArgumentParser:
                        help="keep the KV blocks of this system prompt, as the chat template "
                        "renders it (the text itself without a template), for every chat "
                        "request that opens with it; repeatable")
+    serve.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                       help="LoRA adapters to serve (with --enable-lora): requests name one "
+                       "as their model; each NAME=PATH, or vLLM's JSON {\"name\": ..., "
+                       "\"path\": ..., \"base_model_name\": ...}")
+    serve.add_argument("--enable-runtime-lora-updating", action="store_true",
+                       help="answer POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
+                       "(off by default, as in vLLM; needs --lora-allowed-dir)")
+    serve.add_argument("--lora-allowed-dir", default=None, metavar="DIR",
+                       help="the directory adapters loaded at run time must lie in")
     serve.add_argument("--warmup", action="store_true",
                        help="compile every step shape before accepting requests (slower "
                        "start-up; no compile pauses while serving)")
@@ -217,6 +226,15 @@ def _parser() -> argparse.ArgumentParser:
                          "schedules every step)")
         sub.add_argument("--async-scheduling", action="store_true",
                          help="schedule each step while the device runs the one before it")
+        sub.add_argument("--enable-lora", action="store_true",
+                         help="serve LoRA adapters (requests name theirs)")
+        sub.add_argument("--max-loras", type=int, default=1,
+                         help="LoRA adapters on the device at once (their slots' bytes come "
+                         "off the KV pool's budget)")
+        sub.add_argument("--max-lora-rank", type=int, default=16,
+                         help="the largest rank of an adapter")
+        sub.add_argument("--max-cpu-loras", type=int, default=None,
+                         help="adapters kept read on the host (default: --max-loras)")
         sub.add_argument("--debug", action="store_true",
                          help="show the traceback of an error instead of one line")
     return parser
@@ -311,6 +329,8 @@ def _llm(args: argparse.Namespace) -> LLM:
                data_parallel_size=args.data_parallel_size,
                speculative_config=args.speculative_config,
                num_decode_steps=args.num_decode_steps, async_scheduling=args.async_scheduling,
+               enable_lora=args.enable_lora, max_loras=args.max_loras,
+               max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
                **(_batch_limit(args) | limits))
 
 
@@ -396,6 +416,7 @@ def _chat(llm: LLM, args: argparse.Namespace) -> None:
 
 def _serve(llm: LLM, args: argparse.Namespace) -> None:
     from jpaged.engine.mirror import RequestMirror, follow
+    from jpaged.entrypoints.lora import parse_lora_module
     from jpaged.entrypoints.server import (  # the HTTP stack loads only for this command
         reserve_system_prompts,
         serve,
@@ -418,7 +439,10 @@ def _serve(llm: LLM, args: argparse.Namespace) -> None:
           port=args.port, api_key=args.api_key, max_waiting=args.max_waiting,
           warmup=args.warmup, shutdown_timeout=args.shutdown_timeout,
           enable_prompt_tokens_details=args.enable_prompt_tokens_details,
-          chat_template=template)
+          chat_template=template,
+          lora_modules=[parse_lora_module(text) for text in args.lora_modules],
+          runtime_lora_updating=args.enable_runtime_lora_updating,
+          lora_allowed_dir=args.lora_allowed_dir)
 
 
 COMMANDS = {"generate": _generate, "chat": _chat, "serve": _serve}

@@ -17,6 +17,7 @@ from jpaged.sampling_params import BeamSearchParams, SamplingParams
 
 if TYPE_CHECKING:
     from jpaged.core.stop_rule import StopRule
+    from jpaged.lora.peft import LoRAAdapter
     from jpaged.structured_output.grammar import Grammar
 
 
@@ -116,7 +117,9 @@ class SequenceGroup:
     params:        SamplingParams (n parallel samples, stop conditions) or
                    BeamSearchParams (beam_width beams, which beam search ends).
     arrival_time:  when the request arrived (time.perf_counter seconds).
-    cache_salt:    isolates prefix-cache tenants.
+    cache_salt:    isolates prefix-cache tenants (with LoRA, it carries the adapter's
+                   name and weights hash too: jpaged.lora.slots.prefix_salt).
+    adapter:       the LoRA adapter it runs with (None: the base model).
     eos_token_ids: the tokens that end a sample unless params.ignore_eos.
     seed:          the seed of the request's draws (params.seed, or one the engine
                    chose for an unseeded request).
@@ -131,6 +134,7 @@ class SequenceGroup:
     cache_salt: str | None = None
     eos_token_ids: tuple[int, ...] = ()
     seed: int = 0
+    adapter: LoRAAdapter | None = None
     # Read from params once: the scheduler reads them for every group and token.
     # max_seqs: the most sequences the group holds at once (n samples, or beam_width
     # beams); stop_token_ids, min_tokens, max_tokens: what its stop rule is made of.
@@ -143,6 +147,8 @@ class SequenceGroup:
     stop_rule: StopRule | None = field(init=False, repr=False, default=None)
     # Prompt tokens the prefix cache served at its first admission (set by the scheduler).
     num_cached_tokens: int | None = field(init=False, repr=False, default=None)
+    # The device slot of its adapter while admitted (jpaged.lora.slots); 0: none.
+    adapter_slot: int = field(init=False, repr=False, default=0)
 
     def __post_init__(self):
         params = self.params

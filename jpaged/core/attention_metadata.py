@@ -41,6 +41,8 @@ class AttentionMetadata(NamedTuple):
                      positions context_lens[i] - q_len .. context_lens[i] - 1.
     logits_indices:  int32 [B]  index into T of each sequence's last new token
                      (0 for padding sequences).
+    adapter_slots:   int32 [T]  the LoRA adapter slot of each new token (0: the base
+                     model, and padding); None for a model without adapter slots.
     """
 
     slot_mapping: np.ndarray
@@ -49,3 +51,4 @@ class AttentionMetadata(NamedTuple):
     context_lens: np.ndarray
     query_start_loc: np.ndarray
     logits_indices: np.ndarray
+    adapter_slots: np.ndarray | None = None

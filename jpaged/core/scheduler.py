@@ -51,6 +51,7 @@ from jpaged.core.scheduler_output import (
 from jpaged.core.step_plan import Chunk, StepPlan
 from jpaged.core.stop_rule import StopRule
 from jpaged.errors import InvalidParameter
+from jpaged.lora.slots import NoAdapters
 from jpaged.memory.kv_cache_manager import AllocStatus, KVCacheManager
 from jpaged.sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -68,12 +69,16 @@ _ERROR = SequenceStatus.FINISHED_ERROR
 class Scheduler:
     """FCFS continuous-batching scheduler over a KV cache manager."""
 
-    def __init__(self, config: SchedulerConfig, block_manager: KVCacheManager):
+    def __init__(self, config: SchedulerConfig, block_manager: KVCacheManager,
+                 adapters: NoAdapters | None = None):
         if config.preemption_mode == "swap" and block_manager.num_host_blocks == 0:
             raise ValueError("preemption_mode='swap' needs a host pool, but it has no blocks: "
                              "give kv_offloading_size (GiB of host memory)")
         self.config = config
         self.block_manager = block_manager
+        # LoRA's adapter slots: a group holds one from admission until it ends or goes
+        # back to waiting (jpaged.lora.slots).
+        self.adapters = adapters or NoAdapters()
         self.waiting: deque[SequenceGroup] = deque()
         self.running: deque[SequenceGroup] = deque()
         self.swapped: deque[SequenceGroup] = deque()
@@ -169,6 +174,7 @@ class Scheduler:
                 seq.num_computed_tokens = 0
                 seq.spec_token_ids = []
                 seq.status = _WAITING
+            self.adapters.release(group)
             self.waiting.appendleft(group)
 
     def _end(self, request_id: str, status: SequenceStatus) -> None:
@@ -190,6 +196,7 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.status = status
         if group.is_finished:
+            self.adapters.release(group)
             self._unfinished.pop(group.request_id, None)
 
     @property
@@ -231,6 +238,7 @@ class Scheduler:
             draws=plan.draws,
             num_draws=plan.num_draws,
             block_ops=self.block_manager.end_step(),
+            adapter_loads=self.adapters.take_loads(),
             preempted=plan.preempted,
             ignored=plan.ignored,
             running=list(self.running),
@@ -516,10 +524,13 @@ class Scheduler:
             status = self.block_manager.can_allocate(group)
             if status is AllocStatus.LATER:
                 return
-            self.waiting.popleft()
             if status is AllocStatus.NEVER:
+                self.waiting.popleft()
                 self._ignore(group, plan)
                 continue
+            if not self.adapters.acquire(group):
+                return  # every adapter slot is in use: it waits, as in vLLM
+            self.waiting.popleft()
             self.block_manager.allocate(group)
             if group.num_cached_tokens is None:  # a recomputed group keeps its first
                 group.num_cached_tokens = seqs[0].num_computed_tokens
@@ -548,6 +559,7 @@ class Scheduler:
                 seq.num_computed_tokens = 0
                 seq.spec_token_ids = []
                 seq.status = _WAITING
+            self.adapters.release(group)
             self.waiting.appendleft(group)
         plan.preempted.append(group)
         self.num_preemptions += 1

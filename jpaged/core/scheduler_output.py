@@ -10,6 +10,7 @@ them and no model at all.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -53,6 +54,8 @@ class SchedulerOutput:
     ignored:    groups finished as FINISHED_IGNORED: they can never fit the pool.
     running:    the running groups once the step is planned (scheduled or not).
     stats:      the queues once the step is planned.
+    adapter_loads: (slot, LoRA adapter) pairs the device loads before the step
+                (jpaged.lora.slots).
     """
 
     scheduled: list[tuple[Sequence, int]]
@@ -65,6 +68,7 @@ class SchedulerOutput:
     ignored: list[SequenceGroup]
     running: list[SequenceGroup]
     stats: SchedulerStats
+    adapter_loads: list = dataclasses.field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:

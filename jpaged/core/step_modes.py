@@ -68,6 +68,7 @@ class Feature(enum.Enum):
     ORCA = "Orca allocation"
     PREFIX_CACHING = "prefix caching"
     SWAP = "swap preemption"
+    LORA = "LoRA adapters"
 
 
 class Outcome(enum.Enum):
@@ -137,6 +138,8 @@ TABLE: dict[StepMode, dict[Feature, Cell]] = {
         Feature.ORCA: _conflict("the loop takes blocks from the free queue as tokens arrive, "
                                 "and a reservation holds its blocks from admission",
                                 "single steps"),
+        Feature.LORA: _conflict("the loop's steps take no adapter slots per row",
+                                "single steps"),
     },
 }
 
@@ -151,6 +154,8 @@ FEATURE_PAIRS: dict[tuple[Feature, Feature], Cell] = {
     (Feature.DRAFT_MODEL, Feature.TENSOR_PARALLEL): _conflict(
         "the draft model runs on one device (a job of several processes needs a mesh too)"),
     (Feature.DRAFT_MODEL, Feature.DATA_PARALLEL): _conflict("the draft model runs on one device"),
+    (Feature.DRAFT_MODEL, Feature.LORA): _conflict(
+        "the draft model has no adapters, so it would propose the base model's tokens"),
     (Feature.NGRAM, Feature.BEAM_SEARCH): _fallback(
         "a beam search gets no proposals", "its beams are chosen on the host"),
     (Feature.DRAFT_MODEL, Feature.BEAM_SEARCH): _fallback(
@@ -241,6 +246,8 @@ def _settings_on(config: EngineConfig, default_decode_steps: int = 1,
                                            by_default=config.enable_prefix_caching is None)
     if config.preemption_mode == "swap":
         on[Feature.SWAP] = Given("preemption_mode='swap'")
+    if config.enable_lora:
+        on[Feature.LORA] = Given("enable_lora=True")
     on |= _window_settings(config, layer_windows)
     return on
 

@@ -28,6 +28,7 @@ from typing import TypeVar
 
 from jpaged.engine.protocol import Engine, EngineState
 from jpaged.inputs import PromptType
+from jpaged.lora.request import LoRARequest
 from jpaged.outputs import RequestOutput
 from jpaged.sampling_params import RequestOutputKind, SamplingParams
 
@@ -148,7 +149,7 @@ class AsyncLLMEngine:
 
     async def generate(
         self, request_id: str, prompt: PromptType, params: SamplingParams,
-        *, cache_salt: str | None = None,
+        *, cache_salt: str | None = None, lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Add a request and return the stream of its deltas (output_kind forced to DELTA).
 
@@ -169,7 +170,8 @@ class AsyncLLMEngine:
             loop.call_soon_threadsafe(deliveries.put_nowait, item)
 
         def add(engine: Engine) -> None:
-            engine.add_request(request_id, prompt, params, cache_salt=cache_salt)
+            engine.add_request(request_id, prompt, params, cache_salt=cache_salt,
+                               lora_request=lora_request)
             self._sinks[request_id] = sink
 
         self._num_waiting += 1

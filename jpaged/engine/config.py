@@ -149,6 +149,11 @@ class EngineConfig:
     setting left as None that conflicts gives way as the engine starts
     (`with_machine_defaults`).
 
+    enable_lora: serve LoRA adapters (vLLM's names): requests name theirs with a
+    `LoRARequest`; `max_loras` adapters run at once (the device's slots, their bytes
+    taken off the KV pool's budget), each of rank at most `max_lora_rank`; the host
+    keeps `max_cpu_loras` adapters read (None: max_loras).
+
     speculative_config: speculative decoding, as vLLM's dict
     ({"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": m,
     "prompt_lookup_max": M}) or a SpeculativeConfig; None decodes one token per step.
@@ -189,10 +194,14 @@ class EngineConfig:
     num_decode_steps: int | None = None
     async_scheduling: bool = False
     enforce_eager: bool = False
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self):
         check_allocation(self.allocation)
-        for name in ("async_scheduling", "enforce_eager"):
+        for name in ("async_scheduling", "enforce_eager", "enable_lora"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
@@ -225,7 +234,8 @@ class EngineConfig:
         minimums = {"block_size": 1, "num_blocks": 2, "num_gpu_blocks_override": 2,
                     "kv_cache_memory_bytes": 1, "kv_cache_memory": 1, "max_num_seqs": 1,
                     "max_num_batched_tokens": 1, "max_model_len": 1, "max_logprobs": 1,
-                    "tensor_parallel_size": 1, "data_parallel_size": 1, "num_decode_steps": 1}
+                    "tensor_parallel_size": 1, "data_parallel_size": 1, "num_decode_steps": 1,
+                    "max_loras": 1, "max_lora_rank": 1, "max_cpu_loras": 1}
         for name, minimum in minimums.items():
             value = getattr(self, name)
             if value is None:
@@ -238,6 +248,9 @@ class EngineConfig:
             if value < minimum:
                 raise ValueError(f"{name} must be >= {minimum}{' bytes' if in_bytes else ''}, "
                                  f"got {value}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras "
+                             f"({self.max_loras})")
         if self.mesh is not None and not isinstance(self.mesh, Mesh):
             raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(self.mesh).__name__}")
         self._take_vllm_aliases()

@@ -39,6 +39,7 @@ from jpaged.engine.lockstep import (
 from jpaged.engine.protocol import EngineState
 from jpaged.engine.stats import CombinedStats
 from jpaged.inputs import PromptType
+from jpaged.lora.request import LoRARequest
 from jpaged.memory.reserved_prefixes import check_prefix_id
 from jpaged.model.config import LlamaConfig
 from jpaged.model.loader import load_model
@@ -104,10 +105,11 @@ class DataParallelEngine:
 
     def process_request(self, request_id: str, prompt: PromptType,
                         params: SamplingParams | BeamSearchParams | None = None, *,
-                        cache_salt: str | None = None) -> EngineRequest:
+                        cache_salt: str | None = None,
+                        lora_request: LoRARequest | None = None) -> EngineRequest:
         """See `LLMEngine.process_request`: every replica has the same limits."""
         return self.replicas[0].process_request(request_id, prompt, params,
-                                                cache_salt=cache_salt)
+                                                cache_salt=cache_salt, lora_request=lora_request)
 
     def add_request(
         self,
@@ -116,6 +118,7 @@ class DataParallelEngine:
         params: SamplingParams | BeamSearchParams | None = None,
         *,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request on the least-loaded replica (see `LLMEngine.add_request`); one
         on another process's replica is only checked here."""
@@ -124,10 +127,11 @@ class DataParallelEngine:
         load = collections.Counter(self._replica_of.values())
         index = min(range(self.num_replicas), key=load.__getitem__)
         if index in self._local:
-            self._local[index].add_request(request_id, prompt, params, cache_salt=cache_salt)
+            self._local[index].add_request(request_id, prompt, params, cache_salt=cache_salt,
+                                           lora_request=lora_request)
         else:
-            self.replicas[0].check_request(
-                self.replicas[0].request_of(request_id, prompt, params, cache_salt=cache_salt))
+            self.replicas[0].check_request(self.replicas[0].request_of(
+                request_id, prompt, params, cache_salt=cache_salt, lora_request=lora_request))
         self._replica_of[request_id] = index
         self._route(f"+{request_id}:{index}")
 

@@ -45,6 +45,8 @@ class EngineRequest:
     arrival_time: time.perf_counter() when it was processed.
     grammar: its structured output's grammar, compiled, at its start (each sequence of
     the request forks its own); None without one.
+    adapter: its LoRA adapter (jpaged.lora.peft.LoRAAdapter), read and checked; None: the
+    base model.
     """
 
     request_id: str
@@ -54,6 +56,7 @@ class EngineRequest:
     cache_salt: str | None
     arrival_time: float
     grammar: Grammar | None = None
+    adapter: Any = None
 
 
 @dataclass(frozen=True)

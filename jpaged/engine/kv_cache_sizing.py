@@ -14,6 +14,7 @@ from jpaged.engine import lockstep, machine
 from jpaged.engine.config import EngineConfig
 from jpaged.engine.machine import ACCELERATOR_DEFAULTS, CPU_DEFAULTS
 from jpaged.memory.kv_cache_groups import KVCacheGroups
+from jpaged.model.lora import adapter_state_bytes
 from jpaged.model.sharding import bytes_per_device
 from kernels_pallas.quantization import SCALE_DTYPE, is_quantized
 
@@ -28,6 +29,8 @@ class KVCacheInfo:
     dtype: the name of what the pages store (EngineConfig.kv_cache_dtype, resolved).
     num_host_blocks: blocks of the host pool (swap space and the prefix cache's host
     tier), each holding a device block of every device (`num_shards` of them).
+    adapter_bytes: the LoRA adapter slots' bytes, taken off the budget the pool is sized
+    from (0 without LoRA).
     """
 
     num_blocks: int
@@ -37,6 +40,7 @@ class KVCacheInfo:
     dtype: str = "float32"
     num_host_blocks: int = 0
     num_shards: int = 1
+    adapter_bytes: int = 0
 
     @property
     def block_bytes(self) -> int:
@@ -62,10 +66,12 @@ class KVCacheInfo:
         if self.num_host_blocks:
             host = (f"; host pool (swap space and prefix cache tier): {self.num_host_blocks} "
                     f"blocks, {self.num_host_blocks * self.host_block_bytes / 2**20:.1f} MiB")
+        adapters = (f"; LoRA adapter slots: {self.adapter_bytes / 2**20:.1f} MiB"
+                    if self.adapter_bytes else "")
         return (
             f"KV cache: {self.num_blocks - 1} blocks x {self.block_size} tokens, "
             f"{self.num_bytes / 2**20:.1f} MiB of {self.dtype} ({self.bytes_per_token} bytes "
-            f"per token{layout}){host}"
+            f"per token{layout}){host}{adapters}"
         )
 
 
@@ -118,10 +124,11 @@ def _utilization_budget(utilization: float, memory: MemoryFigures) -> int:
 
 def kv_cache_num_blocks(
     config: EngineConfig, max_model_len: int, block_bytes: int,
-    memory: MemoryFigures | None, groups: KVCacheGroups,
+    memory: MemoryFigures | None, groups: KVCacheGroups, adapter_bytes: int = 0,
 ) -> int:
     """Blocks in the device pool (the null block included): `num_blocks` if given, else
-    the budget of `kv_cache_budget` in whole blocks of `block_bytes`, never more than
+    the budget of `kv_cache_budget` less the LoRA slots' `adapter_bytes` (KV blocks and
+    adapters share one budget) in whole blocks of `block_bytes`, never more than
     max_num_seqs full-length sequences can use (plus the null block). A sequence's
     blocks are those all its KV cache groups hold at once (`KVCacheGroups.seq_blocks`).
 
@@ -133,7 +140,7 @@ def kv_cache_num_blocks(
     if config.num_blocks is not None:
         num_blocks = config.num_blocks
     else:
-        budget = kv_cache_budget(config, memory, seq_blocks * block_bytes)
+        budget = kv_cache_budget(config, memory, seq_blocks * block_bytes) - adapter_bytes
         useful = config.max_num_seqs * seq_blocks + 1
         num_blocks = min(budget // block_bytes, useful)
     if num_blocks - 1 < seq_blocks:
@@ -173,14 +180,18 @@ def size_kv_cache(config: EngineConfig, model_config, model, max_model_len: int,
     if draft is not None:
         token_bytes += bytes_per_token(draft[1], config.kv_dtype)
     info = KVCacheInfo(0, config.block_size, token_bytes, groups, config.kv_dtype_name)
+    adapter_bytes = adapter_state_bytes(model)
+    # Measured with the slots in memory: what was free before them is the budget's base.
     memory = None if config.num_blocks is not None else MemoryFigures(
-        machine.free_device_memory(device),
+        machine.free_device_memory(device) + adapter_bytes,
         weight_bytes(model) + (0 if draft is None else weight_bytes(draft[0])),
         machine.on_accelerator(), machine.total_device_memory(device))
-    num_blocks = kv_cache_num_blocks(config, max_model_len, info.block_bytes, memory, groups)
+    num_blocks = kv_cache_num_blocks(config, max_model_len, info.block_bytes, memory, groups,
+                                     adapter_bytes)
     # Processes of one job measure their own memory; their pools must be the same.
     num_blocks = lockstep.smallest_over_processes(num_blocks)
-    info = dataclasses.replace(info, num_blocks=num_blocks, num_shards=model_config.shard_groups)
+    info = dataclasses.replace(info, num_blocks=num_blocks, num_shards=model_config.shard_groups,
+                               adapter_bytes=adapter_bytes)
     return dataclasses.replace(info, num_host_blocks=host_pool_blocks(config, info))
 
 

@@ -18,6 +18,7 @@ and starts the runner on its backend.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import warnings
@@ -44,12 +45,16 @@ from jpaged.engine.kv_managers import KVManager, kv_cache_groups, make_kv_manage
 from jpaged.engine.output_processor import OutputProcessor
 from jpaged.engine.prefix_requests import PrefixRequests
 from jpaged.engine.protocol import EngineState
-from jpaged.engine.stats import EngineStats, SpecDecodeCounts
+from jpaged.engine.stats import EngineStats, LoRACounts, SpecDecodeCounts
 from jpaged.inputs import PromptType
+from jpaged.lora.peft import read_adapter
+from jpaged.lora.request import LoRARequest
+from jpaged.lora.slots import AdapterSlotTable, prefix_salt
 from jpaged.memory.reserved_prefixes import check_token_ids
-from jpaged.model.config import LlamaConfig
+from jpaged.model.config import AdapterSlots, LlamaConfig
 from jpaged.model.loader import load_model, read_model_config
-from jpaged.model.sharding import shard_model
+from jpaged.model.lora import with_adapter_slots
+from jpaged.model.sharding import regroup_adapter, shard_model
 from jpaged.outputs import RequestOutput, ReservedPrefix
 from jpaged.sampling_params import BeamSearchParams, SamplingParams
 from jpaged.sequence import Sequence, SequenceGroup
@@ -104,6 +109,11 @@ class LLMEngine:
         if spec is not None and spec.method == "draft_model":
             check_draft_model(spec, model_config)
         model, self.model_config, self.tokenizer = loaded or load_model(config.model, config.dtype)
+        self.adapters = None
+        if config.enable_lora:
+            self.adapters = self._adapter_table(config, self.model_config, mesh)
+            model, self.model_config = with_adapter_slots(
+                model, self.model_config, AdapterSlots(config.max_loras, config.max_lora_rank))
         if mesh is not None:
             model, self.model_config = shard_model(model, self.model_config, mesh)
         # Only once the model loaded: a failed LLM(...) leaves the process-wide setting alone.
@@ -131,7 +141,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
             preemption_mode=config.preemption_mode,
-        ), kv_manager)
+        ), kv_manager, self.adapters)
         runner, shapes = start_runner(config, model, self.model_config, num_blocks=num_blocks,
                                       num_host_blocks=num_host_blocks,
                                       max_model_len=self.max_model_len, mesh=mesh,
@@ -160,6 +170,7 @@ class LLMEngine:
                                               grammars)
         self.stats = EngineStats(kv_cache_dtype=self.kv_cache_info.dtype,
                                  kv_bytes_per_token=self.kv_cache_info.bytes_per_token,
+                                 lora_slot_bytes=self.kv_cache_info.adapter_bytes,
                                  step_mode=mode,
                                  mode_fallbacks=self.mode_fallbacks,
                                  structured_outputs=structured_outputs)
@@ -167,6 +178,22 @@ class LLMEngine:
         self.prefix_requests = PrefixRequests(self)
         self._seeds = np.random.default_rng(config.seed)
         self.last_step_error: BaseException | None = None
+
+    @staticmethod
+    def _adapter_table(config: EngineConfig, model_config: LlamaConfig, mesh
+                       ) -> AdapterSlotTable:
+        """The adapter slots the scheduler hands out, reading adapters for this model (laid
+        out for its mesh)."""
+        size = 1 if mesh is None else mesh.size
+
+        def read(request: LoRARequest):
+            adapter = read_adapter(request, model_config, config.max_lora_rank)
+            if size == 1:
+                return adapter
+            return dataclasses.replace(adapter, factors=regroup_adapter(adapter.factors,
+                                                                        model_config, size))
+
+        return AdapterSlotTable(config.max_loras, config.max_cpu_loras or config.max_loras, read)
 
     # The core's parts, as researchers and tests read them.
 
@@ -197,10 +224,26 @@ class LLMEngine:
 
     def process_request(self, request_id: str, prompt: PromptType,
                         params: SamplingParams | BeamSearchParams | None = None, *,
-                        cache_salt: str | None = None) -> EngineRequest:
-        """The request parsed, tokenized and checked (`InputProcessor.process`), ready
-        for `add_request`; raises ValueError/TypeError naming the bad parameter."""
-        return self.input_processor.process(request_id, prompt, params, cache_salt)
+                        cache_salt: str | None = None,
+                        lora_request: LoRARequest | None = None) -> EngineRequest:
+        """The request parsed, tokenized and checked (`InputProcessor.process`), its LoRA
+        adapter read, ready for `add_request`; raises ValueError/TypeError naming the bad
+        parameter."""
+        request = self.input_processor.process(request_id, prompt, params, cache_salt)
+        if lora_request is None:
+            return request
+        return dataclasses.replace(request, adapter=self.lora_adapter(lora_request))
+
+    def lora_adapter(self, lora_request: LoRARequest):
+        """The adapter of `lora_request`, read (or from the host cache) and checked:
+        ValueError/TypeError naming the field, changing nothing, if it cannot serve."""
+        if not isinstance(lora_request, LoRARequest):
+            raise TypeError(f"lora_request must be a LoRARequest, got "
+                            f"{type(lora_request).__name__}")
+        if self.adapters is None:
+            raise ValueError(f"lora_request {lora_request.lora_name!r}: LoRA is off; start "
+                             "the engine with enable_lora=True")
+        return self.adapters.adapter(lora_request)
 
     def add_request(
         self,
@@ -209,13 +252,16 @@ class LLMEngine:
         params: SamplingParams | BeamSearchParams | None = None,
         *,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request. Raises ValueError/TypeError, changing nothing, on bad input.
 
         prompt: text, token ids, a vLLM prompt dict (jpaged.inputs; a "cache_salt"
         in it counts as the cache_salt argument), or what `process_request` made.
+        lora_request: the LoRA adapter it runs with (enable_lora), None the base model.
         """
-        request = self.request_of(request_id, prompt, params, cache_salt=cache_salt)
+        request = self.request_of(request_id, prompt, params, cache_salt=cache_salt,
+                                  lora_request=lora_request)
         if request_id in self.output_processor:
             raise ValueError(f"request id {request_id!r} is already in use")
         group, search = self._new_group(request)
@@ -229,11 +275,12 @@ class LLMEngine:
 
     def request_of(self, request_id: str, prompt: PromptType | EngineRequest,
                    params: SamplingParams | BeamSearchParams | None = None, *,
-                   cache_salt: str | None = None) -> EngineRequest:
+                   cache_salt: str | None = None,
+                   lora_request: LoRARequest | None = None) -> EngineRequest:
         """`prompt` as the processed request `request_id` (`process_request`, unless it is
         one already); ValueError if it is one of another id."""
         request = prompt if isinstance(prompt, EngineRequest) else self.process_request(
-            request_id, prompt, params, cache_salt=cache_salt)
+            request_id, prompt, params, cache_salt=cache_salt, lora_request=lora_request)
         if request.request_id != request_id:
             raise ValueError(f"request id {request_id!r} names a processed request "
                              f"{request.request_id!r}")
@@ -251,7 +298,8 @@ class LLMEngine:
         group = SequenceGroup(request.request_id,
                               [Sequence(0, list(request.prompt_token_ids), grammar=grammar)],
                               params, arrival_time=request.arrival_time,
-                              cache_salt=request.cache_salt, eos_token_ids=self.eos_token_ids)
+                              cache_salt=prefix_salt(request.cache_salt, request.adapter),
+                              eos_token_ids=self.eos_token_ids, adapter=request.adapter)
         search = None
         if isinstance(params, BeamSearchParams):
             max_tokens = StopRule.of(group, self.max_model_len).max_output
@@ -389,7 +437,10 @@ class LLMEngine:
             kv_bytes_per_token=self.kv_cache_info.bytes_per_token,
             spec_decode=SpecDecodeCounts().add(self.stats.spec_decode),
             structured_outputs=StructuredOutputCounts().add(self.stats.structured_outputs),
-            mode_fallbacks=dict(self.mode_fallbacks.counts))
+            mode_fallbacks=dict(self.mode_fallbacks.counts),
+            lora=LoRACounts() if self.adapters is None else LoRACounts.of(
+                self.adapters, self.kv_cache_info.adapter_bytes,
+                (*scheduler.running, *scheduler.swapped), scheduler.waiting))
 
 
 def _proposer(config: EngineConfig, draft, runner: ModelRunner, kv_manager: KVManager,

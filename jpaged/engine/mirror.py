@@ -23,6 +23,7 @@ from jpaged.engine.input_processor import EngineRequest
 from jpaged.engine.lockstep import ProcessGroup
 from jpaged.engine.protocol import Engine, EngineState
 from jpaged.inputs import PromptType
+from jpaged.lora.request import LoRARequest
 from jpaged.outputs import RequestOutput
 from jpaged.sampling_params import BeamSearchParams, SamplingParams
 
@@ -52,11 +53,12 @@ class RequestMirror:
 
     def add_request(self, request_id: str, prompt: PromptType | EngineRequest,
                     params: SamplingParams | BeamSearchParams | None = None, *,
-                    cache_salt: str | None = None) -> None:
+                    cache_salt: str | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
         """`Engine.add_request`; the request, processed, goes to the others with the next
         step (only once it was accepted here: they would refuse it too)."""
         request = prompt if isinstance(prompt, EngineRequest) else self.engine.process_request(
-            request_id, prompt, params, cache_salt=cache_salt)
+            request_id, prompt, params, cache_salt=cache_salt, lora_request=lora_request)
         self.engine.add_request(request_id, request)
         self._journal.append(("add", request_id, request))
 
@@ -92,8 +94,10 @@ class RequestMirror:
 
     def process_request(self, request_id: str, prompt: PromptType,
                         params: SamplingParams | BeamSearchParams | None = None, *,
-                        cache_salt: str | None = None) -> EngineRequest:
-        return self.engine.process_request(request_id, prompt, params, cache_salt=cache_salt)
+                        cache_salt: str | None = None,
+                        lora_request: LoRARequest | None = None) -> EngineRequest:
+        return self.engine.process_request(request_id, prompt, params, cache_salt=cache_salt,
+                                           lora_request=lora_request)
 
     def tokenize(self, prompt: PromptType, add_special_tokens: bool = True) -> list[int]:
         return self.engine.tokenize(prompt, add_special_tokens)

@@ -11,8 +11,9 @@ from typing import Any, Protocol
 
 from jpaged.engine.config import EngineConfig
 from jpaged.engine.input_processor import EngineRequest
-from jpaged.engine.stats import SpecDecodeCounts
+from jpaged.engine.stats import LoRACounts, SpecDecodeCounts
 from jpaged.inputs import PromptType
+from jpaged.lora.request import LoRARequest
 from jpaged.memory.host_tier import HostPoolCounts
 from jpaged.outputs import RequestOutput, ReservedPrefix
 from jpaged.sampling_params import BeamSearchParams, SamplingParams
@@ -49,6 +50,8 @@ class EngineState:
     """Requests with a grammar, grammar compiles and token-mask fills so far."""
     host_pool: HostPoolCounts = field(default_factory=HostPoolCounts)
     """The host pool's blocks (swapped, the tier's copies) and the tier's traffic."""
+    lora: LoRACounts = field(default_factory=LoRACounts)
+    """The LoRA adapter slots beside the KV pool, their loads and requests per adapter."""
 
     @property
     def kv_usage(self) -> float:
@@ -82,7 +85,8 @@ class EngineState:
                 StructuredOutputCounts.add, (s.structured_outputs for s in states),
                 StructuredOutputCounts()),
             host_pool=functools.reduce(HostPoolCounts.add, (s.host_pool for s in states),
-                                       HostPoolCounts()))
+                                       HostPoolCounts()),
+            lora=functools.reduce(LoRACounts.add, (s.lora for s in states), LoRACounts()))
 
 
 class Engine(Protocol):
@@ -98,11 +102,13 @@ class Engine(Protocol):
 
     def process_request(self, request_id: str, prompt: PromptType,
                         params: SamplingParams | BeamSearchParams | None = None, *,
-                        cache_salt: str | None = None) -> EngineRequest: ...
+                        cache_salt: str | None = None,
+                        lora_request: LoRARequest | None = None) -> EngineRequest: ...
 
     def add_request(self, request_id: str, prompt: PromptType | EngineRequest,
                     params: SamplingParams | BeamSearchParams | None = None, *,
-                    cache_salt: str | None = None) -> None: ...
+                    cache_salt: str | None = None,
+                    lora_request: LoRARequest | None = None) -> None: ...
 
     def abort(self, request_id: str) -> None: ...
     def reserve_prefix(self, prompt: str | list[int], cache_salt: str | None = None

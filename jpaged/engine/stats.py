@@ -17,7 +17,7 @@ import functools
 import itertools
 from collections import Counter, deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -57,6 +57,52 @@ class KVBlockCounts(NamedTuple):
         return cls(manager.num_device_blocks, manager.physical_blocks_used,
                    manager.logical_blocks_used, manager.group_blocks_used,
                    manager.num_reserved_blocks)
+
+
+@dataclass(frozen=True)
+class LoRACounts:
+    """The LoRA adapter slots beside the KV pool (all 0 without LoRA).
+
+    slot_bytes: the slots' bytes on one device, taken off the KV pool's budget;
+    slots_total: max_loras; slots_loaded: slots holding an adapter; slots_in_use:
+    those running requests use (never reassigned). loads: adapters put into a slot;
+    reads / read_seconds: adapters read from disk and checked, and the time it took.
+    running / waiting: adapter name -> its requests running (or swapped out) / waiting.
+    """
+
+    slot_bytes: int = 0
+    slots_total: int = 0
+    slots_loaded: int = 0
+    slots_in_use: int = 0
+    loads: int = 0
+    reads: int = 0
+    read_seconds: float = 0.0
+    running: dict[str, int] = field(default_factory=dict)
+    waiting: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, table, slot_bytes: int, running: Iterable, waiting: Iterable) -> LoRACounts:
+        """An AdapterSlotTable's counts now; running / waiting: the scheduler's groups."""
+        return cls(slot_bytes, table.num_slots,
+                   sum(adapter is not None for adapter in table.slot_adapters),
+                   sum(users > 0 for users in table.users), table.num_loads, table.num_reads,
+                   table.read_seconds, _requests_per_adapter(running),
+                   _requests_per_adapter(waiting))
+
+    def add(self, other: LoRACounts) -> LoRACounts:
+        """Two replicas' counts together."""
+        sums = {name: getattr(self, name) + getattr(other, name) for name in (
+            "slot_bytes", "slots_total", "slots_loaded", "slots_in_use", "loads", "reads",
+            "read_seconds")}
+        return LoRACounts(**sums, running=dict(Counter(self.running) + Counter(other.running)),
+                          waiting=dict(Counter(self.waiting) + Counter(other.waiting)))
+
+    def summary(self) -> dict:
+        return asdict(self)
+
+
+def _requests_per_adapter(groups: Iterable) -> dict[str, int]:
+    return dict(Counter(group.adapter.name for group in groups if group.adapter is not None))
 
 
 def block_usage(manager, groups) -> list[tuple[str, int, int]]:
@@ -145,6 +191,8 @@ class EngineStats:
     step_log: when a list, every step appends its StepRecord (a study's record of the
     steps' shapes); None, the default, keeps a server's memory constant.
     num_reserved_kv_blocks: the device blocks reserved prefixes held as the last step ran.
+    lora_slot_bytes: the LoRA adapter slots' bytes on one device (off the KV pool's
+    budget); lora_loads: adapters the steps put into a slot.
     """
 
     num_steps: int = 0
@@ -176,6 +224,8 @@ class EngineStats:
     mode_fallbacks: ModeFallbacks = field(default_factory=ModeFallbacks)
     step_log: list[StepRecord] | None = None
     structured_outputs: StructuredOutputCounts = field(default_factory=StructuredOutputCounts)
+    lora_slot_bytes: int = 0
+    lora_loads: int = 0
 
     def record_blocks(self, blocks: KVBlockCounts) -> None:
         """The KV blocks a step runs with: counted after scheduling (appends and their
@@ -205,6 +255,7 @@ class EngineStats:
         self.prefix_cache_hit_tokens = prefix_cache.hit_tokens
         self.prefix_cache_tier_hit_tokens = prefix_cache.tier_hit_tokens
         self.host_pool = host_pool
+        self.lora_loads += len(plan.adapter_loads)
         if self.step_log is not None:
             self.step_log.append(StepRecord(tuple(n for _, n in plan.scheduled),
                                             tuple(plan.context_lens)))
@@ -350,6 +401,8 @@ def summarize(replicas: Sequence[EngineStats]) -> dict:
         "kv_blocks_reserved": sum(r.num_reserved_kv_blocks for r in replicas),
         "kv_cache_dtype": replicas[0].kv_cache_dtype if replicas else "",
         "kv_bytes_per_token": replicas[0].kv_bytes_per_token if replicas else 0,
+        "lora_slot_bytes": replicas[0].lora_slot_bytes if replicas else 0,
+        "lora_loads": sum(r.lora_loads for r in replicas),
         "ttft_s": percentiles(value for r in replicas for value in r.ttft),
         "tpot_s": percentiles(value for r in replicas for value in r.tpot),
         "spec_decode": functools.reduce(SpecDecodeCounts.add, (r.spec_decode for r in replicas),

@@ -19,6 +19,7 @@ from jpaged.engine.data_parallel import DataParallelEngine
 from jpaged.engine.llm_engine import LLMEngine
 from jpaged.engine.lockstep import check_process_layout
 from jpaged.inputs import PromptType, as_prompt_list
+from jpaged.lora.request import LoRARequest
 from jpaged.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput, ReservedPrefix
 from jpaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
@@ -55,8 +56,12 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; one finished output per prompt, in order.
+
+        lora_request: the LoRA adapter of every prompt, or a list of one per prompt (None
+        in it: the base model); needs an engine with enable_lora=True.
 
         prompts: a prompt (str, token ids, {"prompt": ...}, {"prompt_token_ids": ...})
         or a list of them. Every prompt is processed (and tokenized, once) before
@@ -68,7 +73,8 @@ class LLM:
         params_list = self._params_per_prompt(sampling_params, len(prompt_list))
         final = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
                  for p in params_list]
-        return self._run(prompt_list, final, use_tqdm)
+        return self._run(prompt_list, final, use_tqdm,
+                         _per_prompt("lora_request", lora_request, len(prompt_list)))
 
     def chat(
         self,
@@ -169,17 +175,19 @@ class LLM:
             )
         return [params] * num_prompts
 
-    def _run(self, prompts: list[PromptType], params: list, use_tqdm: bool
-             ) -> list[RequestOutput]:
+    def _run(self, prompts: list[PromptType], params: list, use_tqdm: bool,
+             lora_requests: list[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Process every prompt, queue them all, then step until each is done."""
         for request_params in params:
             if not isinstance(request_params, SamplingParams | BeamSearchParams):
                 raise TypeError(
                     f"sampling_params must be SamplingParams, got {type(request_params).__name__}"
                 )
+        lora_requests = lora_requests or [None] * len(prompts)
         requests = [self.engine.process_request(f"generate-{next(self._request_ids)}", prompt,
-                                                request_params)
-                    for prompt, request_params in zip(prompts, params, strict=True)]
+                                                request_params, lora_request=lora)
+                    for prompt, request_params, lora in zip(prompts, params, lora_requests,
+                                                            strict=True)]
         request_ids = [request.request_id for request in requests]
         # All or nothing: a rejected prompt, a failed step or an interrupt withdraws
         # every request of this call (aborting a finished one is a no-op).
@@ -206,3 +214,13 @@ class LLM:
                 if self.engine.last_step_error is not None:
                     raise self.engine.last_step_error
         return [finished[request_id] for request_id in request_ids]
+
+
+def _per_prompt(name: str, value, num_prompts: int) -> list:
+    """One value per prompt: `value` for all, or its entries (ValueError naming `name` if
+    they are not num_prompts)."""
+    if not isinstance(value, list | tuple):
+        return [value] * num_prompts
+    if len(value) != num_prompts:
+        raise ValueError(f"got {len(value)} entries of {name} for {num_prompts} prompts")
+    return list(value)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -11,7 +13,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from jpaged.engine.async_engine import AsyncLLMEngine
-from jpaged.engine.stats import SpecDecodeCounts
+from jpaged.engine.stats import LoRACounts, SpecDecodeCounts
 from jpaged.entrypoints.protocol import PromptRun
 from jpaged.memory.host_tier import HostPoolCounts
 from jpaged.outputs import RequestOutput
@@ -68,6 +70,7 @@ class EngineCollector:
         yield dtype
         yield from _spec_decode_metrics(state.spec_decode)
         yield from _structured_output_metrics(state.structured_outputs)
+        yield from _lora_metrics(state.lora)
         fallbacks = CounterMetricFamily(
             "jpaged:mode_fallbacks", "Defaults that gave way to another setting, and steps "
             "that ran another way than the engine's step mode (jpaged.core.step_modes).",
@@ -132,6 +135,41 @@ def _structured_output_metrics(counts: StructuredOutputCounts):
          counts.fill_steps),
         ("token_mask_fill_rows", "Token masks filled.", counts.fill_rows),
         ("token_mask_fill_seconds", "Time spent filling token masks.", counts.fill_seconds)))
+
+
+def _lora_metrics(counts: LoRACounts):
+    """The LoRA adapter slots beside the KV pool, their loads, and the requests of each
+    adapter (all 0 without LoRA); lora_requests_info is vLLM's series."""
+    gauges = (
+        ("lora_slot_bytes", "Bytes of the LoRA adapter slots on one device, taken off the "
+         "KV pool's budget.", counts.slot_bytes),
+        ("lora_slots_total", "LoRA adapter slots on the device (max_loras).",
+         counts.slots_total),
+        ("lora_slots_loaded", "Slots holding an adapter.", counts.slots_loaded),
+        ("lora_slots_in_use", "Slots running requests use (never reassigned while used).",
+         counts.slots_in_use))
+    for name, documentation, value in gauges:
+        yield GaugeMetricFamily(f"jpaged:{name}", documentation, value=value)
+    yield from _counters((
+        ("lora_loads", "Adapters put into a device slot.", counts.loads),
+        ("lora_reads", "Adapters read from disk and checked (the host cache's misses).",
+         counts.reads),
+        ("lora_read_seconds", "Time spent reading and checking adapters.",
+         counts.read_seconds)))
+    for queue, per_adapter in (("running", counts.running), ("waiting", counts.waiting)):
+        family = GaugeMetricFamily(f"jpaged:lora_requests_{queue}",
+                                   f"Requests {queue} with each LoRA adapter.",
+                                   labels=["lora_name"])
+        for name, value in sorted(per_adapter.items()):
+            family.add_metric([name], value)
+        yield family
+    info = GaugeMetricFamily(
+        "jpaged:lora_requests_info", "The adapters of running and waiting requests, as "
+        "labels (vLLM's vllm:lora_requests_info); the value is when it was read.",
+        labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+    info.add_metric([str(counts.slots_total), ",".join(sorted(counts.running)),
+                     ",".join(sorted(counts.waiting))], time.time())
+    yield info
 
 
 class ServerMetrics:

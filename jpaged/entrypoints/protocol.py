@@ -591,3 +591,24 @@ class ChatJob(Job):
         if self.body.prompt_logprobs is None:
             return {}
         return {"prompt_logprobs": prompt_logprobs_entries(self.runs[0].prompt_logprobs)}
+
+
+class LoadLoRAAdapterRequest(OpenAIBaseModel):
+    """POST /v1/load_lora_adapter (vLLM's body): the name requests will give as `model`,
+    and the adapter's PEFT directory (inside the server's allowed directory)."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(OpenAIBaseModel):
+    """POST /v1/unload_lora_adapter (vLLM's body): the adapter's name or lora_int_id."""
+
+    lora_name: str | None = None
+    lora_int_id: Integer | None = None
+
+    @model_validator(mode="after")
+    def _names_one(self) -> UnloadLoRAAdapterRequest:
+        if self.lora_name is None and self.lora_int_id is None:
+            raise ValueError("give lora_name or lora_int_id")
+        return self

@@ -1,13 +1,16 @@
 """An OpenAI-compatible HTTP server over AsyncLLMEngine, on FastAPI and uvicorn.
 
-    GET  /v1/models             the served model
-    GET  /v1/models/{id}        its card (404 for another id)
+    GET  /v1/models             the served model and its LoRA adapters
+    GET  /v1/models/{id}        a card (404 for another id)
     POST /v1/completions        text or token-id prompts (a batch too), echo, logprobs
     POST /v1/chat/completions   messages through the model's chat template
     POST /tokenize, /detokenize, GET /tokenizer_info, /version
                                 the tokenizer over HTTP (jpaged.entrypoints.tokenization)
     GET  /health                200 while the engine runs, else 503
     GET  /metrics               Prometheus text format
+    POST /v1/load_lora_adapter, /v1/unload_lora_adapter
+                                LoRA adapters at run time, where the server allows it
+                                (jpaged.entrypoints.lora; else 404)
 
 Streams are server-sent events ending with `data: [DONE]`; a request that fails
 mid-stream, or that the server's shutdown ends, sends `data: {"error": ...}` before
@@ -49,8 +52,10 @@ from jpaged.engine.async_engine import (
 )
 from jpaged.engine.mirror import HEARTBEAT_S, RequestMirror
 from jpaged.entrypoints.errors import ApiError, RequestFailedError, validation_error
+from jpaged.entrypoints.lora import LoRAModule, check_adapter
 from jpaged.entrypoints.serving import OpenAIServing
 from jpaged.entrypoints.tokenization import TokenizerEndpoints
+from jpaged.lora.request import LoRARequest
 from jpaged.outputs import ReservedPrefix
 
 logger = logging.getLogger("jpaged")
@@ -96,6 +101,16 @@ def reserve_system_prompts(engine: Engine, system_prompts: Sequence[str],
                     prefix.num_cached_tokens, prefix.num_blocks)
         reserved.append(prefix)
     return reserved
+
+
+def check_lora_modules(engine: Engine, modules: Sequence[LoRAModule]) -> None:
+    """Read and check each LoRA module's adapter, as its requests would: a ValueError
+    naming the module, its file and field for one the engine cannot serve."""
+    for int_id, module in enumerate(modules, 1):  # the ids ServedModels gives them
+        try:
+            check_adapter(engine, LoRARequest(module.name, int_id, module.path))
+        except (ValueError, TypeError) as error:
+            raise ValueError(f"--lora-modules {module.name}={module.path}: {error}") from None
 
 
 class BodySizeLimit:
@@ -187,12 +202,16 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | None = None,
               max_body_bytes: int = MAX_BODY_BYTES,
-              enable_prompt_tokens_details: bool = False,
-              chat_template: str | None = None) -> FastAPI:
+              enable_prompt_tokens_details: bool = False, chat_template: str | None = None,
+              *, lora_modules: Sequence[LoRAModule] = (), runtime_lora_updating: bool = False,
+              lora_allowed_dir: str | None = None) -> FastAPI:
     """The server's FastAPI app; its lifespan's end shuts the engine down.
     enable_prompt_tokens_details: usage reports the prompt tokens the prefix cache served
     (`usage.prompt_tokens_details.cached_tokens`, vLLM's option); chat_template: the
-    jinja2 template chat requests use instead of the model's (vLLM's --chat-template)."""
+    jinja2 template chat requests use instead of the model's (vLLM's --chat-template).
+    lora_modules: the LoRA adapters served from the start (`check_lora_modules` checks
+    them); runtime_lora_updating: the load and unload endpoints answer, for adapters
+    inside lora_allowed_dir."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -201,7 +220,9 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
 
     app = FastAPI(title="jpaged", lifespan=lifespan)
     serving = OpenAIServing(engine, served_model_name, enable_prompt_tokens_details,
-                            chat_template)
+                            chat_template, lora_modules=lora_modules,
+                            runtime_lora_updating=runtime_lora_updating,
+                            lora_allowed_dir=lora_allowed_dir)
     app.state.serving = serving
     tokenizer = TokenizerEndpoints(serving)
     json_body = [Depends(require_json)]
@@ -209,6 +230,8 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
     app.get("/v1/models/{model_id:path}")(serving.model)
     app.post("/v1/completions", dependencies=json_body)(serving.create_completion)
     app.post("/v1/chat/completions", dependencies=json_body)(serving.create_chat_completion)
+    app.post("/v1/load_lora_adapter", dependencies=json_body)(serving.load_lora_adapter)
+    app.post("/v1/unload_lora_adapter", dependencies=json_body)(serving.unload_lora_adapter)
     app.post("/tokenize", dependencies=json_body)(tokenizer.tokenize)
     app.post("/detokenize", dependencies=json_body)(tokenizer.detokenize)
     app.get("/tokenizer_info")(tokenizer.tokenizer_info)
@@ -262,17 +285,21 @@ def serve(engine: Engine, *, served_model_name: str, host: str = "127.0.0.1",
           port: int = 8000, api_key: str | None = None, max_waiting: int = 1024,
           max_body_bytes: int = MAX_BODY_BYTES, warmup: bool = False,
           shutdown_timeout: float = SHUTDOWN_TIMEOUT_S,
-          enable_prompt_tokens_details: bool = False, chat_template: str | None = None) -> None:
+          enable_prompt_tokens_details: bool = False, chat_template: str | None = None,
+          lora_modules: Sequence[LoRAModule] = (), runtime_lora_updating: bool = False,
+          lora_allowed_dir: str | None = None) -> None:
     """Serve `engine` until SIGINT/SIGTERM: then no new connection is accepted, running
     requests get shutdown_timeout seconds to finish, the rest are aborted (their streams
     end with an error event and [DONE]), and the engine thread is joined. warmup=True
     compiles every step shape first (`LLMEngine.warmup`, every replica's for a
     DataParallelEngine), so no request waits for a compile. enable_prompt_tokens_details,
-    chat_template: as build_app's.
+    chat_template and the LoRA arguments: as build_app's (a LoRA module the engine cannot
+    serve raises ValueError before anything starts).
 
     In a job of several processes `engine` is process 0's RequestMirror (the others
     run `jpaged.engine.mirror.follow`): while idle it beats every HEARTBEAT_S
     seconds, and once the server ended the others stop."""
+    check_lora_modules(engine, lora_modules)
     if warmup:
         started = time.perf_counter()
         num_shapes = engine.warmup()
@@ -284,7 +311,9 @@ def serve(engine: Engine, *, served_model_name: str, host: str = "127.0.0.1",
                                   idle_s=HEARTBEAT_S)
     try:
         app = build_app(async_engine, served_model_name, api_key, max_body_bytes,
-                        enable_prompt_tokens_details, chat_template)
+                        enable_prompt_tokens_details, chat_template, lora_modules=lora_modules,
+                        runtime_lora_updating=runtime_lora_updating,
+                        lora_allowed_dir=lora_allowed_dir)
         DrainingServer(app, async_engine, shutdown_timeout, host=host, port=port,
                        log_level="info").run()
     finally:

@@ -7,13 +7,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 
 from jpaged.engine.async_engine import AsyncLLMEngine, Engine, EngineStoppedError
 from jpaged.entrypoints.errors import (
@@ -23,6 +22,7 @@ from jpaged.entrypoints.errors import (
     check_context,
     stream_error,
 )
+from jpaged.entrypoints.lora import LoRAModule, ServedModels, check_adapter
 from jpaged.entrypoints.metrics import ServerMetrics
 from jpaged.entrypoints.protocol import (
     ChatCompletionRequest,
@@ -31,11 +31,14 @@ from jpaged.entrypoints.protocol import (
     CompletionRequest,
     EncodedPrompt,
     Job,
+    LoadLoRAAdapterRequest,
     PromptRun,
     SamplingFields,
+    UnloadLoRAAdapterRequest,
     next_text_offset,
 )
 from jpaged.entrypoints.structured_outputs import Constraint, request_constraint
+from jpaged.lora.request import LoRARequest
 from jpaged.outputs import RequestOutput
 from jpaged.sampling_params import SamplingParams
 
@@ -194,36 +197,52 @@ def sse(payload: dict) -> str:
 
 
 class OpenAIServing:
-    """The endpoints' logic over one engine and one served model name; chat_template:
-    the jinja2 template chat requests use instead of the model's (serve's --chat-template)."""
+    """The endpoints' logic over one engine and the models it serves (the base model
+    and its LoRA adapters: jpaged.entrypoints.lora); chat_template: the jinja2 template
+    chat requests use instead of the model's (serve's --chat-template)."""
 
     def __init__(self, engine: AsyncLLMEngine, served_model_name: str,
-                 enable_prompt_tokens_details: bool = False, chat_template: str | None = None):
+                 enable_prompt_tokens_details: bool = False, chat_template: str | None = None,
+                 *, lora_modules: Sequence[LoRAModule] = (), runtime_lora_updating: bool = False,
+                 lora_allowed_dir: str | None = None):
         self.engine = engine
-        self.served_model_name = served_model_name
         self.enable_prompt_tokens_details = enable_prompt_tokens_details
         self.chat_template = chat_template
         self.max_model_len = engine.engine.max_model_len
+        self.served_models = ServedModels(served_model_name, engine.engine.config.model,
+                                          self.max_model_len, lora_modules,
+                                          runtime_lora_updating, lora_allowed_dir)
         self.max_logprobs = engine.engine.config.max_logprobs
         self.metrics = ServerMetrics(engine)
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.served_model_name:
-            raise ApiError(404, f"the model '{model}' does not exist; this server serves "
-                                f"'{self.served_model_name}'", "model")
-
-    def model_card(self) -> dict:
-        return {"id": self.served_model_name, "object": "model", "created": int(time.time()),
-                "owned_by": "jpaged", "root": self.engine.engine.config.model,
-                "max_model_len": self.max_model_len}
-
     def models(self) -> dict:
-        return {"object": "list", "data": [self.model_card()]}
+        return {"object": "list", "data": self.served_models.cards()}
 
     def model(self, model_id: str) -> dict:
-        """GET /v1/models/{model_id}: the served model's card, or 404."""
-        self.check_model(model_id)
-        return self.model_card()
+        """GET /v1/models/{model_id}: the model's or adapter's card, or 404."""
+        return self.served_models.card(model_id)
+
+    def response_model(self, model: str | None) -> str:
+        """The `model` a response names: the request's, or the base model's."""
+        return model or self.served_models.base_name
+
+    # /v1/load_lora_adapter, /v1/unload_lora_adapter
+
+    async def load_lora_adapter(self, body: LoadLoRAAdapterRequest) -> Response:
+        """Read and check the adapter, then list it: 400 naming the file and field of
+        one the engine cannot serve, or a path outside the allowed directory."""
+        self.served_models.check_updates_allowed()
+        request = self.served_models.begin_load(body.lora_name, body.lora_path)
+        await self.on_engine(lambda engine: check_adapter(engine, request), "lora_path")
+        self.served_models.finish_load(request)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added "
+                                 "successfully.")
+
+    async def unload_lora_adapter(self, body: UnloadLoRAAdapterRequest) -> Response:
+        """Take the adapter off the list: running requests finish with it."""
+        self.served_models.check_updates_allowed()
+        name = self.served_models.unload(body.lora_name, body.lora_int_id)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
     async def on_engine(self, fn: Callable[[Engine], T], param: str) -> T:
         """fn(engine) on the engine thread; its ValueError/TypeError is a 400 naming the
@@ -235,16 +254,18 @@ class OpenAIServing:
 
     async def start(self, request_id: str, prompts: list[EncodedPrompt], params: SamplingParams,
                     cache_salt: str | None, renamed: dict[str, str],
-                    constraint: Constraint | None = None) -> list[PromptRun]:
-        """One engine request per prompt; all or none of them. A ValueError/TypeError is a
-        400 naming the request's field: `renamed` maps the engine's names to the request's,
-        and the constraint names what of it does not compile."""
+                    constraint: Constraint | None = None,
+                    lora_request: LoRARequest | None = None) -> list[PromptRun]:
+        """One engine request per prompt (with the LoRA adapter `lora_request`, None: the
+        base model); all or none of them. A ValueError/TypeError is a 400 naming the
+        request's field: `renamed` maps the engine's names to the request's, and the
+        constraint names what of it does not compile."""
         runs: list[PromptRun] = []
         try:
             for index, prompt in enumerate(prompts):
                 stream = await self.engine.generate(
                     f"{request_id}-{index}", {"prompt_token_ids": prompt.token_ids}, params,
-                    cache_salt=cache_salt)
+                    cache_salt=cache_salt, lora_request=lora_request)
                 runs.append(PromptRun(index, prompt, stream))
         except BaseException as error:
             for run in runs:
@@ -295,7 +316,7 @@ class OpenAIServing:
     # /v1/completions
 
     async def create_completion(self, body: CompletionRequest, raw_request: Request) -> Any:
-        self.check_model(body.model)
+        lora_request = self.served_models.lora_request(body.model)
         constraint = request_constraint(body)
         params = completion_sampling_params(body, self.max_logprobs, constraint)
         prompt_list = body.prompts()
@@ -308,8 +329,9 @@ class OpenAIServing:
                           "max_tokens", "prompt")
         request_id = f"cmpl-{uuid.uuid4().hex}"
         runs = await self.start(request_id, prompts, params, body.cache_salt,
-                                {"n": "best_of"} if body.best_of is not None else {}, constraint)
-        job = CompletionJob(request_id, body, runs, self.served_model_name,
+                                {"n": "best_of"} if body.best_of is not None else {}, constraint,
+                                lora_request)
+        job = CompletionJob(request_id, body, runs, self.response_model(body.model),
                             cached_tokens_in_usage=self.enable_prompt_tokens_details)
         if body.stream:
             return StreamingResponse(
@@ -339,7 +361,7 @@ class OpenAIServing:
 
     async def create_chat_completion(self, body: ChatCompletionRequest,
                                      raw_request: Request) -> Any:
-        self.check_model(body.model)
+        lora_request = self.served_models.lora_request(body.model)
         constraint = request_constraint(body)
         params = chat_sampling_params(body, self.max_logprobs, constraint)
         messages = [message.as_template_message() for message in body.messages]
@@ -352,8 +374,8 @@ class OpenAIServing:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         runs = await self.start(request_id, [EncodedPrompt(token_ids)], params, body.cache_salt,
                                 {"max_tokens": param, "logprobs": "top_logprobs",
-                                 "prompt": "messages"}, constraint)
-        job = ChatJob(request_id, body, runs, self.served_model_name,
+                                 "prompt": "messages"}, constraint, lora_request)
+        job = ChatJob(request_id, body, runs, self.response_model(body.model),
                       cached_tokens_in_usage=self.enable_prompt_tokens_details,
                       forced_calls=None if constraint is None else constraint.forced_calls)
         if body.stream:

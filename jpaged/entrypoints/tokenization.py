@@ -54,7 +54,7 @@ class TokenizerEndpoints:
         self.serving = serving
 
     async def tokenize(self, body: TokenizeRequest) -> dict:
-        self.serving.check_model(body.model)
+        self.serving.served_models.lora_request(body.model)  # 404 for another model
         if (body.prompt is None) == (body.messages is None):
             raise ApiError(400, "send either 'prompt' or 'messages'", "prompt")
         if body.prompt is not None:
@@ -76,7 +76,7 @@ class TokenizerEndpoints:
                 "max_model_len": self.serving.max_model_len, "token_strs": token_strs}
 
     async def detokenize(self, body: DetokenizeRequest) -> dict:
-        self.serving.check_model(body.model)
+        self.serving.served_models.lora_request(body.model)  # 404 for another model
 
         def decode(engine: Engine) -> str:
             vocab_size = len(engine.tokenizer)

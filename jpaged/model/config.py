@@ -49,6 +49,24 @@ class LongRopeScaling:
 
 
 @dataclass(frozen=True)
+class AdapterSlots:
+    """The static LoRA slots of a model: `num_slots` adapters (vLLM's max_loras) of rank at
+    most `max_rank` (max_lora_rank) held at once on the device, in every projection.
+
+    Slot ids run 1..num_slots; slot 0 is the base model, which no array row holds: a
+    token of slot 0 matches no slot and gets no low-rank term."""
+
+    num_slots: int
+    max_rank: int
+
+    def __post_init__(self):
+        for name in ("num_slots", "max_rank"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
+@dataclass(frozen=True)
 class LlamaConfig:
     """Architecture of a Llama-family decoder.
 
@@ -76,6 +94,9 @@ class LlamaConfig:
     g-th slice of each). 1 is Hugging Face's order concatenated; tensor
     parallelism over N devices lays them out in N groups (jpaged.model.sharding),
     so that each device's contiguous slice of the columns is its own q, k, v.
+
+    adapter_slots: the LoRA adapter slots every projection carries (jpaged.model.lora);
+    None: a model without adapters.
     """
 
     vocab_size: int
@@ -106,6 +127,7 @@ class LlamaConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     shard_groups: int = 1
+    adapter_slots: AdapterSlots | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",

@@ -29,7 +29,7 @@ from jax import lax
 from jpaged._deprecation import moved_names
 from jpaged.core.attention_metadata import AttentionMetadata
 from jpaged.memory.kv_cache_groups import KVCacheGroups
-from jpaged.model.config import LlamaConfig
+from jpaged.model.config import AdapterSlots, LlamaConfig
 from jpaged.model.rope import apply_rope, layer_ropes, rope_tables
 from kernels_pallas import quantization
 from kernels_pallas.online_softmax import NO_WINDOW
@@ -116,18 +116,54 @@ def matmul(x: jax.Array, kernel: jax.Array | PerLayerKernels) -> jax.Array:
     return dot(x, kernel)
 
 
+class LoRAWeight(nnx.Variable):
+    """The LoRA factors of one projection in every adapter slot: A [slots, in, rank] or
+    B [slots, rank, out] (a leading [num_layers] axis when stacked), B already scaled by
+    its adapter's alpha / r. Not a Param: adapters are loaded into them while serving."""
+
+
+def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, adapter_slots: jax.Array) -> jax.Array:
+    """The low-rank terms of a step whose tokens belong to different adapters.
+
+    x [T, in], a [S, in, R], b [S, R, out], adapter_slots int32 [T] (slot s in 1..S uses
+    row s - 1; 0, the base model, none) -> [T, out] in x.dtype, accumulated in float32.
+
+    A masked batched product: every token goes down through every slot's A, the ranks
+    of the slots it does not use are zeroed, and one product with all the B's sums what
+    is left. Its cost grows with S (max_loras, a few), and it needs no sort and no
+    gather of per-token weights (`python -m benchmarks.lora --products` measures it
+    against lax.ragged_dot and a per-token gather).
+    """
+    down = jnp.einsum("ti,sir->tsr", x, a, preferred_element_type=jnp.float32)
+    mine = adapter_slots[:, None] == jnp.arange(1, a.shape[0] + 1, dtype=adapter_slots.dtype)
+    down = jnp.where(mine[:, :, None], down, 0.0).astype(x.dtype)
+    up = jnp.einsum("tsr,sro->to", down, b, preferred_element_type=jnp.float32)
+    return up.astype(x.dtype)
+
+
 class Linear(nnx.Module):
-    """y = x @ kernel (+ bias), kernel [in, out] (transposed from Hugging Face's [out, in])."""
+    """y = x @ kernel (+ bias), kernel [in, out] (transposed from Hugging Face's [out, in]);
+    with adapter slots, + each token's adapter's x @ A @ B (`lora_delta`). pieces: the
+    projections fused in it (q, k, v: 3), each with its own rank of the slots' factors."""
 
     def __init__(self, in_features: int, out_features: int, dtype: jnp.dtype, rngs: nnx.Rngs,
-                 use_bias: bool = False):
+                 use_bias: bool = False, adapters: AdapterSlots | None = None,
+                 pieces: int = 1):
         init = nnx.initializers.lecun_normal()
         self.kernel = nnx.Param(init(rngs.params(), (in_features, out_features), dtype))
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if use_bias else None
+        slots = adapters and adapters.num_slots
+        rank = adapters and pieces * adapters.max_rank
+        self.lora_a = LoRAWeight(jnp.zeros((slots, in_features, rank), dtype)) if adapters \
+            else None
+        self.lora_b = LoRAWeight(jnp.zeros((slots, rank, out_features), dtype)) if adapters \
+            else None
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """x [..., in] -> [..., out] in x.dtype."""
+    def __call__(self, x: jax.Array, adapter_slots: jax.Array | None = None) -> jax.Array:
+        """x [..., in] -> [..., out] in x.dtype; adapter_slots int32 [T] with x [T, in]."""
         y = matmul(x, self.kernel.get_value())
+        if self.lora_a is not None and adapter_slots is not None:
+            y = y + lora_delta(x, self.lora_a[...], self.lora_b[...], adapter_slots)
         return y if self.bias is None else y + self.bias[...]
 
 
@@ -140,8 +176,10 @@ class Attention(nnx.Module):
         self.shard_groups = config.shard_groups
         # q, k and v as one matmul: one pass over x and fewer, larger weight reads.
         qkv_width = (config.num_heads + 2 * config.num_kv_heads) * head_dim
-        self.qkv_proj = Linear(hidden, qkv_width, dtype, rngs, bias)
-        self.o_proj = Linear(config.num_heads * head_dim, hidden, dtype, rngs)
+        adapters = config.adapter_slots
+        self.qkv_proj = Linear(hidden, qkv_width, dtype, rngs, bias, adapters, pieces=3)
+        self.o_proj = Linear(config.num_heads * head_dim, hidden, dtype, rngs,
+                             adapters=adapters)
         self.q_norm = norm(config, head_dim, dtype) if config.qk_norm else None
         self.k_norm = norm(config, head_dim, dtype) if config.qk_norm else None
         self.scale, self.soft_cap = config.attention_scale, config.attn_logit_softcapping
@@ -165,7 +203,9 @@ class Attention(nnx.Module):
         num_tokens, groups = x.shape[0], self.shard_groups
         q_heads, kv_heads = self.num_heads // groups, self.num_kv_heads // groups
         # [T, groups, heads of a group, D]: split within each group (see LlamaConfig).
-        qkv = self.qkv_proj(x).reshape(num_tokens, groups, q_heads + 2 * kv_heads, self.head_dim)
+        slots = metadata.adapter_slots
+        qkv = self.qkv_proj(x, slots).reshape(num_tokens, groups, q_heads + 2 * kv_heads,
+                                              self.head_dim)
         q, k, v = jnp.split(qkv, [q_heads, q_heads + kv_heads], axis=2)
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
@@ -190,7 +230,7 @@ class Attention(nnx.Module):
         )
         if rotated:
             out = rotate(out, self.head_dim, back=True)
-        return self.o_proj(out.reshape(num_tokens, -1).astype(x.dtype)), (k_cache, v_cache)
+        return self.o_proj(out.reshape(num_tokens, -1).astype(x.dtype), slots), (k_cache, v_cache)
 
 
 def rotate(x: jax.Array, head_dim: int, back: bool = False) -> jax.Array:
@@ -206,17 +246,21 @@ class MLP(nnx.Module):
     def __init__(self, config: LlamaConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
         # gate and up as one matmul, as q/k/v above.
         self.shard_groups = config.shard_groups
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, dtype, rngs)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, dtype, rngs)
+        adapters = config.adapter_slots
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, dtype, rngs,
+                                   adapters=adapters, pieces=2)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, dtype, rngs,
+                                adapters=adapters)
         self.activation = ACTIVATIONS[config.hidden_act]
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """SwiGLU or GeGLU: x [T, hidden] -> [T, hidden]."""
+    def __call__(self, x: jax.Array, adapter_slots: jax.Array | None = None) -> jax.Array:
+        """SwiGLU or GeGLU: x [T, hidden] -> [T, hidden]; adapter_slots int32 [T] or None."""
         num_tokens = x.shape[0]
         # [T, groups, 2 * columns of a group]: split within each group (see LlamaConfig).
-        gate_up = self.gate_up_proj(x).reshape(num_tokens, self.shard_groups, -1)
+        gate_up = self.gate_up_proj(x, adapter_slots).reshape(num_tokens, self.shard_groups, -1)
         gate, up = jnp.split(gate_up, 2, axis=-1)
-        return self.down_proj((self.activation(gate) * up).reshape(num_tokens, -1))
+        return self.down_proj((self.activation(gate) * up).reshape(num_tokens, -1),
+                              adapter_slots)
 
 
 class DecoderLayer(nnx.Module):
@@ -253,9 +297,10 @@ class DecoderLayer(nnx.Module):
         )
         if not self.sandwich:
             x = x + attn_out
-            return x + self.mlp(self.post_attention_layernorm(x)), kv_cache
+            mlp_out = self.mlp(self.post_attention_layernorm(x), metadata.adapter_slots)
+            return x + mlp_out, kv_cache
         x = x + self.post_attention_layernorm(attn_out)
-        mlp_out = self.mlp(self.pre_feedforward_layernorm(x))
+        mlp_out = self.mlp(self.pre_feedforward_layernorm(x), metadata.adapter_slots)
         return x + self.post_feedforward_layernorm(mlp_out), kv_cache
 
 

@@ -50,7 +50,15 @@ _PARAM_SPECS = {
     ("o_proj", "kernel"): P(None, MODEL_AXIS, None),
     ("gate_up_proj", "kernel"): P(None, None, MODEL_AXIS),
     ("down_proj", "kernel"): P(None, MODEL_AXIS, None),
+    # LoRA slots [L, S, in, R] and [L, S, R, out]: each device the factor rows or columns
+    # of its own kernel's.
+    ("qkv_proj", "lora_b"): P(None, None, None, MODEL_AXIS),
+    ("o_proj", "lora_a"): P(None, None, MODEL_AXIS, None),
+    ("gate_up_proj", "lora_b"): P(None, None, None, MODEL_AXIS),
+    ("down_proj", "lora_a"): P(None, None, MODEL_AXIS, None),
 }
+# The parameters whose last axis holds a fused projection's output columns.
+_COLUMNS = ("kernel", "bias", "lora_b")
 KV_CACHE_SPEC = P(None, MODEL_AXIS)
 
 
@@ -107,6 +115,8 @@ def _regroup(columns: jax.Array, piece_heads: list[int], head_dim: int, repeats:
 def _regrouped(path: tuple, value: jax.Array, config: LlamaConfig, size: int) -> jax.Array:
     """A parameter of the single-device layout (shard_groups 1) in the layout of
     `tensor_parallel_config(config, size)`."""
+    if path[-1] not in _COLUMNS:
+        return value
     if "qkv_proj" in path:
         repeat = max(size // config.num_kv_heads, 1)
         heads = [config.num_heads, config.num_kv_heads, config.num_kv_heads]
@@ -227,3 +237,13 @@ def _split_mesh(mesh: Mesh, tensor_parallel_size: int, data_parallel_size: int) 
             raise ValueError(f"{name}={given} disagrees with the mesh, whose size on that "
                              f"axis is {size}; leave it out")
     return [model_mesh(list(row)) for row in rows]
+
+
+def regroup_adapter(factors: dict[str, tuple[np.ndarray, np.ndarray]], config: LlamaConfig,
+                    size: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """An adapter's factors (jpaged.lora.peft's layout for `config`, one device) in the
+    layout of `tensor_parallel_config(config, size)`: B's columns regrouped as the
+    kernel's are."""
+    return {projection: (a, np.asarray(_regrouped((*projection.split("."), "lora_b"), b,
+                                                  config, size)))
+            for projection, (a, b) in factors.items()}

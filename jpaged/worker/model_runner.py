@@ -51,6 +51,7 @@ from jpaged.model.llama import (
     init_kv_cache,
     split_layer_kernels,
 )
+from jpaged.model.lora import slot_paths, write_slot
 from jpaged.model.sampler import SamplerOutput, SamplingTensors, logprob_outputs, sample
 from jpaged.model.sharding import kv_cache_sharding, shard_attention, shard_write_kv
 from jpaged.model.verification import verify
@@ -304,7 +305,10 @@ class ModelRunner:
         self.graphdef, self.params = nnx.split(model)
         # The step takes the parameters as a flat list and the graph as a constant:
         # flattening NNX state and hashing a static graph cost milliseconds per call.
-        self._param_leaves, params_def = jax.tree.flatten(self.params)
+        self._param_leaves, self._params_def = jax.tree.flatten(self.params)
+        params_def = self._params_def
+        # Where each LoRA slot array sits among the leaves (none without adapter slots).
+        self._adapter_leaves = slot_paths(self.params) if config.adapter_slots else {}
         self._new_kv_cache = functools.partial(init_kv_cache, config, num_blocks, block_size,
                                                 kv_dtype, self.groups.layers_per_block)
         if mesh is not None:
@@ -365,6 +369,24 @@ class ModelRunner:
                 # The device's ids are plain "block ids" in the message.
                 check_block_ids(pairs[:, column], self.pool_sizes[pool],
                                 "" if pool == DEVICE else pool)
+
+    def load_adapters(self, loads) -> None:
+        """Write each (slot, adapter) of `loads` (jpaged.lora.slots) into its slot: a
+        donated update of the slot arrays, which compiles nothing new."""
+        for slot, adapter in loads:
+            write_slot(self._param_leaves, self._adapter_leaves, slot, adapter.factors)
+        if loads:
+            self.params = jax.tree.unflatten(self._params_def, self._param_leaves)
+
+    def with_adapter_slots(self, metadata: AttentionMetadata,
+                           adapter_slots: np.ndarray | None) -> AttentionMetadata:
+        """`metadata` with each token's adapter slot (int32 [T]; None: the base model's)
+        where the model has adapter slots, so every step of it has one input layout."""
+        if not self._adapter_leaves:
+            return metadata
+        if adapter_slots is None:
+            adapter_slots = np.zeros(len(metadata.positions), np.int32)
+        return metadata._replace(adapter_slots=adapter_slots)
 
     def check_metadata(self, metadata: AttentionMetadata) -> None:
         """Raise BlockIdOutOfRange unless the step's slots and block-table entries lie in
@@ -511,7 +533,7 @@ class ModelRunner:
             query_start_loc=np.zeros(num_seqs + 1, np.int32),
             logits_indices=np.zeros(num_seqs * self.logit_rows_per_seq, np.int32),
         )
-        return np.zeros(num_tokens, np.int32), metadata
+        return np.zeros(num_tokens, np.int32), self.with_adapter_slots(metadata, None)
 
     @staticmethod
     def _pad_pairs(pairs: np.ndarray) -> np.ndarray:

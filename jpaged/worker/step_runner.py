@@ -128,13 +128,16 @@ class SingleStepRunner:
             runner.apply_block_ops(plan.block_ops)
         # A draft model draws its proposals now that their slots exist; n-grams had theirs.
         drafts = self.proposer.draft(self._verifying(plan))
+        self.model_runner.load_adapters(plan.adapter_loads)
         model_input = build_model_input(
             plan.scheduled, self.block_tables, self.shapes.buckets, plan.num_draws,
-            self.shapes.num_speculative_tokens)
+            self.shapes.num_speculative_tokens, _adapter_slot_of(plan))
         input_ids = model_input.input_ids
         if previous is not None:
             input_ids = self._fed_input_ids(plan, model_input, previous)
-        metadata, decode_only = model_input.metadata, model_input.decode_only
+        metadata = self.model_runner.with_adapter_slots(model_input.metadata,
+                                                        model_input.adapter_slots)
+        decode_only = model_input.decode_only
         logits, hidden = self.model_runner.execute(input_ids, metadata, decode_only=decode_only,
                                                    num_rows=model_input.num_rows)
         self.proposer.observe(input_ids, metadata, decode_only=decode_only)
@@ -291,6 +294,15 @@ def verified(sampled: SamplerOutput, draw_sizes: list[int]
             for start, count in zip(starts.tolist(), num_accepted, strict=True)]
     proposals = [(size - 1, count) for size, count in zip(draw_sizes, num_accepted, strict=True)]
     return tokens, rows, proposals
+
+
+def _adapter_slot_of(plan: SchedulerOutput):
+    """Each scheduled sequence's adapter slot, by its group's (None: no group of the step
+    has an adapter)."""
+    slots = {id(seq): group.adapter_slot
+             for (seq, _), group in zip(plan.scheduled, plan.groups, strict=True)
+             if group.adapter_slot}
+    return (lambda seq: slots.get(id(seq))) if slots else None
 
 
 def _computes_prompt_logprobs(group: SequenceGroup, seq: Sequence) -> bool:

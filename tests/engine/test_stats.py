@@ -37,8 +37,8 @@ def _record_steps(stats: EngineStats, rng: np.random.Generator, num_steps: int,
                                 num_swapped=0, num_preemptions=step)
         prefix_cache = SimpleNamespace(query_tokens=int(query_tokens[step]),
                                        hit_tokens=int(hit_tokens[step]), tier_hit_tokens=0)
-        stats.record_step(SimpleNamespace(num_batched_tokens=8), queues, prefix_cache,
-                          HostPoolCounts(), start + step, start + step + 0.5)
+        stats.record_step(SimpleNamespace(num_batched_tokens=8, adapter_loads=[]), queues,
+                          prefix_cache, HostPoolCounts(), start + step, start + step + 0.5)
     return {"kv_utilization": used / num_blocks, "used": used,
             "pool": np.full(num_steps, num_blocks), "running": running, "waiting": waiting,
             "query_tokens": query_tokens, "hit_tokens": hit_tokens}

@@ -93,6 +93,12 @@ CONFLICTS = {
     (Feature.DRAFT_MODEL, Feature.DATA_PARALLEL): (
         dict(speculative_config=DRAFT, data_parallel_size=2), (),
         "speculative_config['method']='draft_model'", "data_parallel_size=2"),
+    (StepMode.DECODE_LOOP, Feature.LORA): (
+        dict(num_decode_steps=4, enable_lora=True), (),
+        "num_decode_steps=4", "enable_lora=True"),
+    (Feature.DRAFT_MODEL, Feature.LORA): (
+        dict(speculative_config=DRAFT, enable_lora=True), (),
+        "speculative_config['method']='draft_model'", "enable_lora=True"),
 }
 
 

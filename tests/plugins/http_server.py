@@ -7,6 +7,7 @@ full-width block tables), so each engine compiles only those two.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import http.client
 import json
@@ -60,8 +61,6 @@ def server(tiny_chat_model):
     loopback port) over a SERVER_ENGINE engine, shared by the server tests: one engine
     compiles its steps once. The engine gets its own tokenizer copy, since the offline
     oracle's runs in the test thread. Tests that change max_waiting restore it."""
-    import uvicorn
-
     from jpaged.engine.async_engine import AsyncLLMEngine
     from jpaged.engine.llm_engine import EngineConfig, LLMEngine
     from jpaged.entrypoints.server import build_app
@@ -72,6 +71,17 @@ def server(tiny_chat_model):
     async_engine = AsyncLLMEngine(engine, max_waiting=SERVER_MAX_WAITING)
     app = build_app(async_engine, SERVED_MODEL, api_key=SERVER_API_KEY,
                     max_body_bytes=SERVER_MAX_BODY_BYTES)
+    with running(app) as base_url:
+        yield base_url, async_engine
+    assert not async_engine.is_running  # the lifespan's end shut the engine down
+
+
+@contextlib.contextmanager
+def running(app):
+    """The base URL of `app` served by uvicorn in a thread, on a free loopback port,
+    until the block ends."""
+    import uvicorn
+
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     uvicorn_server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
@@ -80,10 +90,11 @@ def server(tiny_chat_model):
     while not uvicorn_server.started:
         assert thread.is_alive(), "the server did not start"
         time.sleep(0.01)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}", async_engine
-    uvicorn_server.should_exit = True
-    thread.join(30)
-    assert not async_engine.is_running  # the lifespan's end shut the engine down
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        uvicorn_server.should_exit = True
+        thread.join(30)
 
 
 @dataclass
