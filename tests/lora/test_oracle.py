@@ -79,6 +79,7 @@ def test_mixed_batch_matches_peft(family):
                                                        for i in order]
 
 
+@pytest.mark.full
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 def test_prefix_cache_is_per_adapter(family, tmp_path):
     """The same prompt under two adapters, then again under the first: the second never
