@@ -1,8 +1,9 @@
 """Multi-LoRA serving: output tokens per second with 1, 8 and 64 distinct adapters across
-concurrent requests against the base model alone (S-LoRA's shape of result), with the
-adapter loads the slots took and their time; `--products` measures the grouped low-rank
-product of a step (jpaged.model.llama.lora_delta, a masked batched product) against
-lax.ragged_dot over tokens sorted by slot and a per-token gather of the factors.
+concurrent requests against the base model alone on an engine without LoRA (S-LoRA's
+shape of result), with the adapter loads the slots took and their time; `--products`
+measures the grouped low-rank product of a step (jpaged.model.llama.lora_delta, a masked
+batched product) against lax.ragged_dot over tokens sorted by slot and a per-token
+gather of the factors.
 
     python -m benchmarks.lora                 # SmolLM2, 64 requests, max_loras=8, rank 16
     python -m benchmarks.lora --quick         # fewer, shorter requests
@@ -65,7 +66,7 @@ def serve_case(llm, prompts, params, loras) -> dict:
         seconds[0] += time.perf_counter() - start
 
     runner.load_adapters = timed_load
-    loads_before = table.num_loads
+    loads_before = 0 if table is None else table.num_loads
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, lora_request=list(loras))
     elapsed = time.perf_counter() - start
@@ -73,35 +74,49 @@ def serve_case(llm, prompts, params, loras) -> dict:
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     return {"output_tokens": tokens, "seconds": round(elapsed, 3),
             "output_tokens_per_s": round(tokens / elapsed, 2),
-            "adapter_loads": table.num_loads - loads_before,
+            "adapter_loads": 0 if table is None else table.num_loads - loads_before,
             "adapter_load_seconds": round(seconds[0], 4)}
 
 
+def base_model_alone(args, prompts, params) -> dict:
+    """The base model on an engine without LoRA (S-LoRA's baseline): no slots, no
+    low-rank products, the KV pool the whole budget."""
+    from jpaged import LLM
+
+    llm = LLM(args.model, num_decode_steps=1, max_num_seqs=args.requests)
+    nones = [None] * args.requests
+    serve_case(llm, prompts, params, nones)  # compiles the measured batch's step shapes
+    return serve_case(llm, prompts, params, nones) | {"kv_cache": str(llm.engine.kv_cache_info)}
+
 
 def engine_cases(args) -> dict:
+    """Rows: the base model alone, the base model's requests on the LoRA engine (slot 0:
+    every projection's masked product still runs), then each number of distinct
+    adapters; each row's throughput over the first row's."""
     from jpaged import LLM, LoRARequest, SamplingParams
 
-    llm = LLM(args.model, enable_lora=True, max_loras=args.max_loras, max_lora_rank=args.rank,
-              max_cpu_loras=max(args.adapters), num_decode_steps=1,
-              max_num_seqs=args.requests)
-    config = llm.engine.model_config
     rng = np.random.default_rng(0)
     prompts = [{"prompt_token_ids": rng.integers(100, 10000, args.prompt_len).tolist()}
                for _ in range(args.requests)]
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
+    cases = {"base_model_alone": base_model_alone(args, prompts, params)}
+    llm = LLM(args.model, enable_lora=True, max_loras=args.max_loras, max_lora_rank=args.rank,
+              max_cpu_loras=max(args.adapters), num_decode_steps=1,
+              max_num_seqs=args.requests)
+    config = llm.engine.model_config
     root = Path(tempfile.mkdtemp())
     requests = [LoRARequest(f"adapter{i}", i + 1, str(write_adapter(root / str(i), config,
                                                                      args.rank, i)))
                 for i in range(max(args.adapters))]
     # Compile the step shapes and the slot write once, outside the measured runs.
     serve_case(llm, prompts, params, [requests[-1]] * args.requests)
-    cases = {"base": serve_case(llm, prompts, params, [None] * args.requests)}
+    cases["base_on_lora_engine"] = serve_case(llm, prompts, params, [None] * args.requests)
     for distinct in args.adapters:
         loras = [requests[i % distinct] for i in range(args.requests)]
         cases[f"{distinct}_adapters"] = serve_case(llm, prompts, params, loras)
-    base = cases["base"]["output_tokens_per_s"]
+    alone = cases["base_model_alone"]["output_tokens_per_s"]
     for case in cases.values():
-        case["vs_base"] = round(case["output_tokens_per_s"] / base, 3)
+        case["vs_base_model_alone"] = round(case["output_tokens_per_s"] / alone, 3)
     return {"kv_cache": str(llm.engine.kv_cache_info),
             "adapter_slot_bytes": llm.engine.kv_cache_info.adapter_bytes, "cases": cases}
 
