@@ -90,10 +90,13 @@ def engine_cases(args) -> dict:
     prompts = [{"prompt_token_ids": rng.integers(100, 10000, args.prompt_len).tolist()}
                for _ in range(args.requests)]
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
-    alone = LLM(args.model, num_decode_steps=1, max_num_seqs=args.requests)
+    # Every run prefills its prompts: a prefix cache would serve a row the prompts an
+    # earlier run of its engine left (the base model alone's always, the LoRA engine's
+    # rows only those of the same adapter).
+    engine = dict(num_decode_steps=1, max_num_seqs=args.requests, enable_prefix_caching=False)
+    alone = LLM(args.model, **engine)
     llm = LLM(args.model, enable_lora=True, max_loras=args.max_loras, max_lora_rank=args.rank,
-              max_cpu_loras=max(args.adapters), num_decode_steps=1,
-              max_num_seqs=args.requests)
+              max_cpu_loras=max(args.adapters), **engine)
     config = llm.engine.model_config
     root = Path(tempfile.mkdtemp())
     requests = [LoRARequest(f"adapter{i}", i + 1, str(write_adapter(root / str(i), config,
