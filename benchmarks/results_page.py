@@ -25,8 +25,8 @@ DATA_DIR = Path("docs/data")
 RESULTS_PAGE = Path("docs/results.md")
 RUN_KEYS = ("script", "command", "date", "machine", "versions")
 BENCHMARKS = ("accelerator", "cli_start", "decode_loop", "host_tier", "jax_versions", "kernels",
-              "kv_quant", "matmul", "multihost", "peer_vllm", "sampler", "scheduler", "serving",
-              "sharing", "sliding_window", "soak", "speculative", "startup",
+              "kv_quant", "lora", "matmul", "multihost", "peer_vllm", "sampler", "scheduler",
+              "serving", "sharing", "sliding_window", "soak", "speculative", "startup",
               "structured_outputs", "suite_durations", "throughput", "tp", "warmup")
 SCRIPTS = ("experiments.sweep",) + tuple(f"benchmarks.{name}" for name in BENCHMARKS)
 # What a benchmark's figures table leaves out: the run's description, or bulk that is

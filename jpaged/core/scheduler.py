@@ -516,6 +516,16 @@ class Scheduler:
             self._schedule_chunk(group, chunk, plan)
 
     def _schedule_waiting(self, plan: StepPlan) -> None:
+        """Admit waiting groups in order while the step and the pool have room. A group
+        whose adapter finds no free slot is skipped, keeping its place at the queue's
+        front, and the groups behind it are admitted meanwhile (as in vLLM)."""
+        skipped: list[SequenceGroup] = []
+        try:
+            self._admit_waiting(plan, skipped)
+        finally:
+            self.waiting.extendleft(reversed(skipped))
+
+    def _admit_waiting(self, plan: StepPlan, skipped: list[SequenceGroup]) -> None:
         while self.waiting:
             group = self.waiting[0]
             seqs = group.seqs_with(_WAITING)
@@ -524,13 +534,13 @@ class Scheduler:
             status = self.block_manager.can_allocate(group)
             if status is AllocStatus.LATER:
                 return
+            self.waiting.popleft()
             if status is AllocStatus.NEVER:
-                self.waiting.popleft()
                 self._ignore(group, plan)
                 continue
             if not self.adapters.acquire(group):
-                return  # every adapter slot is in use: it waits, as in vLLM
-            self.waiting.popleft()
+                skipped.append(group)
+                continue
             self.block_manager.allocate(group)
             if group.num_cached_tokens is None:  # a recomputed group keeps its first
                 group.num_cached_tokens = seqs[0].num_computed_tokens

@@ -158,6 +158,10 @@ class DataParallelEngine:
         self._reserved[prefixes[0].prefix_id] = prefixes
         return prefixes[0]
 
+    def remove_lora(self, lora_name: str) -> bool:
+        """`LLMEngine.remove_lora` in every replica."""
+        return any([replica.remove_lora(lora_name) for replica in self.replicas])
+
     def release_prefix(self, prefix: ReservedPrefix | int) -> None:
         """`LLMEngine.release_prefix` in every replica."""
         prefix_id = check_prefix_id(prefix.prefix_id if isinstance(prefix, ReservedPrefix)

@@ -229,7 +229,8 @@ class EngineCore:
         have left half written are forgotten. If the device call consumed the
         donated KV cache, every device block is lost: the cache is allocated again,
         the prefix cache forgets its blocks (and reserved prefixes theirs) and every
-        running group recomputes.
+        running group recomputes. The adapter slots the plan loaded are loaded again, or
+        freed where no group is left to use them (as the KV blocks its ops were to load).
         """
         failed = output.failed = list({id(group): group for group in plan.groups}.values())
         output.error = error
@@ -251,6 +252,7 @@ class EngineCore:
                          "requests recompute their tokens")
             self.scheduler.recompute(list(self.scheduler.running))
             self.kv_manager.reset_prefix_cache()
+        self.scheduler.adapters.forget_unapplied(plan.adapter_loads)
         output.stats = self.scheduler.stats()
 
     def check_invariants(self) -> None:

@@ -245,6 +245,12 @@ class LLMEngine:
                              "the engine with enable_lora=True")
         return self.adapters.adapter(lora_request)
 
+    def remove_lora(self, lora_name: str) -> bool:
+        """Unload the adapters named `lora_name` (vLLM's remove_lora, by name): the host
+        cache drops them and their slots are freed, at once if idle, else when the last
+        running request using one ends. Whether one was loaded."""
+        return self.adapters is not None and self.adapters.forget(lora_name)
+
     def add_request(
         self,
         request_id: str,

@@ -30,6 +30,8 @@ from jpaged.sampling_params import BeamSearchParams, SamplingParams
 # Seconds an idle server waits between heartbeats (RequestMirror.sync).
 HEARTBEAT_S = 5.0
 STEP, SYNC, STOP = "step", "sync", "stop"
+# The journal's entries by name: the engine call every other process makes.
+JOURNAL_CALLS = {"add": "add_request", "abort": "abort", "remove_lora": "remove_lora"}
 
 
 def broadcast(group: ProcessGroup, message: Any = None) -> Any:
@@ -65,6 +67,10 @@ class RequestMirror:
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
         self._journal.append(("abort", request_id))
+
+    def remove_lora(self, lora_name: str) -> bool:
+        self._journal.append(("remove_lora", lora_name))
+        return self.engine.remove_lora(lora_name)
 
     def step(self) -> list[RequestOutput]:
         self._send(STEP)
@@ -129,11 +135,8 @@ def follow(engine: Engine) -> None:
     group = ProcessGroup(jax.devices())
     while True:
         journal, command = broadcast(group)
-        for entry in journal:
-            if entry[0] == "add":
-                engine.add_request(entry[1], entry[2])
-            else:
-                engine.abort(entry[1])
+        for call, *args in journal:
+            getattr(engine, JOURNAL_CALLS[call])(*args)
         if command == STOP:
             return
         if command == STEP:

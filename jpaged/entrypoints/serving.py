@@ -239,9 +239,11 @@ class OpenAIServing:
                                  "successfully.")
 
     async def unload_lora_adapter(self, body: UnloadLoRAAdapterRequest) -> Response:
-        """Take the adapter off the list: running requests finish with it."""
+        """Take the adapter off the list and unload it: running requests finish with it,
+        and its slot is freed when the last of them ends."""
         self.served_models.check_updates_allowed()
         name = self.served_models.unload(body.lora_name, body.lora_int_id)
+        await self.engine.run(lambda engine: engine.remove_lora(name))
         return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
     async def on_engine(self, fn: Callable[[Engine], T], param: str) -> T:

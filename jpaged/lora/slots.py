@@ -6,8 +6,13 @@ gives it back when it ends or goes back to the waiting queue (a swapped-out grou
 its slot, as it keeps its blocks). A group whose adapter sits in a slot shares it; else
 the adapter goes into a free slot, or into the least recently used idle one (no running
 group uses it), and the step loads it there (`take_loads`). With every slot in use the
-group waits, as in vLLM; a slot in use is never reassigned. Adapters read from disk stay
-in a host cache of `max_cpu_loras`, least recently used first out.
+group waits, as in vLLM (the scheduler admits the requests behind it meanwhile); a slot in
+use is never reassigned. Adapters read from disk stay in a host cache of `max_cpu_loras`,
+least recently used first out. Unloading an adapter (`forget`) frees its slot once no
+running group uses it.
+
+A failed step may not have written the adapters its plan loaded (`forget_unapplied`):
+their slots are loaded again by the next step, or freed if no group is left to use them.
 
 Host-only: the scheduler imports it.
 """
@@ -47,6 +52,9 @@ class NoAdapters:
     def take_loads(self) -> list:
         return []
 
+    def forget_unapplied(self, loads: list) -> None:
+        pass
+
 
 class AdapterSlotTable(NoAdapters):
     """num_slots: max_loras; max_cpu_loras: adapters the host cache keeps; read: reads and
@@ -62,6 +70,8 @@ class AdapterSlotTable(NoAdapters):
         self._idle: OrderedDict[int, None] = OrderedDict()  # least recently used first
         self._host: OrderedDict[tuple[str, int, str], LoRAAdapter] = OrderedDict()
         self._loads: list[tuple[int, LoRAAdapter]] = []
+        # Slots of unloaded adapters that running groups still use: freed by their last.
+        self._retired: set[int] = set()
         self.num_loads = 0  # adapters put into a slot
         self.num_reads, self.read_seconds = 0, 0.0  # adapters read from disk and checked
 
@@ -84,12 +94,20 @@ class AdapterSlotTable(NoAdapters):
         return adapter
 
     def forget(self, lora_name: str) -> bool:
-        """Drop the host cache's adapters named `lora_name` (an unload): the next request
-        naming it reads it again. Whether there was one."""
+        """Unload the adapters named `lora_name`: the host cache drops them and their
+        slots are freed, at once if idle, else when their last running group ends; the
+        next request naming it reads it again. Whether there was one."""
         keys = [key for key in self._host if key[0] == lora_name]
         for key in keys:
             del self._host[key]
-        return bool(keys)
+        slots = [slot for (name, _), slot in self._slot_of.items() if name == lora_name]
+        for slot in slots:
+            del self._slot_of[self.slot_adapters[slot].key]
+            if self.users[slot]:
+                self._retired.add(slot)
+            else:
+                self._free_slot(slot)
+        return bool(keys or slots)
 
     @property
     def host_adapters(self) -> list[LoRAAdapter]:
@@ -119,7 +137,11 @@ class AdapterSlotTable(NoAdapters):
         if not slot:
             return
         self.users[slot] -= 1
-        if not self.users[slot]:
+        if self.users[slot]:
+            return
+        if slot in self._retired:
+            self._free_slot(slot)
+        else:
             self._idle[slot] = None
 
     def take_loads(self) -> list[tuple[int, LoRAAdapter]]:
@@ -128,12 +150,38 @@ class AdapterSlotTable(NoAdapters):
         loads, self._loads = self._loads, []
         return loads
 
+    def forget_unapplied(self, loads: list[tuple[int, LoRAAdapter]]) -> None:
+        """A step planned `loads` and failed, perhaps before writing them: each slot still
+        holding its load's adapter is loaded again by the next step if groups use it,
+        else freed (call it once the failed step's groups have released their slots)."""
+        for slot, adapter in loads:
+            if self.slot_adapters[slot] is not adapter:
+                continue
+            if self.users[slot]:
+                self._loads.append((slot, adapter))
+            else:
+                if self._slot_of.get(adapter.key) == slot:
+                    del self._slot_of[adapter.key]
+                self._free_slot(slot)
+
+    def _free_slot(self, slot: int) -> None:
+        self._idle.pop(slot, None)
+        self._retired.discard(slot)
+        self.slot_adapters[slot] = None
+        self._free.append(slot)
+        self._drop_loads(slot)
+
+    def _drop_loads(self, slot: int) -> None:
+        """Forget a pending load of `slot`: what it held is gone or replaced."""
+        self._loads = [(s, adapter) for s, adapter in self._loads if s != slot]
+
     def _place(self, adapter: LoRAAdapter) -> int | None:
         if self._free:
             slot = self._free.pop()
         elif self._idle:
             slot, _ = self._idle.popitem(last=False)
             del self._slot_of[self.slot_adapters[slot].key]
+            self._drop_loads(slot)
         else:
             return None
         self.slot_adapters[slot] = adapter
@@ -152,8 +200,10 @@ class AdapterSlotTable(NoAdapters):
                 problems.append(f"slot {slot}: free, idle and in use {states}")
             if (adapter is None) != (slot in self._free):
                 problems.append(f"slot {slot}: holds {adapter} but free={slot in self._free}")
+            if slot in self._retired and not users:
+                problems.append(f"slot {slot}: retired but idle")
             mapped = adapter and self._slot_of.get(adapter.key)
-            if adapter is not None and mapped != slot:
+            if adapter is not None and mapped != slot and slot not in self._retired:
                 problems.append(f"slot {slot}: its adapter maps to slot {mapped}")
             if users < 0:
                 problems.append(f"slot {slot}: {users} users")

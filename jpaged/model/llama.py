@@ -141,9 +141,18 @@ def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, adapter_slots: jax.Arra
     return up.astype(x.dtype)
 
 
+def lora_terms(x: jax.Array, a: jax.Array, b: jax.Array, adapter_slots: jax.Array) -> jax.Array:
+    """`lora_delta`, skipped (zeros) in a step none of whose tokens has an adapter: the base
+    model's steps on an engine with slots cost what they cost without them."""
+    def none(x, a, b, adapter_slots):
+        return jnp.zeros((x.shape[0], b.shape[-1]), x.dtype)
+
+    return lax.cond(jnp.any(adapter_slots > 0), lora_delta, none, x, a, b, adapter_slots)
+
+
 class Linear(nnx.Module):
     """y = x @ kernel (+ bias), kernel [in, out] (transposed from Hugging Face's [out, in]);
-    with adapter slots, + each token's adapter's x @ A @ B (`lora_delta`). pieces: the
+    with adapter slots, + each token's adapter's x @ A @ B (`lora_terms`). pieces: the
     projections fused in it (q, k, v: 3), each with its own rank of the slots' factors."""
 
     def __init__(self, in_features: int, out_features: int, dtype: jnp.dtype, rngs: nnx.Rngs,
@@ -163,7 +172,7 @@ class Linear(nnx.Module):
         """x [..., in] -> [..., out] in x.dtype; adapter_slots int32 [T] with x [T, in]."""
         y = matmul(x, self.kernel.get_value())
         if self.lora_a is not None and adapter_slots is not None:
-            y = y + lora_delta(x, self.lora_a[...], self.lora_b[...], adapter_slots)
+            y = y + lora_terms(x, self.lora_a[...], self.lora_b[...], adapter_slots)
         return y if self.bias is None else y + self.bias[...]
 
 

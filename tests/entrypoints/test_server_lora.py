@@ -140,14 +140,16 @@ def test_models_list_the_adapters_under_the_base_model(client, adapter_root):
 
 def test_load_and_unload_at_run_time(lora_server, client, lora_offline, adapter_root):
     """beta loads from inside the allowed directory, answers as offline, shows in the
-    list; unloaded, it is gone and requests naming it get 404."""
-    base_url, _ = lora_server
+    list; unloaded, it is gone, its idle slot freed, and requests naming it get 404."""
+    base_url, engine = lora_server
     reply = _post(base_url, "/v1/load_lora_adapter",
                   {"lora_name": "beta", "lora_path": str(adapter_root / "beta")})
     assert reply.status == 200, reply.text
     assert "beta" in {card.id for card in client.models.list().data}
     response = client.completions.create(model="beta", prompt=PROMPT, max_tokens=8,
                                          temperature=0, extra_body={"ignore_eos": True})
+    slots = engine.engine.state().lora  # read between steps: the engine is idle
+    assert slots.slots_loaded >= 1 and "beta" not in slots.running
     beta = LoRARequest("beta", 7, str(adapter_root / "beta"))
     assert response.choices[0].text == _offline_text(lora_offline, PROMPT, beta)
     again = _post(base_url, "/v1/load_lora_adapter",
@@ -155,6 +157,7 @@ def test_load_and_unload_at_run_time(lora_server, client, lora_offline, adapter_
     assert again.status == 400 and "already been loaded" in again.text
     reply = _post(base_url, "/v1/unload_lora_adapter", {"lora_name": "beta"})
     assert reply.status == 200, reply.text
+    assert engine.engine.state().lora.slots_loaded == slots.slots_loaded - 1  # beta's, idle, freed
     assert "beta" not in {card.id for card in client.models.list().data}
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="beta", prompt=PROMPT, max_tokens=2)

@@ -79,6 +79,7 @@ def test_mixed_batch_matches_peft(family):
                                                        for i in order]
 
 
+@pytest.mark.full
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 def test_prefix_cache_is_per_adapter(family, tmp_path):
     """The same prompt under two adapters, then again under the first: the second never
@@ -99,3 +100,35 @@ def test_prefix_cache_is_per_adapter(family, tmp_path):
     assert renewed.num_cached_tokens == 0
     assert renewed.outputs[0].token_ids == greedy(peft_model(base, 8, ATTENTION, seed=99),
                                                    fresh, 4)
+
+
+class InjectedFault(RuntimeError):
+    pass
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_a_failed_step_forgets_the_adapter_it_was_to_load(family, monkeypatch):
+    """A step fails before writing the adapter it planned to load: its request ends with
+    the error, no slot is left believed to hold that adapter, and the next request for it
+    loads it again and gets PEFT's tokens."""
+    _, adapters, llm = family
+    lora, model = adapters[2]
+    table = llm.engine.adapters
+    table.forget(lora.lora_name)  # not in a slot, whatever ran before: the step loads it
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    prompt = {"prompt_token_ids": PROMPTS[0]}
+
+    def fail(loads):
+        raise InjectedFault("the device lost the adapter's write")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(llm.engine.runner, "load_adapters", fail)
+        with pytest.raises(InjectedFault):
+            llm.generate(prompt, params, lora_request=lora)
+    key = table.adapter(lora).key
+    assert all(adapter is None or adapter.key != key for adapter in table.slot_adapters)
+    assert not table.check_invariants()
+    loads = table.num_loads
+    output = llm.generate(prompt, params, lora_request=lora)[0]
+    assert table.num_loads == loads + 1
+    assert output.outputs[0].token_ids == greedy(model, PROMPTS[0], 4)
