@@ -21,11 +21,11 @@ kernels  paged decode attention against dense attention on contiguous K/V, and
          one run compares them on the same pools. An op's time is that of a chain of
          decodes in one executable, each output the next query, so host dispatch
          is not timed. Bandwidth is the K/V bytes a decode must read over that
-         time, also as a share of the device's peak (benchmarks.device_peaks'
+         time, also as a share of the device's peak (experiments.device_peaks'
          table; null for a device not in it) and of the copy bandwidth measured
          in the same run (a jitted copy of a large array, read plus write); FLOP/s
          are the two products' 4 * batch * Hq * context * head_dim over that time,
-         also as a share of the device's peak (benchmarks.device_peaks). Then one
+         also as a share of the device's peak (experiments.device_peaks). Then one
          mixed step (a 512-token prefill chunk ending at an 8k context beside 32
          decode rows at 8k, one ragged call) for each of jpaged's implementations
          that runs here, with the same figures. Every output's max abs error is
@@ -80,7 +80,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from benchmarks.device_peaks import Peaks, peaks
+from experiments.device_peaks import Peaks, peaks
 from experiments.report import REPO, new_report, progress
 
 if TYPE_CHECKING:
@@ -646,7 +646,7 @@ def kernels_section(plan: Plan) -> Iterator[dict]:
         "device_kind": device.device_kind,
         "peak_bandwidth_gb_s": peak and peak.bandwidth / 1e9,
         "peak_tflop_s": peak and peak.flops and peak.flops / 1e12,
-        "peak_source": peak.source if peak else "not in benchmarks.device_peaks",
+        "peak_source": peak.source if peak else "not in experiments.device_peaks",
         "points": [], "skipped": [],
     }
     yield section

@@ -36,7 +36,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 import kernels_pallas as kp
-from benchmarks.device_peaks import peaks
+from experiments.device_peaks import peaks
 from experiments.report import new_report, progress
 
 # Llama-3-8B attention shape: 32 query heads over 8 KV heads of 128.

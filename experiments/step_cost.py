@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from benchmarks.device_peaks import peaks
+from experiments.device_peaks import peaks
 from jpaged.core.step_shapes import BucketSizes, padded_sizes
 
 GIB = 2**30
@@ -60,7 +60,7 @@ class Device:
 def _datasheet_device(name: str, device_kind: str, memory_bytes: float, memory: str, *,
                       num_chips: int = 1, interconnect_bandwidth: float,
                       interconnect: str) -> Device:
-    """A Device whose peaks are benchmarks.device_peaks' for device_kind."""
+    """A Device whose peaks are experiments.device_peaks' for device_kind."""
     known = peaks(device_kind)
     return Device(name, peak_flops=known.flops, peak_bandwidth=known.bandwidth,
                   memory_bytes=memory_bytes, num_chips=num_chips,

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks import results_page
+from jpaged import reference_tables
 from jpaged.__main__ import main as jpaged_main
-from jpaged.entrypoints import reference_tables
 from tests.plugins.http_server import http_request
 
 REPO = Path(__file__).resolve().parents[1]
@@ -102,7 +102,7 @@ def test_the_committed_results_page_is_generated_from_docs_data():
 
 
 # The flag and metric tables, generated from the parser and the metrics registry
-# (jpaged.entrypoints.reference_tables), held to --help and to a running server's /metrics.
+# (jpaged.reference_tables), held to --help and to a running server's /metrics.
 
 TABLE_ROW = re.compile(r"^\| (.+?) \| (.*?) \|", re.MULTILINE)
 HELP_OPTION = re.compile(r"^  (-.*?)(?:  |$)", re.MULTILINE)  # up to the help column

@@ -23,9 +23,12 @@ TOP_LEVEL_LAYERS = ("kernels_pallas", "jpaged", "experiments", "benchmarks")
 JPAGED_LAYERS = (
     # The plain types and helpers that the rest uses.
     ("jpaged.config", "jpaged.errors", "jpaged._deprecation", "jpaged.inputs",
-     "jpaged.sampling_params", "jpaged.sequence", "jpaged.outputs"),
+     "jpaged.sampling_params", "jpaged.sequence", "jpaged.outputs", "jpaged.suggestions"),
     # The host side: the allocator and managers below, the scheduler that drives them above.
     ("jpaged.memory",),
+    # LoRA adapters on the host: requests, PEFT files read and checked, the slot table
+    # the scheduler hands out.
+    ("jpaged.lora",),
     ("jpaged.core",),
     # Host-side grammars of structured outputs: the scheduler advances them through the
     # sequences it holds, the worker fills their masks.
@@ -36,8 +39,9 @@ JPAGED_LAYERS = (
     ("jpaged.speculative",),
     ("jpaged.engine",),
     ("jpaged.entrypoints",),
-    # What starts things: the package facade, the command line, the multi-host launcher.
-    ("jpaged", "jpaged.__main__", "jpaged.launch"),
+    # What starts things: the package facade, the command line, the multi-host launcher;
+    # and the docs' tables generated from the command line.
+    ("jpaged", "jpaged.__main__", "jpaged.launch", "jpaged.reference_tables"),
 )
 
 

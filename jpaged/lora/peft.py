@@ -17,12 +17,15 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from jpaged.lora.request import LoRARequest
-from jpaged.model.config import LlamaConfig
+
+if TYPE_CHECKING:
+    from jpaged.model.config import LlamaConfig
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"

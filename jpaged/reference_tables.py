@@ -2,7 +2,7 @@
 pages that show them from the parser and the metrics registry, as docs/results.md is from
 its data: a flag or a metric cannot be added without its row.
 
-    python -m jpaged.entrypoints.reference_tables      # rewrites the tables in docs/
+    python -m jpaged.reference_tables      # rewrites the tables in docs/
 
 A page marks each table it shows with a pair of comments, and the rest of it is prose:
 
