@@ -69,6 +69,12 @@ NOT_RUN = {
         "rewrites tests/references; the full tier regenerates them and compares",
     ("docs/testing.md", "python -m benchmarks.suite_durations --full"):
         "runs the whole suite and rewrites the kept durations",
+    ("docs/usage.md", "from jpaged import LLM, LoRARequest, SamplingParams"):
+        "adapter directories to fill in; tests/lora holds PEFT adapters to transformers + "
+        "PEFT through this API",
+    ("docs/serving.md", "python -m jpaged serve --model smollm2 --enable-lora"):
+        "adapter directories to fill in; tests/entrypoints/test_server_lora.py serves PEFT "
+        "adapters by --lora-modules' rules",
     ("docs/usage.md", "# Proposals from a smaller model with the same vocabulary"):
         "a draft model's path to fill in; benchmarks.speculative writes such a draft and "
         "tests/speculative runs it",
