@@ -106,11 +106,12 @@ def metric_families() -> list:
     """Every metric family the server's registry serves, each labelled one with a sample
     (so that its label names show), read from an idle engine's state."""
     from jpaged.engine.protocol import EngineState
-    from jpaged.engine.stats import SpecDecodeCounts
+    from jpaged.engine.stats import LoRACounts, SpecDecodeCounts
     from jpaged.entrypoints.metrics import ServerMetrics
 
     state = EngineState(kv_group_blocks_used=(0,), mode_fallbacks={"any": 0},
-                        spec_decode=SpecDecodeCounts(num_accepted_tokens_per_pos=[0]))
+                        spec_decode=SpecDecodeCounts(num_accepted_tokens_per_pos=[0]),
+                        lora=LoRACounts(running={"any": 0}, waiting={"any": 0}))
     metrics = ServerMetrics(types.SimpleNamespace(state=state))
     return list(metrics.registry.collect())
 
