@@ -13,8 +13,8 @@ def closest(name: str, known: Iterable[str], count: int = 3) -> list[str]:
 
 
 def unknown_message(name: str, known: Iterable[str], what: str) -> str:
-    """"{what} has no option 'x'; did you mean 'y' or 'z'?" (or, with nothing close,
-    where the options are listed)."""
+    """"{what} has no option 'x'; did you mean 'y' or 'z'?" (its first part alone when
+    nothing is close)."""
     matches = closest(name, known)
     if not matches:
         return f"{what} has no option {name!r}"
