@@ -73,7 +73,7 @@ class Scheduler:
                  adapters: NoAdapters | None = None):
         if config.preemption_mode == "swap" and block_manager.num_host_blocks == 0:
             raise ValueError("preemption_mode='swap' needs a host pool, but it has no blocks: "
-                             "give kv_offloading_size (GiB of host memory)")
+                             "give swap_space (GiB of host memory)")
         self.config = config
         self.block_manager = block_manager
         # LoRA's adapter slots: a group holds one from admission until it ends or goes
