@@ -164,6 +164,7 @@ def test_load_and_unload_at_run_time(lora_server, client, lora_offline, adapter_
     assert _post(base_url, "/v1/unload_lora_adapter", {"lora_name": "beta"}).status == 404
 
 
+@pytest.mark.full  # a 24-token stream unloaded after its first chunk
 def test_unloading_lets_running_requests_finish(lora_server, client, lora_offline,
                                                 adapter_root):
     base_url, engine = lora_server
