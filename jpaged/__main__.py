@@ -397,8 +397,9 @@ def _is_first_process(args: argparse.Namespace) -> bool:
 def _chat(llm: LLM, args: argparse.Namespace) -> None:
     template = _chat_template(args)
     if template is None and llm.get_tokenizer().chat_template is None:
-        raise ValueError(f"{args.model} has no chat template: give one with --chat-template "
-                         "FILE, or send text with python -m jpaged generate --raw")
+        from jpaged.model.tokenizer import NO_CHAT_TEMPLATE
+
+        raise ValueError(f"{args.model}: {NO_CHAT_TEMPLATE}")
     history = [{"role": "system", "content": args.system}] if args.system else []
     params = _sampling_params(args)
     while True:

@@ -32,12 +32,6 @@ REGION = re.compile(r"(<!-- generated: (?P<name>[\w ]+) -->\n)(?P<body>.*?)"
                     r"(<!-- end generated -->)", re.DOTALL)
 
 
-def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
-    """The parser's commands by name (generate, chat, serve)."""
-    [subparsers] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-    return dict(subparsers.choices)
-
-
 def documented_actions(command: argparse.ArgumentParser) -> list[argparse.Action]:
     """A command's arguments and flags as --help lists them, --help itself left out."""
     return [a for a in command._actions if not isinstance(a, argparse._HelpAction)
@@ -131,7 +125,7 @@ def metric_table(families: list) -> str:
 def tables() -> dict[str, Callable[[], str]]:
     """Each table a page may hold, by the name its comment gives."""
     parser = _parser()
-    commands = subcommands(parser)
+    commands = parser.commands
     made: dict[str, Callable[[], str]] = {
         f"flags {name}": (lambda name=name: flag_table(own_flags(name, commands),
                                                        commands[name].prog))

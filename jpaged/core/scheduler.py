@@ -169,13 +169,18 @@ class Scheduler:
         order, to compute their tokens again: their KV is lost or suspect."""
         for group in reversed(groups):
             self._dequeue(group)
-            for seq in group.unfinished_seqs():
-                self.block_manager.free(seq)
-                seq.num_computed_tokens = 0
-                seq.spec_token_ids = []
-                seq.status = _WAITING
-            self.adapters.release(group)
-            self.waiting.appendleft(group)
+            self._requeue(group)
+
+    def _requeue(self, group: SequenceGroup) -> None:
+        """Free the group's blocks and adapter slot and put it at the waiting queue's
+        front, every unfinished sequence to be computed again."""
+        for seq in group.unfinished_seqs():
+            self.block_manager.free(seq)
+            seq.num_computed_tokens = 0
+            seq.spec_token_ids = []
+            seq.status = _WAITING
+        self.adapters.release(group)
+        self.waiting.appendleft(group)
 
     def _end(self, request_id: str, status: SequenceStatus) -> None:
         group = self._unfinished.get(request_id)
@@ -564,13 +569,7 @@ class Scheduler:
             _set_status(seqs, _SWAPPED)
             self.swapped.appendleft(group)
         else:
-            for seq in seqs:
-                self.block_manager.free(seq)
-                seq.num_computed_tokens = 0
-                seq.spec_token_ids = []
-                seq.status = _WAITING
-            self.adapters.release(group)
-            self.waiting.appendleft(group)
+            self._requeue(group)
         plan.preempted.append(group)
         self.num_preemptions += 1
 

@@ -158,6 +158,10 @@ class DataParallelEngine:
         self._reserved[prefixes[0].prefix_id] = prefixes
         return prefixes[0]
 
+    def lora_adapter(self, lora_request: LoRARequest):
+        """See `LLMEngine.lora_adapter`: every replica reads adapters alike."""
+        return self.replicas[0].lora_adapter(lora_request)
+
     def remove_lora(self, lora_name: str) -> bool:
         """`LLMEngine.remove_lora` in every replica."""
         return any([replica.remove_lora(lora_name) for replica in self.replicas])

@@ -68,6 +68,9 @@ class RequestMirror:
         self.engine.abort(request_id)
         self._journal.append(("abort", request_id))
 
+    def lora_adapter(self, lora_request: LoRARequest):
+        return self.engine.lora_adapter(lora_request)
+
     def remove_lora(self, lora_name: str) -> bool:
         self._journal.append(("remove_lora", lora_name))
         return self.engine.remove_lora(lora_name)

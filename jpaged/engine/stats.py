@@ -90,11 +90,12 @@ class LoRACounts:
                    _requests_per_adapter(waiting))
 
     def add(self, other: LoRACounts) -> LoRACounts:
-        """Two replicas' counts together."""
+        """Two replicas' counts together (slot_bytes stays one device's: replicas have
+        the same slots)."""
         sums = {name: getattr(self, name) + getattr(other, name) for name in (
-            "slot_bytes", "slots_total", "slots_loaded", "slots_in_use", "loads", "reads",
-            "read_seconds")}
-        return LoRACounts(**sums, running=dict(Counter(self.running) + Counter(other.running)),
+            "slots_total", "slots_loaded", "slots_in_use", "loads", "reads", "read_seconds")}
+        return LoRACounts(max(self.slot_bytes, other.slot_bytes), **sums,
+                          running=dict(Counter(self.running) + Counter(other.running)),
                           waiting=dict(Counter(self.waiting) + Counter(other.waiting)))
 
     def summary(self) -> dict:

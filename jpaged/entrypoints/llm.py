@@ -86,6 +86,7 @@ class LLM:
         continue_final_message: bool = False,
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """generate() for one conversation or a list of them, through the model's chat
         template (each message a {"role": ..., "content": ...} dict).
@@ -93,14 +94,16 @@ class LLM:
         add_generation_prompt opens the assistant's turn; continue_final_message instead
         continues the last message (the assistant's); chat_template: a jinja2 template
         used instead of the model's (a model without one needs it); chat_template_kwargs
-        are more variables for the template (vLLM's `LLM.chat` arguments)."""
+        are more variables for the template; lora_request: as generate's (vLLM's
+        `LLM.chat` arguments)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         options = dict(add_generation_prompt=add_generation_prompt,
                        continue_final_message=continue_final_message,
                        chat_template=chat_template, chat_template_kwargs=chat_template_kwargs)
         prompts = [{"prompt_token_ids": self.engine.apply_chat_template(c, **options)}
                    for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm,
+                             lora_request=lora_request)
 
     def beam_search(
         self,
@@ -162,18 +165,12 @@ class LLM:
         self.engine.release_prefix(prefix)
 
     def _params_per_prompt(self, sampling_params, num_prompts: int) -> list[SamplingParams]:
-        if isinstance(sampling_params, list | tuple):
-            if len(sampling_params) != num_prompts:
-                raise ValueError(
-                    f"got {len(sampling_params)} sampling params for {num_prompts} prompts"
-                )
-            return list(sampling_params)
         params = SamplingParams() if sampling_params is None else sampling_params
-        if not isinstance(params, SamplingParams):
+        if not isinstance(params, SamplingParams | list | tuple):
             raise TypeError(
                 f"sampling_params must be SamplingParams, got {type(params).__name__}"
             )
-        return [params] * num_prompts
+        return _per_prompt("sampling_params", params, num_prompts)
 
     def _run(self, prompts: list[PromptType], params: list, use_tqdm: bool,
              lora_requests: list[LoRARequest | None] | None = None) -> list[RequestOutput]:

@@ -21,7 +21,6 @@ from pathlib import Path
 
 from jpaged.entrypoints.errors import ApiError
 from jpaged.lora.request import LoRARequest
-from jpaged.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -54,11 +53,10 @@ def parse_lora_module(text: str) -> LoRAModule:
     return LoRAModule(name, path)
 
 
-def check_adapter(engine, request: LoRARequest) -> None:
-    """On the engine thread: the adapter read and checked as a request's would be (a
-    ValueError naming its file and field if it cannot serve); nothing is queued."""
-    engine.process_request("lora-check", {"prompt_token_ids": [0]}, SamplingParams(max_tokens=1),
-                           lora_request=request)
+def module_requests(modules: Sequence[LoRAModule]) -> list[LoRARequest]:
+    """The LoRARequest of each module: lora_int_id 1, 2, ... in the order given."""
+    return [LoRARequest(module.name, int_id, module.path)
+            for int_id, module in enumerate(modules, 1)]
 
 
 class ServedModels:
@@ -77,14 +75,13 @@ class ServedModels:
         self.base_name, self.base_root, self.max_model_len = base_name, base_root, max_model_len
         self.runtime_updates = runtime_updates
         self.allowed_dir = None if allowed_dir is None else Path(allowed_dir).resolve()
-        self._int_ids = itertools.count(1)
+        self._int_ids = itertools.count(len(modules) + 1)  # run-time loads' ids
         self.adapters: dict[str, tuple[LoRARequest, str]] = {}  # name -> (request, parent)
-        for module in modules:
+        for module, request in zip(modules, module_requests(modules), strict=True):
             if self._taken(module.name):
                 raise ValueError(f"--lora-modules: the name {module.name!r} is taken (names "
                                  "differ from each other and from the base model's)")
-            self._add(LoRARequest(module.name, next(self._int_ids), module.path),
-                      module.base_model_name)
+            self._add(request, module.base_model_name)
 
     def _taken(self, name: str) -> bool:
         return name == self.base_name or name in self.adapters

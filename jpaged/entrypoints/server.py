@@ -52,10 +52,9 @@ from jpaged.engine.async_engine import (
 )
 from jpaged.engine.mirror import HEARTBEAT_S, RequestMirror
 from jpaged.entrypoints.errors import ApiError, RequestFailedError, validation_error
-from jpaged.entrypoints.lora import LoRAModule, check_adapter
+from jpaged.entrypoints.lora import LoRAModule, module_requests
 from jpaged.entrypoints.serving import OpenAIServing
 from jpaged.entrypoints.tokenization import TokenizerEndpoints
-from jpaged.lora.request import LoRARequest
 from jpaged.outputs import ReservedPrefix
 
 logger = logging.getLogger("jpaged")
@@ -106,9 +105,9 @@ def reserve_system_prompts(engine: Engine, system_prompts: Sequence[str],
 def check_lora_modules(engine: Engine, modules: Sequence[LoRAModule]) -> None:
     """Read and check each LoRA module's adapter, as its requests would: a ValueError
     naming the module, its file and field for one the engine cannot serve."""
-    for int_id, module in enumerate(modules, 1):  # the ids ServedModels gives them
+    for module, request in zip(modules, module_requests(modules), strict=True):
         try:
-            check_adapter(engine, LoRARequest(module.name, int_id, module.path))
+            engine.lora_adapter(request)
         except (ValueError, TypeError) as error:
             raise ValueError(f"--lora-modules {module.name}={module.path}: {error}") from None
 

@@ -22,7 +22,7 @@ from jpaged.entrypoints.errors import (
     check_context,
     stream_error,
 )
-from jpaged.entrypoints.lora import LoRAModule, ServedModels, check_adapter
+from jpaged.entrypoints.lora import LoRAModule, ServedModels
 from jpaged.entrypoints.metrics import ServerMetrics
 from jpaged.entrypoints.protocol import (
     ChatCompletionRequest,
@@ -233,7 +233,7 @@ class OpenAIServing:
         one the engine cannot serve, or a path outside the allowed directory."""
         self.served_models.check_updates_allowed()
         request = self.served_models.begin_load(body.lora_name, body.lora_path)
-        await self.on_engine(lambda engine: check_adapter(engine, request), "lora_path")
+        await self.on_engine(lambda engine: engine.lora_adapter(request), "lora_path")
         self.served_models.finish_load(request)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added "
                                  "successfully.")

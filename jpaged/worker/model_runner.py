@@ -69,8 +69,9 @@ __getattr__ = moved_names(__name__, {
 
 
 def device_attention_backend() -> AttentionBackend:
-    """The device's own kernel: Mosaic on a TPU, Triton on a GPU; on CPU, where Pallas
-    only interprets (slowly), the same tiled algorithm as an XLA loop."""
+    """The device's own kernel: Mosaic on a TPU, Mosaic GPU on a Hopper GPU, Triton on
+    other GPUs; on CPU, where Pallas only interprets (slowly), the same tiled algorithm
+    as an XLA loop."""
     return kernels_pallas.default_implementation(interpret=False)
 
 

@@ -14,7 +14,13 @@ import numpy as np
 import pytest
 
 from jpaged.core.scheduler_output import SchedulerStats
-from jpaged.engine.stats import LATENCY_WINDOW, CombinedStats, EngineStats, KVBlockCounts
+from jpaged.engine.stats import (
+    LATENCY_WINDOW,
+    CombinedStats,
+    EngineStats,
+    KVBlockCounts,
+    LoRACounts,
+)
 from jpaged.memory.host_tier import HostPoolCounts
 from jpaged.outputs import RequestMetrics
 
@@ -157,3 +163,15 @@ def test_memory_does_not_grow_with_steps_or_requests():
     assert len(stats.ttft) == len(stats.tpot) == LATENCY_WINDOW
     # 40 times the steps and requests: growth would be megabytes (a float per value).
     assert after_more - after_first < 64 * 1024, (after_first, after_more)
+
+
+def test_lora_counts_of_two_replicas_keep_one_devices_slot_bytes():
+    one = LoRACounts(slot_bytes=1000, slots_total=2, slots_loaded=1, loads=3, reads=1,
+                     read_seconds=0.5, running={"a": 1}, waiting={"b": 2})
+    other = LoRACounts(slot_bytes=1000, slots_total=2, slots_loaded=2, loads=1, reads=2,
+                       read_seconds=0.25, running={"a": 2, "c": 1})
+    both = one.add(other)
+    assert both.slot_bytes == 1000  # each replica's device holds its own slots
+    assert (both.slots_total, both.slots_loaded, both.loads, both.reads) == (4, 3, 4, 3)
+    assert both.read_seconds == 0.75
+    assert both.running == {"a": 3, "c": 1} and both.waiting == {"b": 2}

@@ -126,6 +126,11 @@ def test_model_field_selects_the_adapter(client, lora_offline, adapter_root):
                                             extra_body={"ignore_eos": True})
     text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
     assert text == _offline_text(lora_offline, chat_prompt, alpha)
+    # LLM.chat takes the adapter as generate does (vLLM's argument).
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    chats = [lora_offline.chat(messages, params, lora_request=lora)[0].outputs[0].text
+             for lora in (alpha, None)]
+    assert chats[0] == text != chats[1]
 
 
 def test_models_list_the_adapters_under_the_base_model(client, adapter_root):
