@@ -62,7 +62,8 @@ engine's float32 queries lose less to float16's 10 mantissa bits than to bfloat1
 Limits (checked in attention.py): 16-bit or quantized pages (queries of any float
 dtype with quantized pages, of the pages' dtype otherwise); head_dim a multiple of 64
 (one 128-byte swizzled row of a `wgmma` operand): 64 or 128; block_size a multiple of
-8 (the shared-memory tile's rows) dividing CHUNK_TOKENS, or a multiple of it. float32
+8 (the shared-memory tile's rows) dividing CHUNK_TOKENS (a larger page's two stages
+would not fit in shared memory: 352 KiB at 256 tokens and head_dim 128). float32
 pages are refused rather than taken: `wgmma` reads float32 as tf32, which would
 silently round a cache its owner chose for precision; the engine hands them to the
 Triton kernel, or to the XLA loop.
@@ -89,15 +90,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels_pallas import online_softmax
-from kernels_pallas.quantization import EncodedPages, Pages, as_format
+from kernels_pallas.quantization import EncodedPages, Pages, as_format, is_quantized
 from kernels_pallas.reference import DEFAULT_MASK_VALUE
 from kernels_pallas.tiles import QueryTiles
 
 ROWS = 64  # the M of one warpgroup product
 CHUNK_TOKENS = 128  # keys per loop step: the N of S = Q K^T (at most 256)
 DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
-# 1-byte formats of quantized pages (quantization.py), dequantized in shared memory.
-QUANTIZED_DTYPES = tuple(jnp.dtype(d) for d in (jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2))
 # 64-element (128-byte) swizzled rows; at 256 the query, output and two stages of
 # 128-key chunks would not fit in shared memory.
 HEAD_DIMS = (64, 128)
@@ -110,15 +109,16 @@ _SWIZZLE = 128
 
 def layout_error(dtype, block_size: int, head_dim: int) -> str | None:
     """Why this kernel cannot read pages of dtype, block_size and head_dim (None: it can)."""
-    if jnp.dtype(dtype) not in DTYPES + QUANTIZED_DTYPES:
+    if jnp.dtype(dtype) not in DTYPES and not is_quantized(dtype):
         return (f"the Mosaic GPU kernel reads float16 or bfloat16 pages, or quantized int8 "
                 f"and fp8 ones, got {jnp.dtype(dtype).name}")
     if head_dim not in HEAD_DIMS:
         return (f"the Mosaic GPU kernel needs head_dim in {HEAD_DIMS} (whole 128-byte "
                 f"swizzled wgmma rows, and shared memory for the stages), got {head_dim}")
-    if block_size % 8 or (CHUNK_TOKENS % block_size and block_size % CHUNK_TOKENS):
+    if block_size % 8 or CHUNK_TOKENS % block_size:
         return (f"the Mosaic GPU kernel needs block_size a multiple of 8 that divides "
-                f"{CHUNK_TOKENS} or is a multiple of it, got {block_size}")
+                f"{CHUNK_TOKENS} (two stages of larger pages exceed shared memory), got "
+                f"{block_size}")
     return None
 
 

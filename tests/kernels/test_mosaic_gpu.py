@@ -235,7 +235,8 @@ def test_ragged_sweep(dtype, block_size, group, num_kv_heads, head_dim, block_q,
 def test_out_of_range_table_entry_poisons_its_sequence():
     """A block-table entry past the pool (or negative) within a sequence's context turns
     that sequence's output into NaN; a TMA read there would silently give zeros. The
-    other sequences are untouched."""
+    pools hold no NaN, so only the kernel's check can put one there. The other sequences
+    are untouched."""
     rng = np.random.default_rng(5)
     lengths = [40, 20, 33]
     pool = make_pool(rng, lengths, num_kv_heads=1, head_dim=64, block_size=16, dtype=BF16)
@@ -245,7 +246,7 @@ def test_out_of_range_table_entry_poisons_its_sequence():
     tables[2, 2] = -1
     q = jnp.asarray(rng.standard_normal((3, 2, 64)), BF16)
     out = np.asarray(kp.paged_decode_attention(
-        q, pool.k_nan, pool.v_nan, jnp.asarray(tables), pool.context_lens,
+        q, pool.k, pool.v, jnp.asarray(tables), pool.context_lens,
         implementation="mosaic_gpu", interpret=interpret_params(), num_kv_splits=1
     ).astype(jnp.float32))
     assert np.isnan(out[0]).all() and np.isnan(out[2]).all()
@@ -291,6 +292,7 @@ def test_lowers_to_the_mosaic_gpu_custom_call_for_cuda(op, dtype):
     (BF16, 16, 80, "head_dim in"),
     (BF16, 12, 64, "block_size a multiple of 8"),
     (BF16, 48, 64, "block_size a multiple of 8"),
+    (BF16, 256, 128, "exceed shared memory"),
 ])
 def test_layouts_it_cannot_read_are_refused_by_name(dtype, block_size, head_dim, match):
     with pytest.raises(ValueError, match=match):
