@@ -365,7 +365,7 @@ def jpaged_implementation(plan: Plan, block_size: int) -> tuple[str, str | None]
         if error is None or implementation == "xla":
             return implementation, "; ".join(reasons) or None
         reasons.append(error)
-        implementation = "triton" if implementation == "mosaic_gpu" else "xla"
+        implementation = kp.FALLBACKS[implementation]
 
 
 # jpaged's implementations a GPU can run, compared beside the engine's own choice.

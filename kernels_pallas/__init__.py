@@ -44,6 +44,7 @@ Public ops (all usable under jit with the cache donated):
 """
 
 from kernels_pallas.attention import (
+    FALLBACKS,
     IMPLEMENTATIONS,
     Implementation,
     check_cache_layout,
@@ -63,6 +64,7 @@ from kernels_pallas.reference import (
 from kernels_pallas.write_kv import write_kv
 
 __all__ = [
+    "FALLBACKS",
     "IMPLEMENTATIONS",
     "Implementation",
     "EncodedPages",

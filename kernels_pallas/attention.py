@@ -45,6 +45,9 @@ from kernels_pallas.write_kv import check_cache_shapes
 
 Implementation = Literal["tpu", "mosaic_gpu", "triton", "xla", "reference"]
 IMPLEMENTATIONS = ("tpu", "mosaic_gpu", "triton", "xla", "reference")
+# Where a device's default kernel that cannot run here (a layout it does not take, a
+# compile that fails) hands over; the XLA loop runs everywhere.
+FALLBACKS = {"mosaic_gpu": "triton", "tpu": "xla", "triton": "xla"}
 # Keys per loop step of the XLA implementation: on CPU, 64 beat 32 and 128 for
 # mixed steps and came within noise of 32 for decode.
 XLA_CHUNK_TOKENS = 64

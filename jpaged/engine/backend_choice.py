@@ -17,9 +17,6 @@ from jpaged.model.llama import LlamaConfig, LlamaForCausalLM
 from jpaged.worker.model_runner import AttentionBackend, ModelRunner, device_attention_backend
 
 logger = logging.getLogger("jpaged")
-# Where a device's default kernel that cannot run here (a layout it does not take, a
-# compile that fails) hands over; the XLA loop runs everywhere.
-DEFAULT_FALLBACKS = {"mosaic_gpu": "triton", "tpu": "xla", "triton": "xla"}
 
 
 def start_runner(config: EngineConfig, model: LlamaForCausalLM, model_config: LlamaConfig, *,
@@ -29,7 +26,7 @@ def start_runner(config: EngineConfig, model: LlamaForCausalLM, model_config: Ll
 
     A Pallas kernel must accept the cache layout and compile on this device
     (checked here, on the smallest step shapes); if the device's own kernel
-    cannot, this warns and runs the next of DEFAULT_FALLBACKS (Mosaic GPU, then
+    cannot, this warns and runs the next of kernels_pallas.FALLBACKS (Mosaic GPU, then
     Triton, then "xla"), while an explicitly requested backend raises instead.
     config must have its machine defaults.
     """
@@ -47,7 +44,7 @@ def start_runner(config: EngineConfig, model: LlamaForCausalLM, model_config: Ll
                 f"{jax.default_backend()} device: {type(error).__name__}: {error}"
             ) from error
     backend = device_attention_backend()
-    while backend in DEFAULT_FALLBACKS:
+    while backend in kernels_pallas.FALLBACKS:
         try:
             return _runner_on(backend, *args)
         except Exception as error:
@@ -58,8 +55,8 @@ def start_runner(config: EngineConfig, model: LlamaForCausalLM, model_config: Ll
         logger.log(logging.INFO if quiet else logging.WARNING,
                    "the default %r attention kernel cannot run on this %s device (%s); "
                    "using the %r implementation", backend, jax.default_backend(), reason,
-                   DEFAULT_FALLBACKS[backend])
-        backend = DEFAULT_FALLBACKS[backend]
+                   kernels_pallas.FALLBACKS[backend])
+        backend = kernels_pallas.FALLBACKS[backend]
     return _runner_on(backend, *args)
 
 
