@@ -410,7 +410,12 @@ class BlockManager:
         return None not in counts and sum(counts) <= self.num_free_host_blocks
 
     def swap_out(self, group: SequenceGroup) -> None:
-        """Move the RUNNING sequences' tables to host blocks (shared blocks move once)."""
+        """Move the RUNNING sequences' tables to host blocks (shared blocks move once).
+        ValueError, changing nothing, if this step writes one of their blocks in any
+        group (checked for every group before the first moves)."""
+        if any(tables.swap_out_blocks(group) is None for tables in self.group_tables):
+            raise ValueError(f"group {group.request_id}: a block of it is written by this "
+                             "step (its swap-in or copies); swap it out in another step")
         for tables in self.group_tables:
             tables.swap_out(group)
 
