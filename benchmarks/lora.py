@@ -79,6 +79,11 @@ def serve_case(llm, prompts, params, loras) -> dict:
 
 
 def engine_cases(args) -> dict:
+    with tempfile.TemporaryDirectory(prefix="jpaged-lora-") as adapters:
+        return measure_engines(args, Path(adapters))
+
+
+def measure_engines(args, root: Path) -> dict:
     """Rows: the base model alone on an engine without LoRA (S-LoRA's baseline: no slots,
     no low-rank products, the KV pool the whole budget), the base model's requests on the
     LoRA engine, then each number of distinct adapters. The rows run in turn, `--rounds`
@@ -98,7 +103,6 @@ def engine_cases(args) -> dict:
     llm = LLM(args.model, enable_lora=True, max_loras=args.max_loras, max_lora_rank=args.rank,
               max_cpu_loras=max(args.adapters), **engine)
     config = llm.engine.model_config
-    root = Path(tempfile.mkdtemp())
     requests = [LoRARequest(f"adapter{i}", i + 1, str(write_adapter(root / str(i), config,
                                                                      args.rank, i)))
                 for i in range(max(args.adapters))]
