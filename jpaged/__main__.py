@@ -92,7 +92,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="keep the KV blocks of this system prompt, as the chat template "
                        "renders it (the text itself without a template), for every chat "
                        "request that opens with it; repeatable")
-    serve.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+    serve.add_argument("--lora-modules", nargs="+", type=_lora_module, default=[],
+                       metavar="NAME=PATH",
                        help="LoRA adapters to serve (with --enable-lora): requests name one "
                        "as their model; each NAME=PATH, or vLLM's JSON {\"name\": ..., "
                        "\"path\": ..., \"base_model_name\": ...}")
@@ -249,6 +250,16 @@ def _json_object(text: str) -> dict:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"a JSON object is needed, got {text!r}")
     return value
+
+
+def _lora_module(text: str):
+    """A --lora-modules entry, refused before the model loads (argparse names the flag)."""
+    from jpaged.entrypoints.lora import parse_lora_module
+
+    try:
+        return parse_lora_module(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 # Byte units --kv-cache-memory-bytes takes (vLLM's kinds: decimal and binary).
@@ -417,7 +428,6 @@ def _chat(llm: LLM, args: argparse.Namespace) -> None:
 
 def _serve(llm: LLM, args: argparse.Namespace) -> None:
     from jpaged.engine.mirror import RequestMirror, follow
-    from jpaged.entrypoints.lora import parse_lora_module
     from jpaged.entrypoints.server import (  # the HTTP stack loads only for this command
         reserve_system_prompts,
         serve,
@@ -441,7 +451,7 @@ def _serve(llm: LLM, args: argparse.Namespace) -> None:
           warmup=args.warmup, shutdown_timeout=args.shutdown_timeout,
           enable_prompt_tokens_details=args.enable_prompt_tokens_details,
           chat_template=template,
-          lora_modules=[parse_lora_module(text) for text in args.lora_modules],
+          lora_modules=args.lora_modules,
           runtime_lora_updating=args.enable_runtime_lora_updating,
           lora_allowed_dir=args.lora_allowed_dir)
 

@@ -34,22 +34,22 @@ class LoRAModule:
 
 
 def parse_lora_module(text: str) -> LoRAModule:
-    """`name=path`, or vLLM's JSON {"name": ..., "path": ..., "base_model_name": ...};
-    ValueError naming what is wrong."""
+    """A `--lora-modules` entry: `name=path`, or vLLM's JSON {"name": ..., "path": ...,
+    "base_model_name": ...}; ValueError naming what is wrong."""
     if text.lstrip().startswith("{"):
         try:
             fields = json.loads(text)
         except json.JSONDecodeError as error:
-            raise ValueError(f"--lora-modules {text!r} is not valid JSON ({error})") from None
+            raise ValueError(f"{text!r} is not valid JSON ({error})") from None
         unknown = set(fields) - {"name", "path", "base_model_name"}
         if unknown or not all(isinstance(fields.get(key), str) and fields[key]
                               for key in ("name", "path")):
-            raise ValueError(f"--lora-modules {text!r}: give a JSON object with strings "
+            raise ValueError(f"{text!r}: give a JSON object with strings "
                              "'name' and 'path' and optionally 'base_model_name'")
         return LoRAModule(fields["name"], fields["path"], fields.get("base_model_name"))
     name, sep, path = text.partition("=")
     if not sep or not name or not path:
-        raise ValueError(f"--lora-modules {text!r}: give name=path (or vLLM's JSON form)")
+        raise ValueError(f"{text!r}: give name=path (or vLLM's JSON form)")
     return LoRAModule(name, path)
 
 

@@ -17,6 +17,7 @@ import openai
 import pytest
 
 from jpaged import LLM, LoRARequest, SamplingParams
+from jpaged import __main__ as cli
 from jpaged.entrypoints.lora import LoRAModule, parse_lora_module
 from tests.lora.adapters import ATTENTION, ATTENTION_AND_MLP, save_adapter
 from tests.plugins.http_server import (
@@ -90,8 +91,18 @@ def test_lora_module_specs():
     assert parse_lora_module('{"name": "a", "path": "/x", "base_model_name": "b"}') == \
         LoRAModule("a", "/x", "b")
     for bad in ("a", "=/x", '{"name": "a"}', "{nope"):
-        with pytest.raises(ValueError, match="--lora-modules"):
+        with pytest.raises(ValueError, match=f"{bad!r}: give |{bad!r} is not valid JSON"):
             parse_lora_module(bad)
+
+
+def test_a_bad_module_spec_stops_the_command_line_before_the_model_loads(capsys, tmp_path):
+    """argparse refuses the entry (exit 2, naming the flag); a model that cannot load
+    shows that nothing was loaded first (that would end in exit 1)."""
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["serve", "--model", str(tmp_path / "no-model"), "--enable-lora",
+                  "--lora-modules", "alpha=/x", "beta"])
+    assert exit_.value.code == 2
+    assert "argument --lora-modules: 'beta': give name=path" in capsys.readouterr().err
 
 
 def test_modules_are_checked_before_serving(lora_offline, adapter_root):
