@@ -405,12 +405,20 @@ def _is_first_process(args: argparse.Namespace) -> bool:
     return jax.process_index() == 0
 
 
+def _needs_a_chat_template(args: argparse.Namespace) -> None:
+    """chat renders every turn: without --chat-template, a model without a template is
+    refused from its tokenizer alone, before its weights load."""
+    if _chat_template(args) is not None:
+        return
+    from jpaged.model.loader import read_tokenizer
+    from jpaged.model.tokenizer import NO_CHAT_TEMPLATE
+
+    if read_tokenizer(args.model).chat_template is None:
+        raise ValueError(f"{args.model}: {NO_CHAT_TEMPLATE}")
+
+
 def _chat(llm: LLM, args: argparse.Namespace) -> None:
     template = _chat_template(args)
-    if template is None and llm.get_tokenizer().chat_template is None:
-        from jpaged.model.tokenizer import NO_CHAT_TEMPLATE
-
-        raise ValueError(f"{args.model}: {NO_CHAT_TEMPLATE}")
     history = [{"role": "system", "content": args.system}] if args.system else []
     params = _sampling_params(args)
     while True:
@@ -457,6 +465,8 @@ def _serve(llm: LLM, args: argparse.Namespace) -> None:
 
 
 COMMANDS = {"generate": _generate, "chat": _chat, "serve": _serve}
+# What a command refuses from its flags and the model's files, before the weights load.
+CHECKS_BEFORE_LOADING = {"chat": _needs_a_chat_template}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -473,6 +483,8 @@ def main(argv: list[str] | None = None) -> int:
             from jpaged.launch import initialize
 
             initialize()
+        if check := CHECKS_BEFORE_LOADING.get(args.command):
+            check(args)
         llm = _llm(args)
         COMMANDS[args.command](llm, args)
     except KeyboardInterrupt:

@@ -63,11 +63,7 @@ def load_model(
     dtype: parameter and compute dtype, one of float32 (default), bfloat16, float16.
     """
     dtype = float_dtype(dtype)
-    if str(name_or_path) == DEFAULT_MODEL:
-        return load_hf_directory(default_model_directory(), dtype)
-    if str(name_or_path) == GEMMA3_MODEL:
-        return load_gguf(gemma3_gguf(), dtype)
-    path = Path(name_or_path)
+    path = model_path(name_or_path)
     if path.is_dir():
         return load_hf_directory(path, dtype)
     if path.is_file() and path.suffix == ".gguf":
@@ -79,16 +75,34 @@ def load_model(
     )
 
 
+def model_path(name_or_path: str | os.PathLike) -> Path:
+    """The directory or .gguf file that "smollm2", "gemma3" (fetched on first use) or a
+    path names."""
+    if str(name_or_path) == DEFAULT_MODEL:
+        return default_model_directory()
+    if str(name_or_path) == GEMMA3_MODEL:
+        return gemma3_gguf()
+    return Path(name_or_path)
+
+
 def read_model_config(name_or_path: str | os.PathLike) -> LlamaConfig:
     """The config of what `load_model` would load, without reading any weights."""
-    if str(name_or_path) == DEFAULT_MODEL:
-        return read_hf_config(default_model_directory())
-    path = gemma3_gguf() if str(name_or_path) == GEMMA3_MODEL else Path(name_or_path)
+    path = model_path(name_or_path)
     if path.is_dir():
         return read_hf_config(path)
     if path.is_file() and path.suffix == ".gguf":
         return llama_config(path, read_gguf(path)[0])
     return load_model(path)[1]  # the error load_model raises for it
+
+
+def read_tokenizer(name_or_path: str | os.PathLike) -> Tokenizer:
+    """The tokenizer of what `load_model` would load, without reading any weights."""
+    path = model_path(name_or_path)
+    if path.is_dir():
+        return _hf_tokenizer(path)
+    if path.is_file() and path.suffix == ".gguf":
+        return read_gguf(path)[2]
+    return load_model(path)[2]  # the error load_model raises for it
 
 
 def load_hf_directory(

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -99,6 +100,15 @@ def test_cli_chat_refuses_without_a_template_and_chats_with_one(
     assert capsys.readouterr().out.startswith("model> ")
     assert cli.main([*common, "--chat-template", str(tmp_path / "missing.jinja")]) == 1
     assert "missing.jinja: cannot read it" in capsys.readouterr().err
+
+
+def test_cli_chat_refuses_before_the_weights_load(tiny_llama_dir, tmp_path, capsys):
+    """The refusal comes from the tokenizer's files: a directory without weights, which
+    could not load, gets it rather than a load error."""
+    weightless = tmp_path / "weightless"
+    shutil.copytree(tiny_llama_dir, weightless, ignore=shutil.ignore_patterns("*.safetensors"))
+    assert cli.main(["chat", "--model", str(weightless)]) == 1
+    assert "has no chat template" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("command", "wrong", "right"), [
