@@ -1,8 +1,9 @@
-"""LoRA adapters under tensor parallelism, against one device: each device holds its
-shard of the low-rank factors (B's columns of q/k/v and gate/up, A's rows of o and
-down, as their kernels split), and a batch mixing two adapters and the base model gives
-the one-device engine's greedy tokens (itself checked against PEFT in tests/lora), up to
-near ties."""
+"""LoRA adapters under tensor and data parallelism, against one device: under tensor
+parallelism each device holds its shard of the low-rank factors (B's columns of q/k/v
+and gate/up, A's rows of o and down, as their kernels split); under data parallelism
+each replica loads the adapters its requests name into its own slots. A batch mixing two
+adapters and the base model gives the one-device engine's greedy tokens (itself checked
+against PEFT in tests/lora), up to near ties."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jpaged import LLM, LoRARequest, SamplingParams
+from jpaged.model.loader import read_model_config
 from jpaged.model.sharding import bytes_per_device
 from tests.lora.adapters import ATTENTION, ATTENTION_AND_MLP, save_adapter
 from tests.multidevice.test_tensor_parallel import ENGINE, near_ties_or_fail, prompts
@@ -27,26 +29,32 @@ def adapters(tiny_llama_dir, tmp_path_factory):
             for i, targets in enumerate([ATTENTION_AND_MLP, ATTENTION])]
 
 
-def _generate(llm: LLM, adapters: list[LoRARequest]):
-    """Two prompts under the two adapters, the first again under the base model."""
-    batch = prompts(llm.engine.model_config.vocab_size, lengths=(5, 11))
-    return llm.generate([*batch, batch[0]], GREEDY, lora_request=[*adapters, None])
+@pytest.fixture(scope="module")
+def batch(tiny_llama_dir):
+    """Two prompts for the two adapters, the first again for the base model."""
+    first, second = prompts(read_model_config(tiny_llama_dir).vocab_size, lengths=(5, 11))
+    return [first, second, first]
+
+
+def _generate(llm: LLM, batch: list, adapters: list[LoRARequest]):
+    return llm.generate(batch, GREEDY, lora_request=[*adapters, None])
 
 
 @pytest.fixture(scope="module")
-def one_device(tiny_llama_dir, adapters):
-    outputs = _generate(LLM(str(tiny_llama_dir), **LORA, **ENGINE), adapters)
+def one_device(tiny_llama_dir, batch, adapters):
+    outputs = _generate(LLM(str(tiny_llama_dir), **LORA, **ENGINE), batch, adapters)
     with_adapter, base = outputs[0].outputs[0], outputs[2].outputs[0]
     assert with_adapter.token_ids != base.token_ids, "the adapter changes nothing"
     return outputs
 
 
 @pytest.mark.parametrize("size", [2, 4])
-def test_tensor_parallel_adapters_match_one_device(size, tiny_llama_dir, adapters, one_device):
+def test_tensor_parallel_adapters_match_one_device(size, tiny_llama_dir, batch, adapters,
+                                                   one_device):
     """4 query and 2 KV heads: TP 2 splits the KV heads, TP 4 replicates each on two
     devices (B's k and v columns are repeated as the kernel's are)."""
     llm = LLM(str(tiny_llama_dir), tensor_parallel_size=size, **LORA, **ENGINE)
-    near_ties = near_ties_or_fail(one_device, _generate(llm, adapters))
+    near_ties = near_ties_or_fail(one_device, _generate(llm, batch, adapters))
     print(f"TP={size} llama with adapters: {near_ties} near-tie steps")
 
     layer = llm.engine.runner.params["layers"]
@@ -55,3 +63,19 @@ def test_tensor_parallel_adapters_match_one_device(size, tiny_llama_dir, adapter
     assert qkv_b.sharding.spec == P(None, None, None, "model")
     assert o_a.sharding.spec == P(None, None, "model", None)
     assert bytes_per_device(o_a) * size == o_a.nbytes
+
+
+def test_data_parallel_replicas_load_their_requests_adapters(tiny_llama_dir, batch, adapters,
+                                                           one_device):
+    """Two replicas share out the batch: each loads the adapters of the requests it
+    runs, and unloading reaches every replica."""
+    llm = LLM(str(tiny_llama_dir), data_parallel_size=2, **LORA, **ENGINE)
+    near_ties = near_ties_or_fail(one_device, _generate(llm, batch, adapters))
+    print(f"DP=2 llama with adapters: {near_ties} near-tie steps")
+    loads = [replica.adapters.num_loads for replica in llm.engine.replicas]
+    assert all(loads) and sum(loads) == len(adapters)
+    assert llm.engine.remove_lora(adapters[0].lora_name)
+    held = [adapter.name for replica in llm.engine.replicas
+            for adapter in [*replica.adapters.host_adapters, *replica.adapters.slot_adapters]
+            if adapter is not None]
+    assert adapters[0].lora_name not in held and adapters[1].lora_name in held
