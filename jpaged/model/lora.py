@@ -65,6 +65,13 @@ def adapter_state_bytes(model: LlamaForCausalLM) -> int:
     return sum(bytes_per_device(leaf) for leaf in jax.tree.leaves(nnx.state(model, LoRAWeight)))
 
 
+def compile_slot_write(slots: jax.Array) -> None:
+    """Compile the write of one adapter factor into `slots` (an adapter slot leaf), so an
+    adapter's first load compiles nothing while serving (warm-up)."""
+    factor = np.zeros((slots.shape[0], *slots.shape[2:]), np.float32)
+    _write.lower(slots, factor, np.int32(0)).compile()
+
+
 @functools.partial(jax.jit, donate_argnums=0)
 def _write(slots: jax.Array, factor: jax.Array, index: jax.Array) -> jax.Array:
     """slots [L, S, ...], factor [L, ...], index int32 scalar -> slots with row `index` of

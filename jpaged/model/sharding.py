@@ -96,23 +96,26 @@ def tensor_parallel_config(config: LlamaConfig, size: int) -> LlamaConfig:
                                shard_groups=size)
 
 
-def _regroup(columns: jax.Array, piece_heads: list[int], head_dim: int, repeats: list[int],
-             groups: int) -> jax.Array:
+def _regroup(columns: jax.Array | np.ndarray, piece_heads: list[int], head_dim: int,
+             repeats: list[int], groups: int) -> jax.Array | np.ndarray:
     """columns [..., W]: pieces of piece_heads[i] heads of head_dim columns side by side
     -> [..., W'] with each head of piece i repeated repeats[i] times, laid out as
-    `groups` groups, each holding its slice of every piece in turn."""
+    `groups` groups, each holding its slice of every piece in turn. A numpy array (an
+    adapter's factors, read on the host) stays one: jnp would compile each op per shape."""
+    xp = np if isinstance(columns, np.ndarray) else jnp
     lead = columns.shape[:-1]
     splits = np.cumsum([heads * head_dim for heads in piece_heads])[:-1]
     pieces = [
-        jnp.repeat(piece.reshape(*lead, heads, head_dim), repeat, axis=-2)
+        xp.repeat(piece.reshape(*lead, heads, head_dim), repeat, axis=-2)
         .reshape(*lead, groups, -1, head_dim)
-        for piece, heads, repeat in zip(jnp.split(columns, splits, axis=-1), piece_heads,
+        for piece, heads, repeat in zip(xp.split(columns, splits, axis=-1), piece_heads,
                                         repeats, strict=True)
     ]
-    return jnp.concatenate(pieces, axis=-2).reshape(*lead, -1)
+    return xp.concatenate(pieces, axis=-2).reshape(*lead, -1)
 
 
-def _regrouped(path: tuple, value: jax.Array, config: LlamaConfig, size: int) -> jax.Array:
+def _regrouped(path: tuple, value: jax.Array | np.ndarray, config: LlamaConfig, size: int
+               ) -> jax.Array | np.ndarray:
     """A parameter of the single-device layout (shard_groups 1) in the layout of
     `tensor_parallel_config(config, size)`."""
     if path[-1] not in _COLUMNS:
@@ -244,6 +247,5 @@ def regroup_adapter(factors: dict[str, tuple[np.ndarray, np.ndarray]], config: L
     """An adapter's factors (jpaged.lora.peft's layout for `config`, one device) in the
     layout of `tensor_parallel_config(config, size)`: B's columns regrouped as the
     kernel's are."""
-    return {projection: (a, np.asarray(_regrouped((*projection.split("."), "lora_b"), b,
-                                                  config, size)))
+    return {projection: (a, _regrouped((*projection.split("."), "lora_b"), b, config, size))
             for projection, (a, b) in factors.items()}

@@ -32,7 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import kernels_pallas
 from jpaged._deprecation import moved_names
@@ -51,9 +52,14 @@ from jpaged.model.llama import (
     init_kv_cache,
     split_layer_kernels,
 )
-from jpaged.model.lora import slot_paths, write_slot
+from jpaged.model.lora import compile_slot_write, slot_paths, write_slot
 from jpaged.model.sampler import SamplerOutput, SamplingTensors, logprob_outputs, sample
-from jpaged.model.sharding import kv_cache_sharding, shard_attention, shard_write_kv
+from jpaged.model.sharding import (
+    kv_cache_sharding,
+    place_array,
+    shard_attention,
+    shard_write_kv,
+)
 from jpaged.model.verification import verify
 from jpaged.worker.decode_loop import LoopInput, LoopOutput, decode_loop
 from jpaged.worker.host_kv import HostKV
@@ -379,6 +385,12 @@ class ModelRunner:
         if loads:
             self.params = jax.tree.unflatten(self._params_def, self._param_leaves)
 
+    def slot_write_compiles(self) -> list[Callable[[], None]]:
+        """Compile jobs of `load_adapters`' writes, one per adapter slot leaf (none
+        without adapter slots)."""
+        return [functools.partial(compile_slot_write, self._param_leaves[index])
+                for index in self._adapter_leaves.values()]
+
     def with_adapter_slots(self, metadata: AttentionMetadata,
                            adapter_slots: np.ndarray | None) -> AttentionMetadata:
         """`metadata` with each token's adapter slot (int32 [T]; None: the base model's)
@@ -416,9 +428,17 @@ class ModelRunner:
         self.check_metadata(metadata)
         step = self.functions.step(decode_only)
         last_hidden, hidden, self.kv_cache = step(
-            self._param_leaves, input_ids, self.kv_cache, metadata
+            self._param_leaves, self.on_device(input_ids), self.kv_cache, metadata
         )
         return last_hidden, hidden
+
+    def on_device(self, value: np.ndarray | jax.Array) -> jax.Array:
+        """`value` laid out as the step's arrays on the device are (its outputs, and the
+        input ids async scheduling feeds it): replicated over the mesh, if any. jit
+        compiles per input layout, so host inputs and warm-up's zeros take this one."""
+        if self.mesh is None:
+            return jnp.asarray(value)
+        return place_array(value, NamedSharding(self.mesh, P()))
 
     def logits(self, last_hidden: jax.Array, num_rows: int) -> jax.Array:
         """Final-normed hidden states [B, hidden] -> logits f32 [num_rows, vocab] of the
@@ -518,7 +538,8 @@ class ModelRunner:
         `LLMEngine.warmup` compiles shapes with it in threads, filling jit's cache)."""
         step = self.functions.step(decode_only)
         input_ids, metadata = self._padding_inputs(num_tokens, num_seqs, num_blocks)
-        return step.lower(self._param_leaves, input_ids, self.kv_cache, metadata).compile()
+        return step.lower(self._param_leaves, self.on_device(input_ids), self.kv_cache,
+                          metadata).compile()
 
     def _padding_inputs(
         self, num_tokens: int, num_seqs: int, num_blocks: int

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-import jax.numpy as jnp
 import numpy as np
 
 from jpaged.core.step_shapes import StepShapes
@@ -51,12 +50,14 @@ def step_calls(runner: ModelRunner, shapes: StepShapes, vocab_size: int, num_top
     its logits, the sampler's four variants (greedy or drawing, with or without the
     dense inputs of penalties, logit bias and min_tokens) for every row count (with
     speculative decoding, those that verify proposals too; each serves rows with and
-    without token masks), and the prompt log-probabilities."""
+    without token masks), and the prompt log-probabilities; and the writes that load
+    LoRA adapters into its slots."""
     step_shapes = shapes.warmup_shapes()
     row_counts = sorted({s for _, s, _, decode_only in step_shapes if decode_only})
     compiles = [partial(runner.compile_step, *shape) for shape in step_shapes]
     compiles += _sampling_jobs(runner, shapes, row_counts, vocab_size,
                                runner.config.hidden_size, num_top)
+    compiles += runner.slot_write_compiles()
     return WarmupCalls(compiles, [partial(runner.run_padding_step, *shape)
                                   for shape in step_shapes])
 
@@ -71,8 +72,8 @@ def _feed_jobs(runner: ModelRunner, shapes: StepShapes,
     """`feed_tokens` for every step's token count and every sampler row count."""
     token_counts = {num_tokens for num_tokens, _, _, _ in step_shapes}
     row_counts = {shapes.sampler_rows(n) for n in range(1, shapes.max_rows + 1)}
-    return [partial(runner.feed_tokens, np.zeros(tokens, np.int32), jnp.zeros(rows, jnp.int32),
-                    np.zeros(tokens, np.int32))
+    return [partial(runner.feed_tokens, np.zeros(tokens, np.int32),
+                    runner.on_device(np.zeros((rows,), np.int32)), np.zeros(tokens, np.int32))
             for tokens in token_counts for rows in row_counts]
 
 
@@ -82,16 +83,20 @@ def _sampling_jobs(runner: ModelRunner, shapes: StepShapes, row_counts: list[int
     """Calls that compile what follows a step of each row count: its logits, the
     gathers of its rows for the sampler, the sampler's variants for each padded
     row count (with speculative decoding, those that verify proposals too), and the
-    prompt log-probabilities. Each runs on its
-    own zeros."""
+    prompt log-probabilities. Each runs on its own zeros, laid out as a step's outputs
+    are."""
     dtype = runner.hidden_dtype
+
+    def zeros(shape: tuple[int, ...], dtype) -> Any:
+        return runner.on_device(np.zeros(shape, dtype))
+
     mixed_rows = shapes.buckets.mixed_num_seqs
     calls = []
     for num_rows in row_counts:
         if mixed_rows >= num_rows:  # a mixed step's logits of its rows in use
-            calls.append(partial(runner.logits, jnp.zeros((mixed_rows, hidden_size), dtype),
+            calls.append(partial(runner.logits, zeros((mixed_rows, hidden_size), dtype),
                                  num_rows))
-        calls += [partial(runner.gather_rows, jnp.zeros((num_rows, vocab_size), jnp.float32),
+        calls += [partial(runner.gather_rows, zeros((num_rows, vocab_size), np.float32),
                           np.zeros(padded, np.int32))
                   for padded in {shapes.sampler_rows(n) for n in range(1, num_rows + 1)}]
     variants = [SamplingRow.greedy(position=0, temperature=temperature, **penalty)
@@ -102,10 +107,10 @@ def _sampling_jobs(runner: ModelRunner, shapes: StepShapes, row_counts: list[int
         variants += [dataclasses.replace(variant, proposal=0) for variant in variants]
     max_draws = row_counts[-1] * (1 + k)
     for padded in {shapes.sampler_rows(n) for n in range(1, max_draws + 1)}:
-        logits = jnp.zeros((padded, vocab_size), jnp.float32)
+        logits = zeros((padded, vocab_size), np.float32)
         calls += [partial(runner.sample, logits, np.zeros(padded, np.int32),
                           sampling_tensors([variant], padded, vocab_size), num_top)
                   for variant in variants]
-    calls.append(partial(runner.token_logprobs, jnp.zeros((1, hidden_size), dtype),
+    calls.append(partial(runner.token_logprobs, zeros((1, hidden_size), dtype),
                          np.zeros(1, np.int32), num_top))
     return calls

@@ -7,6 +7,7 @@ PEFT's greedy tokens here.
   the beams are PEFT's own `generate(num_beams=...)`.
 - async scheduling: steps fed the previous step's tokens on the device.
 - n-gram speculation: proposals verified with the request's adapter.
+- warm-up: compiles the slot writes too, so serving adapters compiles nothing.
 - an int8 KV cache: against an int8 engine without LoRA serving the model with the
   adapter merged into its weights (PEFT's merge_and_unload), up to near ties.
 """
@@ -15,10 +16,12 @@ from __future__ import annotations
 
 import shutil
 
+import jax
 import numpy as np
 import pytest
 
 from jpaged import LLM, LoRARequest, SamplingParams
+from jpaged.engine.stats import num_compilations
 from jpaged.sampling_params import BeamSearchParams
 from tests.engine.test_beam_search import _compare
 from tests.lora.adapters import ATTENTION, ATTENTION_AND_MLP, greedy, peft_model, save_adapter
@@ -77,6 +80,21 @@ def test_async_scheduling(tiny_llama_dir, adapters, plain):
     llm = LLM(str(tiny_llama_dir), async_scheduling=True, **LORA, **ENGINE)
     prompts, loras = batch(adapters)
     assert tokens(llm.generate(prompts, GREEDY, lora_request=loras)) == plain
+
+
+def test_warmup_leaves_nothing_to_compile(tiny_llama_dir, adapters, plain,
+                                          no_compilation_cache):
+    """warmup() compiles the slot writes beside the step shapes: loading both adapters
+    and serving them compiles nothing."""
+    jax.clear_caches()  # the slot writes are one jit, which other engines here compiled
+    llm = LLM(str(tiny_llama_dir), **LORA, **ENGINE)
+    llm.engine.warmup()
+    assert jax.config.jax_compilation_cache_dir is None  # a hit would not count as a compile
+    before = num_compilations()
+    prompts, loras = batch(adapters)
+    assert tokens(llm.generate(prompts, GREEDY, lora_request=loras)) == plain
+    assert llm.engine.adapters.num_loads == len(adapters)
+    assert num_compilations() - before == 0
 
 
 def test_ngram_speculation(tiny_llama_dir, adapters, plain):

@@ -7,10 +7,12 @@ against PEFT in tests/lora), up to near ties."""
 
 from __future__ import annotations
 
+import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
 from jpaged import LLM, LoRARequest, SamplingParams
+from jpaged.engine.stats import num_compilations
 from jpaged.model.loader import read_model_config
 from jpaged.model.sharding import bytes_per_device
 from tests.lora.adapters import ATTENTION, ATTENTION_AND_MLP, save_adapter
@@ -79,3 +81,18 @@ def test_data_parallel_replicas_load_their_requests_adapters(tiny_llama_dir, bat
             for adapter in [*replica.adapters.host_adapters, *replica.adapters.slot_adapters]
             if adapter is not None]
     assert adapters[0].lora_name not in held and adapters[1].lora_name in held
+
+
+def test_warmup_leaves_nothing_to_compile(tiny_llama_dir, batch, adapters, one_device,
+                                          no_compilation_cache):
+    """TP 2 with async scheduling: warm-up compiles the steps for the input ids the
+    sampler feeds them, what follows a step for the mesh's layout, and the slot writes;
+    the adapters' factors are regrouped on the host. Serving then compiles nothing."""
+    jax.clear_caches()  # the slot writes are one jit, which other engines here compiled
+    llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, async_scheduling=True, **LORA,
+              **ENGINE)
+    llm.engine.warmup()
+    assert jax.config.jax_compilation_cache_dir is None  # a hit would not count as a compile
+    before = num_compilations()
+    near_ties_or_fail(one_device, _generate(llm, batch, adapters))
+    assert num_compilations() - before == 0

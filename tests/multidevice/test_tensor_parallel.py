@@ -366,6 +366,7 @@ def test_data_parallel_warmup_leaves_nothing_to_compile(two_by_two, loaded_model
                                                        no_compilation_cache):
     """warmup() compiles each replica's step shapes (for its own devices): serving then
     compiles nothing."""
+    jax.clear_caches()  # the replicas served other tests: their steps are compiled already
     engine = two_by_two.engine
     assert jax.config.jax_compilation_cache_dir is None  # a hit would not count as a compile
     num_shapes = engine.warmup()
