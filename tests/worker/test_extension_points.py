@@ -182,8 +182,10 @@ def test_warmup_leaves_nothing_to_compile_for_masked_sampling(no_compilation_cac
     allowed = np.arange(VOCAB_SIZE) % 3 == 0
 
     def sample_masked(num_draws: int, verifying: bool) -> None:
-        """The draws of a step of the largest row bucket (its logits' gathers are warm)."""
-        logits = jnp.zeros((shapes.max_rows, VOCAB_SIZE), jnp.float32)
+        """The draws of a step of the largest row bucket (its logits' gathers are warm),
+        on logits laid out as a step's are (zeros made with jnp would compile their own
+        fill)."""
+        logits = runner.on_device(np.zeros((shapes.max_rows, VOCAB_SIZE), np.float32))
         padded = shapes.sampler_rows(num_draws)
         for variant in _masked_variants(allowed, verifying):
             tensors = sampling_tensors([variant] * num_draws, padded, VOCAB_SIZE)
