@@ -53,10 +53,16 @@ def test_block_manager_state_machine_with_a_host_tier():
 
 @pytest.mark.full
 def test_block_manager_state_machine_with_a_host_tier_long_runs():
+    """Rounds of 200 examples until one loads a block from the tier: a round misses it
+    about one time in six (its random rules seldom meet a prefix the device had to give
+    up), so five misses in a row say the tier cannot be reached."""
     HostTierMachine.loaded_blocks = 0
-    run_state_machine_as_test(
-        HostTierMachine, settings=settings(max_examples=200, stateful_step_count=200,
-                                           deadline=None))
+    for _ in range(5):
+        run_state_machine_as_test(
+            HostTierMachine, settings=settings(max_examples=200, stateful_step_count=200,
+                                               deadline=None))
+        if HostTierMachine.loaded_blocks:
+            break
     assert HostTierMachine.loaded_blocks > 0, "no run loaded a block from the tier"
 
 
