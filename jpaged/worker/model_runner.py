@@ -303,6 +303,7 @@ class ModelRunner:
         self.hidden_dtype = model.embed_tokens.embedding.get_value().dtype
         self.groups = groups or KVCacheGroups.of(config.layer_windows, free_windows=False)
         self.mesh = mesh
+        self._replicated = None if mesh is None else NamedSharding(mesh, P())
         self.block_size = block_size
         self.attention_backend = attention_backend or device_attention_backend()
         # A sharded model keeps its stacked kernels: under lax.switch each of the
@@ -436,9 +437,9 @@ class ModelRunner:
         """`value` laid out as the step's arrays on the device are (its outputs, and the
         input ids async scheduling feeds it): replicated over the mesh, if any. jit
         compiles per input layout, so host inputs and warm-up's zeros take this one."""
-        if self.mesh is None:
+        if self._replicated is None:
             return jnp.asarray(value)
-        return place_array(value, NamedSharding(self.mesh, P()))
+        return place_array(value, self._replicated)
 
     def logits(self, last_hidden: jax.Array, num_rows: int) -> jax.Array:
         """Final-normed hidden states [B, hidden] -> logits f32 [num_rows, vocab] of the
